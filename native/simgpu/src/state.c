@@ -1,0 +1,414 @@
+/* Node-wide state: attach, per-process slots with OFD-lock liveness, memory, timeline, faults. */
+#include "state.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Process-local attachment. One per process by nature (the node is process-wide); reset in a
+ * forked child so the child registers as a process of its own. */
+static struct {
+    pthread_mutex_t mu;
+    struct simgpu_node *node;
+    int fd;
+    int slot;
+    pid_t pid;
+    int failed;
+    char error[256];
+} g_att = {PTHREAD_MUTEX_INITIALIZER, NULL, -1, -1, 0, 0, ""};
+
+static _Thread_local char t_error[256];
+
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+
+static void att_child_reset(void) {
+    /* The child shares the parent's open file description (and so its liveness lock): drop
+     * our copy and register afresh on next use. The mapping stays valid; we remap anyway. */
+    if (g_att.node) munmap(g_att.node, g_att.node->file_size);
+    if (g_att.fd >= 0) close(g_att.fd);
+    pthread_mutex_init(&g_att.mu, NULL);
+    g_att.node = NULL;
+    g_att.fd = -1;
+    g_att.slot = -1;
+    g_att.pid = 0;
+    g_att.failed = 0;
+}
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, att_child_reset); }
+
+void simgpu_set_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t_error, sizeof t_error, fmt, ap);
+    va_end(ap);
+}
+
+const char *simgpu_state_error(void) { return t_error[0] ? t_error : g_att.error; }
+
+static int ofd_lock(int fd, uint64_t off, int type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = (short)type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)off;
+    fl.l_len = 1;
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+static uint64_t proc_start_time(void) {
+    /* Field 22 (starttime) of /proc/self/stat; the command name may hold spaces, so parse
+     * after the last ')'. */
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    if (!p) return 0;
+    unsigned long long v = 0;
+    /* after ')': state(3) ppid(4) ... starttime(22) -> skip 19 fields */
+    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu", &v) != 1)
+        return 0;
+    return v;
+}
+
+/* Map and validate the node file. Returns the mapping or NULL (error set). */
+struct simgpu_node *simgpu_map(const char *dir, int *fd_out) {
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/%s", dir, SIMGPU_STATE_FILE) >= (int)sizeof path) {
+        simgpu_set_error("state dir path too long: %s", dir);
+        return NULL;
+    }
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        simgpu_set_error("cannot open %s: %s (create a node with `python -m vgpu_plugin.simgpu create`)",
+                  path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < sizeof(struct simgpu_node)) {
+        simgpu_set_error("%s is not a simgpu node: %lld bytes, expected at least %zu", path,
+                  (long long)st.st_size, sizeof(struct simgpu_node));
+        close(fd);
+        return NULL;
+    }
+    struct simgpu_node *node = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (node == MAP_FAILED) {
+        simgpu_set_error("cannot map %s: %s", path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    if (node->magic != SIMGPU_STATE_MAGIC || node->version != SIMGPU_STATE_VERSION ||
+        node->file_size != (uint64_t)st.st_size || node->gpu_count > SIMGPU_MAX_GPUS) {
+        simgpu_set_error("%s is not a simgpu node of layout version %u (magic/version/size mismatch)", path,
+                  SIMGPU_STATE_VERSION);
+        munmap(node, (size_t)st.st_size);
+        close(fd);
+        return NULL;
+    }
+    *fd_out = fd;
+    return node;
+}
+
+void simgpu_lock(struct simgpu_node *node) {
+    int rc = pthread_mutex_lock(&node->lock);
+    if (rc == EOWNERDEAD) {
+        /* A process died inside a critical section. Every section leaves the state usable at
+         * each store, so carrying on is safe; mark the mutex consistent again. */
+        pthread_mutex_consistent(&node->lock);
+    }
+}
+
+void simgpu_unlock(struct simgpu_node *node) { pthread_mutex_unlock(&node->lock); }
+
+int simgpu_reap_locked(struct simgpu_node *node, int fd, int self_slot) {
+    int freed = 0;
+    if (fd < 0) return 0;
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        struct simgpu_proc_shared *p = &node->procs[i];
+        if (atomic_load(&p->state) != SIMGPU_SLOT_LIVE || i == self_slot) continue;
+        /* A live process holds a write lock on its byte through its own open file description;
+         * if ours gets it, the owner is gone. */
+        if (ofd_lock(fd, node->lock_base + (uint64_t)i, F_WRLCK) != 0) continue;
+        for (uint32_t g = 0; g < node->gpu_count; g++) {
+            uint64_t u = p->used[g];
+            node->gpus[g].used = node->gpus[g].used >= u ? node->gpus[g].used - u : 0;
+            p->used[g] = 0;
+            p->contexts[g] = 0;
+        }
+        p->pid = 0;
+        p->start_time = 0;
+        atomic_store(&p->state, SIMGPU_SLOT_FREE);
+        ofd_lock(fd, node->lock_base + (uint64_t)i, F_UNLCK);
+        freed++;
+    }
+    return freed;
+}
+
+static int register_self(struct simgpu_node *node, int fd) {
+    simgpu_lock(node);
+    simgpu_reap_locked(node, g_att.fd, g_att.slot);
+    int slot = -1;
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        uint32_t expect = SIMGPU_SLOT_FREE;
+        if (atomic_compare_exchange_strong(&node->procs[i].state, &expect, SIMGPU_SLOT_CLAIMED)) {
+            slot = i;
+            break;
+        }
+    }
+    if (slot < 0) {
+        simgpu_unlock(node);
+        simgpu_set_error("all %d process slots of the simulated node are in use", SIMGPU_MAX_PROCS);
+        return -1;
+    }
+    if (ofd_lock(fd, node->lock_base + (uint64_t)slot, F_WRLCK) != 0) {
+        atomic_store(&node->procs[slot].state, SIMGPU_SLOT_FREE);
+        simgpu_unlock(node);
+        simgpu_set_error("cannot lock process slot %d: %s", slot, strerror(errno));
+        return -1;
+    }
+    struct simgpu_proc_shared *p = &node->procs[slot];
+    memset(p->used, 0, sizeof p->used);
+    memset(p->contexts, 0, sizeof p->contexts);
+    p->pid = (int32_t)getpid();
+    p->start_time = proc_start_time();
+    atomic_store(&p->state, SIMGPU_SLOT_LIVE);
+    simgpu_unlock(node);
+    return slot;
+}
+
+struct simgpu_node *simgpu_node(void) {
+    pthread_once(&g_atfork_once, register_atfork);
+    struct simgpu_node *n = __atomic_load_n(&g_att.node, __ATOMIC_ACQUIRE);
+    if (n) return n;
+    pthread_mutex_lock(&g_att.mu);
+    if (!g_att.node && !g_att.failed) {
+        const char *dir = getenv("SIMGPU_STATE");
+        int fd = -1;
+        struct simgpu_node *node = NULL;
+        if (!dir || !*dir) {
+            simgpu_set_error("SIMGPU_STATE is not set: no simulated node to attach to");
+        } else {
+            node = simgpu_map(dir, &fd);
+        }
+        if (node) {
+            g_att.fd = fd;
+            int slot = register_self(node, fd);
+            if (slot < 0) {
+                munmap(node, node->file_size);
+                close(fd);
+                g_att.fd = -1;
+                node = NULL;
+            } else {
+                g_att.slot = slot;
+                g_att.pid = getpid();
+                __atomic_store_n(&g_att.node, node, __ATOMIC_RELEASE);
+            }
+        }
+        if (!node) {
+            g_att.failed = 1;
+            snprintf(g_att.error, sizeof g_att.error, "%s", t_error);
+            if (getenv("SIMGPU_QUIET") == NULL) fprintf(stderr, "[simgpu] %s\n", g_att.error);
+        }
+    }
+    n = g_att.node;
+    pthread_mutex_unlock(&g_att.mu);
+    return n;
+}
+
+int simgpu_self_slot(void) { return simgpu_node() ? g_att.slot : -1; }
+
+/* --- memory ------------------------------------------------------------------------------ */
+
+int simgpu_mem_charge(uint32_t gpu, uint64_t bytes) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return -1;
+    simgpu_lock(node);
+    struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    if (g->cfg.total_memory - g->used < bytes) {
+        simgpu_reap_locked(node, g_att.fd, g_att.slot);
+    }
+    int rc = -1;
+    if (g->used <= g->cfg.total_memory && g->cfg.total_memory - g->used >= bytes) {
+        g->used += bytes;
+        node->procs[g_att.slot].used[gpu] += bytes;
+        rc = 0;
+    }
+    simgpu_unlock(node);
+    return rc;
+}
+
+void simgpu_mem_uncharge(uint32_t gpu, uint64_t bytes) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return;
+    simgpu_lock(node);
+    struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    uint64_t *mine = &node->procs[g_att.slot].used[gpu];
+    uint64_t b = bytes <= *mine ? bytes : *mine;
+    *mine -= b;
+    g->used = g->used >= b ? g->used - b : 0;
+    simgpu_unlock(node);
+}
+
+int simgpu_context_add(uint32_t gpu) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return -1;
+    if (simgpu_mem_charge(gpu, node->gpus[gpu].cfg.context_overhead) != 0) return -1;
+    simgpu_lock(node);
+    node->procs[g_att.slot].contexts[gpu]++;
+    simgpu_unlock(node);
+    return 0;
+}
+
+void simgpu_context_remove(uint32_t gpu) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return;
+    simgpu_lock(node);
+    if (node->procs[g_att.slot].contexts[gpu] > 0) node->procs[g_att.slot].contexts[gpu]--;
+    simgpu_unlock(node);
+    simgpu_mem_uncharge(gpu, node->gpus[gpu].cfg.context_overhead);
+}
+
+void simgpu_mem_info(uint32_t gpu, uint64_t *free_bytes, uint64_t *total_bytes) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) {
+        *free_bytes = *total_bytes = 0;
+        return;
+    }
+    simgpu_lock(node);
+    simgpu_reap_locked(node, g_att.fd, g_att.slot);
+    uint64_t total = node->gpus[gpu].cfg.total_memory, used = node->gpus[gpu].used;
+    simgpu_unlock(node);
+    *total_bytes = total;
+    *free_bytes = used < total ? total - used : 0;
+}
+
+/* --- timeline ---------------------------------------------------------------------------- */
+
+uint64_t simgpu_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void simgpu_sleep_until(uint64_t t_ns) {
+    struct timespec ts = {(time_t)(t_ns / 1000000000ull), (long)(t_ns % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+    }
+}
+
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t ready_ns, uint64_t duration_ns) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return ready_ns;
+    simgpu_lock(node);
+    struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    uint64_t start = ready_ns > g->timeline_end_ns ? ready_ns : g->timeline_end_ns;
+    uint64_t end = start + duration_ns;
+    g->timeline_end_ns = end;
+    if (duration_ns > 0) {
+        struct simgpu_busy_span *last =
+            g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
+        if (last && last->end_ns == start) {
+            last->end_ns = end; /* back-to-back work: one span keeps the ring short */
+        } else {
+            struct simgpu_busy_span *s = &g->busy[g->busy_count % SIMGPU_BUSY_RING];
+            s->start_ns = start;
+            s->end_ns = end;
+            g->busy_count++;
+        }
+    }
+    simgpu_unlock(node);
+    return end;
+}
+
+uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns) {
+    if (window_ns == 0) return 0;
+    uint64_t from = now > window_ns ? now - window_ns : 0;
+    uint64_t busy = 0;
+    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
+    for (uint64_t k = 0; k < n; k++) {
+        const struct simgpu_busy_span *s = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
+        if (s->end_ns <= from) break; /* spans are recorded in time order */
+        uint64_t a = s->start_ns > from ? s->start_ns : from;
+        uint64_t b = s->end_ns < now ? s->end_ns : now;
+        if (b > a) busy += b - a;
+    }
+    uint64_t pct = (busy * 100 + window_ns / 2) / window_ns;
+    return pct > 100 ? 100 : (uint32_t)pct;
+}
+
+uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    simgpu_lock(node);
+    uint32_t pct = simgpu_busy_percent_locked(&node->gpus[gpu], simgpu_now_ns(), window_ns);
+    simgpu_unlock(node);
+    return pct;
+}
+
+/* --- faults ------------------------------------------------------------------------------ */
+
+int simgpu_gpu_lost(uint32_t gpu) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    return atomic_load(&node->gpus[gpu].lost) != 0;
+}
+
+uint64_t simgpu_xid_count(uint32_t gpu) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    return atomic_load_explicit(&node->gpus[gpu].xid_count, memory_order_acquire);
+}
+
+int simgpu_xid_get(uint32_t gpu, uint64_t seq, struct simgpu_xid_record *out) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return -1;
+    struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    uint64_t count = atomic_load_explicit(&g->xid_count, memory_order_acquire);
+    if (seq >= count || count - seq > SIMGPU_XID_RING) return -1;
+    *out = g->xid_ring[seq % SIMGPU_XID_RING];
+    return 0;
+}
+
+/* --- visibility -------------------------------------------------------------------------- */
+
+uint32_t simgpu_visible_gpus(uint32_t map[SIMGPU_MAX_GPUS]) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node) return 0;
+    const char *env = getenv("NVIDIA_VISIBLE_DEVICES");
+    uint32_t n = 0;
+    if (!env || !*env || strcmp(env, "all") == 0) {
+        for (uint32_t g = 0; g < node->gpu_count; g++) map[n++] = g;
+        return n;
+    }
+    if (strcmp(env, "none") == 0 || strcmp(env, "void") == 0) return 0;
+    /* The runtime exposes the listed GPUs; inside the container they enumerate in physical
+     * order, whatever order the list used. */
+    int want[SIMGPU_MAX_GPUS] = {0};
+    char buf[2048];
+    snprintf(buf, sizeof buf, "%s", env);
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ') tok++;
+        char *endp = NULL;
+        unsigned long idx = strtoul(tok, &endp, 10);
+        if (endp != tok && *endp == 0) {
+            if (idx < node->gpu_count) want[idx] = 1;
+            continue;
+        }
+        for (uint32_t g = 0; g < node->gpu_count; g++)
+            if (strcmp(node->gpus[g].cfg.uuid, tok) == 0) want[g] = 1;
+    }
+    for (uint32_t g = 0; g < node->gpu_count; g++)
+        if (want[g]) map[n++] = g;
+    return n;
+}

@@ -1,0 +1,129 @@
+/* Node-wide simulated GPU state, shared by every process that uses the same SIMGPU_STATE dir.
+ *
+ * One file, <dir>/node.simgpu, mmapped MAP_SHARED by every process of the node (the CUDA and
+ * NVML fronts and the control API). Dynamic fields change under one robust, process-shared
+ * mutex: a process killed while holding it cannot wedge the node (the next locker recovers).
+ * Each process that attaches owns a slot, kept alive by an OFD byte lock on the file; a slot
+ * whose lock can be taken belongs to a dead process and its memory is reclaimed, as the real
+ * driver frees a dead process's memory.
+ */
+#ifndef SIMGPU_STATE_H
+#define SIMGPU_STATE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "simgpu/control.h"
+
+#define SIMGPU_STATE_FILE "node.simgpu"
+#define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
+#define SIMGPU_STATE_VERSION 1u
+#define SIMGPU_BUSY_RING 2048
+#define SIMGPU_XID_RING 64
+
+enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
+
+struct simgpu_busy_span {
+    uint64_t start_ns;
+    uint64_t end_ns;
+};
+
+struct simgpu_xid_record {
+    uint64_t xid;
+    uint64_t time_ns;
+};
+
+struct simgpu_gpu_shared {
+    struct simgpu_gpu_config cfg;
+    uint64_t used;            /* bytes, node lock */
+    uint64_t timeline_end_ns; /* node lock */
+    uint64_t busy_count;      /* spans ever recorded; ring slot = count % RING; node lock */
+    struct simgpu_busy_span busy[SIMGPU_BUSY_RING];
+    _Atomic int32_t lost;
+    /* XID ring: the record is written before xid_count is bumped (release), so a reader that
+     * sees count n can read records n-RING..n-1. */
+    _Atomic uint64_t xid_count;
+    struct simgpu_xid_record xid_ring[SIMGPU_XID_RING];
+};
+
+struct simgpu_proc_shared {
+    _Atomic uint32_t state;
+    int32_t pid;
+    uint64_t start_time; /* field 22 of /proc/self/stat: tells pid reuse apart */
+    uint64_t used[SIMGPU_MAX_GPUS];
+    uint32_t contexts[SIMGPU_MAX_GPUS];
+};
+
+struct simgpu_node {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t gpu_count;
+    uint64_t file_size;
+    uint64_t lock_base; /* file offset of the per-slot liveness bytes */
+    pthread_mutex_t lock;
+    struct simgpu_gpu_shared gpus[SIMGPU_MAX_GPUS];
+    struct simgpu_proc_shared procs[SIMGPU_MAX_PROCS];
+};
+
+/* --- this process's attachment ------------------------------------------------------------ */
+
+/* The node of SIMGPU_STATE, attached and this process registered on first use (thread-safe,
+ * re-done in a forked child). NULL when SIMGPU_STATE is unset or its file is not a valid node;
+ * the reason was printed once on stderr and is in simgpu_state_error(). */
+struct simgpu_node *simgpu_node(void);
+const char *simgpu_state_error(void);
+/* This process's slot index in node->procs. */
+int simgpu_self_slot(void);
+
+void simgpu_lock(struct simgpu_node *node);
+void simgpu_unlock(struct simgpu_node *node);
+
+/* --- memory ------------------------------------------------------------------------------ */
+
+/* Charge `bytes` on physical GPU `gpu` to this process. 0, or -1 when the GPU's physical memory
+ * cannot hold it (after reclaiming dead processes once). */
+int simgpu_mem_charge(uint32_t gpu, uint64_t bytes);
+void simgpu_mem_uncharge(uint32_t gpu, uint64_t bytes);
+/* Context bookkeeping: count (for process lists) and the configured overhead charge. */
+int simgpu_context_add(uint32_t gpu);
+void simgpu_context_remove(uint32_t gpu);
+/* Free and total bytes of physical GPU `gpu`. */
+void simgpu_mem_info(uint32_t gpu, uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* --- execution timeline ------------------------------------------------------------------ */
+
+uint64_t simgpu_now_ns(void); /* CLOCK_MONOTONIC, shared by all processes */
+void simgpu_sleep_until(uint64_t t_ns);
+/* Queue `duration_ns` of work on GPU `gpu`, ready no earlier than `ready_ns`; work of all
+ * processes runs one piece at a time. Returns the time it completes. */
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t ready_ns, uint64_t duration_ns);
+/* Percent of the last `window_ns` during which GPU `gpu` was busy. */
+uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns);
+/* The same for a GPU whose node lock the caller holds, at time `now`. */
+uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns);
+
+/* --- faults ------------------------------------------------------------------------------ */
+
+int simgpu_gpu_lost(uint32_t gpu);
+uint64_t simgpu_xid_count(uint32_t gpu);
+/* The record of XID number `seq` (0-based), or -1 if it has left the ring. */
+int simgpu_xid_get(uint32_t gpu, uint64_t seq, struct simgpu_xid_record *out);
+
+/* --- visibility (what the NVIDIA container runtime would expose) ------------------------- */
+
+/* Physical GPUs this process may see, honouring NVIDIA_VISIBLE_DEVICES (UUIDs or indices,
+ * "all", "none", "void"), in physical order. Returns the count; fills map[i] = physical index. */
+uint32_t simgpu_visible_gpus(uint32_t map[SIMGPU_MAX_GPUS]);
+
+/* Reclaim the slots of dead processes through `fd` (an open description of the node file that
+ * is not theirs), skipping `self_slot`; node lock held by the caller. Returns slots freed. */
+int simgpu_reap_locked(struct simgpu_node *node, int fd, int self_slot);
+
+/* Map and validate <dir>/node.simgpu without registering a process (control API). NULL on a
+ * missing or invalid file, with the reason in simgpu_state_error(). Unmap with munmap(node,
+ * node->file_size) and close(*fd_out). */
+struct simgpu_node *simgpu_map(const char *dir, int *fd_out);
+void simgpu_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif

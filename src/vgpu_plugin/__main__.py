@@ -1,0 +1,3 @@
+from vgpu_plugin.cli import main
+
+raise SystemExit(main())

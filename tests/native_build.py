@@ -1,0 +1,66 @@
+"""Builds native/ (shim, simgpu, tests/native programs) with CMake for the tests.
+
+One build dir per variant under build/: ``release`` (what the package ships, plus the test
+programs), ``asan`` (AddressSanitizer + UndefinedBehaviorSanitizer), ``tsan`` (ThreadSanitizer),
+``compat`` (our own cuda.h/nvml.h instead of NVIDIA's, to prove the fallback builds). The build
+uses NVIDIA's real headers where present: the CUDA toolkit's cuda.h (FindCUDAToolkit) and the
+nvml.h of the PyPI package nvidia-nvml-dev, so every signature is checked against them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_ROOT = ROOT / "build"
+
+VARIANTS: dict[str, list[str]] = {
+    "release": ["-DCMAKE_BUILD_TYPE=Release"],
+    "asan": ["-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DVGPU_SANITIZE=address;undefined"],
+    "tsan": ["-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DVGPU_SANITIZE=thread"],
+    "compat": ["-DCMAKE_BUILD_TYPE=Release", "-DVGPU_CUDA_HEADERS=OFF", "-DVGPU_NVML_INCLUDE_DIR="],
+}
+
+
+def nvml_include_dir() -> Path | None:
+    """nvml.h from the nvidia-nvml-dev wheel, if installed."""
+    try:
+        import nvidia  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    for base in getattr(nvidia, "__path__", []):
+        for header in sorted(Path(base).glob("*/include/nvml.h")):
+            return header.parent
+    return None
+
+
+def build(variant: str = "release") -> Path:
+    """Configure (once) and build a variant; returns its build dir (a native tree)."""
+    if shutil.which("cmake") is None:
+        raise RuntimeError("cmake is not installed: `apt-get install cmake` (see .ci/run)")
+    out = BUILD_ROOT / f"native-{variant}"
+    args = list(VARIANTS[variant])
+    if variant != "compat":
+        nvml = nvml_include_dir()
+        if nvml is not None:
+            args.append(f"-DVGPU_NVML_INCLUDE_DIR={nvml}")
+    if not (out / "CMakeCache.txt").exists():
+        _run(["cmake", "-S", str(ROOT / "native"), "-B", str(out), "-DVGPU_BUILD_TESTS=ON", *args])
+    _run(["cmake", "--build", str(out), f"-j{os.cpu_count() or 2}"])
+    return out
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-20000:] + proc.stderr[-20000:])
+        raise RuntimeError(f"native build failed: {' '.join(cmd)}")
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["release"]:
+        print(build(name))

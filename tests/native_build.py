@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_ROOT = ROOT / "build"
+# Helpers and parallel runs may build elsewhere; the default is the repo's build/.
+BUILD_ROOT = Path(os.environ.get("VGPU_TEST_BUILD_ROOT", str(ROOT / "build")))
 
 VARIANTS: dict[str, list[str]] = {
     "release": ["-DCMAKE_BUILD_TYPE=Release"],

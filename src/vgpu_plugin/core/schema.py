@@ -1,0 +1,442 @@
+"""The config file's schema as one table: every key, its type, default, range and meaning.
+
+The validator walks this table, and the docs' reference is compared with it, so the two cannot
+drift. Leaf keys carry a ``check`` that turns a raw YAML value into a clean one or raises
+:class:`Invalid` with a message that shows the bad value.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+SPLIT_MAX = 256
+
+
+class Invalid(Exception):
+    """A value broke its key's rule; ``where`` narrows the path (``[2]``, ``.zone``)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.where = where
+
+
+Check = Callable[[object], object]
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key of the config file.
+
+    ``path`` is dotted, with ``[]`` for list items (``overrides[].match.gpuModels``). ``type`` and
+    ``allowed`` are worded for the docs. ``default`` is the value used when the key is absent
+    (``None`` when there is none). Maps and lists of maps have no ``check``: the validator
+    descends into them. ``same_keys_as`` makes a map accept the leaf keys of another map.
+    """
+
+    path: str
+    type: str
+    default: object
+    allowed: str
+    description: str
+    required: bool = False
+    same_keys_as: str = ""
+    check: Check | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def is_container(self) -> bool:
+        return self.check is None
+
+    @property
+    def key(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+    @property
+    def parent(self) -> str:
+        return self.path.rsplit(".", 1)[0] if "." in self.path else ""
+
+
+def show(value: object) -> str:
+    """A raw value as an error message quotes it, in YAML's words for null and booleans."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list)):
+        return "a map" if isinstance(value, dict) else "a list"
+    return repr(value)
+
+
+def _words(choices: tuple[str, ...]) -> str:
+    if len(choices) == 1:
+        return choices[0]
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: object) -> object:
+        if value not in choices or not isinstance(value, str):
+            raise Invalid(f"must be {_words(choices)}, got {show(value)}")
+        return value
+
+    return check
+
+
+def _is_int(value: object) -> bool:
+    # YAML booleans load as bool, a subclass of int: `splitCount: true` must not read as 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_in(lo: int, hi: int) -> Check:
+    def check(value: object) -> object:
+        if not _is_int(value):
+            raise Invalid(f"must be an integer {lo}..{hi}, got {show(value)}")
+        assert isinstance(value, int)
+        if not lo <= value <= hi:
+            raise Invalid(f"must be {lo}..{hi}, got {value}")
+        return value
+
+    return check
+
+
+def number_above(lo: float, inclusive: bool) -> Check:
+    rule = f">= {lo:g}" if inclusive else f"> {lo:g}"
+
+    def check(value: object) -> object:
+        if not (_is_int(value) or isinstance(value, float)):
+            raise Invalid(f"must be a number {rule}, got {show(value)}")
+        assert isinstance(value, (int, float))
+        number = float(value)
+        if not math.isfinite(number) or number < lo or (number == lo and not inclusive):
+            raise Invalid(f"must be a number {rule}, got {show(value)}")
+        return number
+
+    return check
+
+
+_PERCENT = re.compile(r"^([0-9]{1,3})\s*%$")
+
+
+def compute(value: object) -> object:
+    """``none``, ``proportional`` or a percent per slice: ``30`` or ``"30%"``."""
+    bad = Invalid(f"must be none, proportional or a percent 1..100, got {show(value)}")
+    if value in ("none", "proportional") and isinstance(value, str):
+        return value
+    if isinstance(value, str) and (m := _PERCENT.match(value.strip())):
+        value = int(m.group(1))
+    if not _is_int(value):
+        raise bad
+    assert isinstance(value, int)
+    if not 1 <= value <= 100:
+        raise bad
+    return value
+
+
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DOMAIN = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a Kubernetes extended resource name, or None when it is one."""
+    domain, slash, short = name.partition("/")
+    if not slash or not domain or not short:
+        return "must be <domain>/<name> (e.g. nvidia.com/gpu)"
+    if len(domain) > 253 or not _DOMAIN.match(domain):
+        return f"domain {domain!r} is not a DNS subdomain (lowercase letters, digits, - and .)"
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return "the kubernetes.io domain is reserved for Kubernetes' own resources"
+    if len(short) > 63 or not _NAME.match(short):
+        return (
+            f"name {short!r} must be 1..63 letters, digits, -, _ or ., "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def resource_name(value: object) -> object:
+    if not isinstance(value, str):
+        raise Invalid(f"must be <domain>/<name> (e.g. nvidia.com/gpu), got {show(value)}")
+    problem = resource_name_problem(value)
+    if problem is not None:
+        raise Invalid(f"{problem}, got {show(value)}")
+    return value
+
+
+def nvidia_resource_name(value: object) -> object:
+    """NVIDIA's plugin reads a bare name as one under ``nvidia.com/``; so do we."""
+    if isinstance(value, str) and "/" not in value:
+        value = "nvidia.com/" + value
+    return resource_name(value)
+
+
+def absolute_path(value: object) -> object:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise Invalid(f"must be an absolute path, got {show(value)}")
+    return posixpath.normpath(value)
+
+
+def boolean(value: object) -> object:
+    if not isinstance(value, bool):
+        raise Invalid(f"must be true or false, got {show(value)}")
+    return value
+
+
+def string_list(value: object) -> object:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise Invalid(f"must be a list of strings, got {show(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise Invalid(f"must be a non-empty string (quote it), got {show(item)}", f"[{i}]")
+    return tuple(value)
+
+
+def string_map(value: object) -> object:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise Invalid(f"must be a map of strings to strings, got {show(value)}")
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise Invalid(f"keys must be non-empty strings, got {show(key)}")
+        if not isinstance(item, str):
+            # `ready: true` loads as a boolean; a label value is always a string.
+            raise Invalid(f"must be a string (quote it), got {show(item)}", f".{key}")
+    return tuple(sorted(value.items()))
+
+
+def xid_list(value: object) -> object:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise Invalid(f"must be a list of XID numbers, got {show(value)}")
+    for i, item in enumerate(value):
+        if not _is_int(item) or item < 0:
+            raise Invalid(f"must be an integer >= 0, got {show(item)}", f"[{i}]")
+    return tuple(sorted(set(value)))
+
+
+def _leaf(
+    path: str,
+    type_: str,
+    default: object,
+    allowed: str,
+    description: str,
+    check: Check,
+    required: bool = False,
+) -> KeySpec:
+    return KeySpec(path, type_, default, allowed, description, required=required, check=check)
+
+
+_RESOURCE = "<domain>/<name>"
+
+SCHEMA: tuple[KeySpec, ...] = (
+    _leaf("version", "string", "v1", "v1", "Schema version of this file.", one_of("v1")),
+    _leaf(
+        "resourceName",
+        "string",
+        "nvidia.com/gpu",
+        _RESOURCE,
+        "Extended resource the slices are advertised as; pods request it in their limits.",
+        resource_name,
+    ),
+    KeySpec("sharing", "map", None, "", "How every GPU of the node is split."),
+    _leaf(
+        "sharing.splitCount",
+        "integer",
+        10,
+        f"1..{SPLIT_MAX}",
+        "Virtual device IDs (slices) per physical GPU.",
+        int_in(1, SPLIT_MAX),
+    ),
+    _leaf(
+        "sharing.memoryScaling",
+        "number",
+        1.0,
+        "> 0",
+        "Per-slice memory = GPU memory x memoryScaling / splitCount (whole MiB, rounded down);"
+        " above 1 oversubscribes, backed by host memory.",
+        number_above(0.0, inclusive=False),
+    ),
+    _leaf(
+        "sharing.compute",
+        "string or integer",
+        "none",
+        "none | proportional | 1..100",
+        "Compute share per slice: none (not limited), proportional (100 / splitCount %, at"
+        " least 1) or a percent (30 or '30%').",
+        compute,
+    ),
+    _leaf(
+        "sharing.placement",
+        "string",
+        "binpack",
+        "binpack | spread",
+        "Advice to the kubelet when a container asks for several slices: binpack (fewest and"
+        " fullest GPUs) or spread (one slice per GPU, least used first).",
+        one_of("binpack", "spread"),
+    ),
+    KeySpec(
+        "sharing.timeSlicing",
+        "map",
+        None,
+        "",
+        "NVIDIA device plugin's time-slicing format, accepted as is: sets resourceName and"
+        " splitCount, so it cannot be combined with either.",
+    ),
+    _leaf(
+        "sharing.timeSlicing.renameByDefault",
+        "boolean",
+        False,
+        "true | false",
+        "Advertise the resource as <name>.shared unless it has its own rename.",
+        boolean,
+    ),
+    _leaf(
+        "sharing.timeSlicing.failRequestsGreaterThanOne",
+        "boolean",
+        False,
+        "true | false",
+        "Refuse containers that ask for more than one slice.",
+        boolean,
+    ),
+    KeySpec(
+        "sharing.timeSlicing.resources",
+        "list of maps",
+        None,
+        "exactly one item",
+        "The replicated resource; vgpu-plugin serves one resource, so exactly one.",
+        required=True,
+    ),
+    _leaf(
+        "sharing.timeSlicing.resources[].name",
+        "string",
+        None,
+        f"{_RESOURCE} or <name>",
+        "Resource to replicate; a bare name is taken as nvidia.com/<name>.",
+        nvidia_resource_name,
+        required=True,
+    ),
+    _leaf(
+        "sharing.timeSlicing.resources[].rename",
+        "string",
+        None,
+        f"{_RESOURCE} or <name>",
+        "Name to advertise the slices under instead.",
+        nvidia_resource_name,
+    ),
+    _leaf(
+        "sharing.timeSlicing.resources[].replicas",
+        "integer",
+        None,
+        f"1..{SPLIT_MAX}",
+        "Slices per GPU (becomes splitCount).",
+        int_in(1, SPLIT_MAX),
+        required=True,
+    ),
+    _leaf(
+        "sharing.timeSlicing.resources[].devices",
+        "string",
+        "all",
+        "all",
+        "Which GPUs to replicate; only all (every GPU of the node is split).",
+        one_of("all"),
+    ),
+    KeySpec(
+        "overrides",
+        "list of maps",
+        (),
+        "",
+        "Per node and per GPU changes to sharing; the first override that matches a GPU wins.",
+    ),
+    KeySpec(
+        "overrides[].match",
+        "map",
+        None,
+        "at least one key",
+        "Which GPUs the override applies to: every key given must match (a list matches when"
+        " any of its items does).",
+        required=True,
+    ),
+    _leaf(
+        "overrides[].match.nodeNames",
+        "list of strings",
+        None,
+        "glob patterns",
+        "Node names, e.g. gpu-a1 or 'gpu-a*'.",
+        string_list,
+    ),
+    _leaf(
+        "overrides[].match.nodeLabels",
+        "map of strings",
+        None,
+        "",
+        "Node labels that must all be present with these values.",
+        string_map,
+    ),
+    _leaf(
+        "overrides[].match.gpuModels",
+        "list of strings",
+        None,
+        "glob patterns, any case",
+        "GPU model names as NVML reports them, e.g. '*A100*'.",
+        string_list,
+    ),
+    _leaf(
+        "overrides[].match.gpuUUIDs",
+        "list of strings",
+        None,
+        "",
+        "GPU UUIDs, e.g. GPU-709fac35-5f40-624b-90f7-b0a3db7a97a0.",
+        string_list,
+    ),
+    KeySpec(
+        "overrides[].sharing",
+        "map",
+        None,
+        "keys of sharing except timeSlicing",
+        "The sharing keys to change for the matched GPUs; keys not given keep sharing's value.",
+        required=True,
+        same_keys_as="sharing",
+    ),
+    _leaf(
+        "hostRoot",
+        "string",
+        "/usr/local/vgpu",
+        "absolute path",
+        "Host directory holding the shim, ld.so.preload, limits files and per-container dirs.",
+        absolute_path,
+    ),
+    KeySpec("health", "map", None, "", "GPU health checking."),
+    _leaf(
+        "health.ignoredXids",
+        "list of integers",
+        (13, 31, 43, 45, 68, 109),
+        ">= 0 each",
+        "XID errors that do not mark a GPU unhealthy (application faults, not the GPU's).",
+        xid_list,
+    ),
+    _leaf(
+        "health.recoverySeconds",
+        "number",
+        60.0,
+        ">= 0",
+        "Seconds without a new critical XID after which an unhealthy GPU is healthy again.",
+        number_above(0.0, inclusive=True),
+    ),
+)
+
+
+def children(path: str) -> Mapping[str, KeySpec]:
+    """The keys allowed in the map at ``path`` (``""`` is the top level), by name."""
+    return {spec.key: spec for spec in SCHEMA if spec.parent == path}
+
+
+def spec_for(path: str) -> KeySpec | None:
+    return next((spec for spec in SCHEMA if spec.path == path), None)

@@ -407,6 +407,12 @@ def test_override_sharing_holds_only_the_keys_given() -> None:
         config.overrides[2].sharing["placement"] = "binpack"  # type: ignore[index]
 
 
+def test_configs_compare_and_hash_by_value() -> None:
+    assert parse(OVERRIDES) == parse(OVERRIDES)
+    assert hash(parse(OVERRIDES)) == hash(parse(OVERRIDES))
+    assert parse(OVERRIDES) != parse(OVERRIDES.replace("splitCount: 8", "splitCount: 9"))
+
+
 def test_override_refuses_unknown_fields_in_code() -> None:
     with pytest.raises(ValueError, match="split"):
         Override(Match(node_names=("a",)), {"split": 2})

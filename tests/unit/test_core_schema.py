@@ -86,3 +86,16 @@ def test_override_sharing_accepts_exactly_the_plain_sharing_keys() -> None:
         " compute: 5, placement: spread}}]\n"
     )
     assert len(parse_config(text).overrides[0].sharing) == len(leaves)
+
+
+def test_default_text_reads_back_as_the_default() -> None:
+    for spec in SCHEMA:
+        if spec.default is None:
+            assert spec.default_text == ""
+            continue
+        loaded = yaml.safe_load(spec.default_text)
+        expected = list(spec.default) if isinstance(spec.default, tuple) else spec.default
+        assert loaded == expected, spec.path
+    assert {s.path: s.default_text for s in SCHEMA}["health.ignoredXids"] == (
+        "[13, 31, 43, 45, 68, 109]"
+    )

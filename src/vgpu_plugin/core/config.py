@@ -95,6 +95,10 @@ class Override:
         # A read-only view: the override is frozen, and so must be what it changes.
         object.__setattr__(self, "sharing", MappingProxyType(dict(self.sharing)))
 
+    def __hash__(self) -> int:
+        # Explicit, as a mapping proxy has no hash; keeps Config usable as a cache key.
+        return hash((self.match, tuple(sorted(self.sharing.items()))))
+
     def apply(self, base: Sharing) -> Sharing:
         changes: dict[str, Any] = dict(self.sharing)
         return dataclasses.replace(base, **changes)

@@ -52,6 +52,11 @@ class KeySpec:
         return self.check is None
 
     @property
+    def default_text(self) -> str:
+        """The default as YAML writes it (``[13, 31]``, ``true``); empty when there is none."""
+        return "" if self.default is None else yaml_text(self.default)
+
+    @property
     def key(self) -> str:
         return self.path.rsplit(".", 1)[-1]
 
@@ -69,6 +74,15 @@ def show(value: object) -> str:
     if isinstance(value, (dict, list)):
         return "a map" if isinstance(value, dict) else "a list"
     return repr(value)
+
+
+def yaml_text(value: object) -> str:
+    """A plain value in YAML flow style, as the docs show defaults."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(yaml_text(v) for v in value) + "]"
+    return str(value)
 
 
 def _words(choices: tuple[str, ...]) -> str:

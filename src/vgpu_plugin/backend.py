@@ -28,6 +28,10 @@ class BackendError(Exception):
     def invalid(cls, message: str) -> BackendError:
         return cls(grpc.StatusCode.INVALID_ARGUMENT, message)
 
+    @classmethod
+    def internal(cls, message: str) -> BackendError:
+        return cls(grpc.StatusCode.INTERNAL, message)
+
 
 class Backend(Protocol):
     """The plugin's domain as the gRPC edge sees it. Methods may be called from any thread."""

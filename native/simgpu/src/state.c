@@ -412,3 +412,26 @@ uint32_t simgpu_visible_gpus(uint32_t map[SIMGPU_MAX_GPUS]) {
         if (want[g]) map[n++] = g;
     return n;
 }
+
+/* --- process view ------------------------------------------------------------------------ */
+
+uint32_t simgpu_gpu_processes(uint32_t gpu, struct simgpu_proc_usage *out, uint32_t max) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    uint32_t n = 0;
+    simgpu_lock(node);
+    /* A SIGKILLed holder left its slot behind: reap first so it does not show as running. */
+    simgpu_reap_locked(node, g_att.fd, g_att.slot);
+    for (int i = 0; i < SIMGPU_MAX_PROCS; i++) {
+        const struct simgpu_proc_shared *p = &node->procs[i];
+        if (atomic_load(&p->state) != SIMGPU_SLOT_LIVE || (!p->used[gpu] && !p->contexts[gpu])) continue;
+        if (n < max) {
+            out[n].pid = p->pid;
+            out[n].contexts = p->contexts[gpu];
+            out[n].used = p->used[gpu];
+        }
+        n++;
+    }
+    simgpu_unlock(node);
+    return n;
+}

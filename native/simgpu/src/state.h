@@ -126,4 +126,21 @@ int simgpu_reap_locked(struct simgpu_node *node, int fd, int self_slot);
 struct simgpu_node *simgpu_map(const char *dir, int *fd_out);
 void simgpu_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* --- process view (what NVML lists) ------------------------------------------------------ */
+
+struct simgpu_proc_usage {
+    int32_t pid;
+    uint32_t contexts;
+    uint64_t used; /* bytes this process holds on the GPU, its contexts' overhead included */
+};
+
+/* The live processes with memory or a context on physical GPU `gpu`, dead ones reaped first:
+ * fills out[0..max) in slot order and returns how many there are (may be more than max). */
+uint32_t simgpu_gpu_processes(uint32_t gpu, struct simgpu_proc_usage *out, uint32_t max);
+
+/* --- versions the simulated driver reports (both fronts must agree) ---------------------- */
+
+#define SIMGPU_DRIVER_VERSION "580.95.05" /* kernel driver: nvmlSystemGetDriverVersion */
+#define SIMGPU_CUDA_VERSION 13000         /* CUDA 13.0: cuDriverGetVersion, NVML's CUDA version */
+
 #endif

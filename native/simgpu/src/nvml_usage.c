@@ -1,0 +1,110 @@
+/* Simulated NVML: what the GPUs are doing now — memory, utilization, running processes.
+ * Everything is node-wide (all processes of the node, whatever container they run in), as the
+ * real NVML reports the physical GPU; the shim narrows the memory view per container. */
+#include <string.h>
+
+#include "nvml_internal.h"
+
+/* Utilization is averaged over the last second, the longest sample period NVML documents. */
+#define UTIL_WINDOW_NS 1000000000ull
+
+/* Used and total bytes of a GPU: all processes' allocations, their contexts included. */
+static void memory_of(nvmlDevice_t device, unsigned long long *total, unsigned long long *used) {
+    uint64_t free_b, total_b;
+    simgpu_mem_info(device->phys, &free_b, &total_b); /* reaps dead processes first */
+    *total = total_b;
+    *used = total_b - free_b;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    memory_of(device, &memory->total, &memory->used);
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    memory_of(device, &memory->total, &memory->used);
+    memory->reserved = 0; /* the simulated driver sets nothing aside */
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!utilization) return NVML_ERROR_INVALID_ARGUMENT;
+    utilization->gpu = simgpu_utilization(device->phys, UTIL_WINDOW_NS);
+    utilization->memory = 0; /* memory traffic is not modelled */
+    return NVML_SUCCESS;
+}
+
+/* --- running processes -------------------------------------------------------------------- */
+
+/* The processes on `device`, in any of NVML's process-info layouts: `put` writes entry i.
+ * Follows NVML's two-call protocol: a count too small (or infos NULL) answers
+ * NVML_ERROR_INSUFFICIENT_SIZE with the count needed; no process answers SUCCESS and 0. */
+static nvmlReturn_t list_processes(nvmlDevice_t device, unsigned int *infoCount, void *infos,
+                                   void (*put)(void *infos, unsigned int i, const struct simgpu_proc_usage *u)) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!infoCount || (!infos && *infoCount)) return NVML_ERROR_INVALID_ARGUMENT;
+    struct simgpu_proc_usage procs[SIMGPU_MAX_PROCS]; /* 8 KiB: every slot of the node */
+    uint32_t n = simgpu_gpu_processes(device->phys, procs, SIMGPU_MAX_PROCS);
+    if (n > *infoCount || (n && !infos)) {
+        *infoCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (uint32_t i = 0; i < n; i++) put(infos, i, &procs[i]);
+    *infoCount = n;
+    return NVML_SUCCESS;
+}
+
+/* No MIG: NVML marks the instance ids of a whole-GPU process with all ones. */
+#define NO_INSTANCE 0xFFFFFFFFu
+
+static void put_v1(void *infos, unsigned int i, const struct simgpu_proc_usage *u) {
+    nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+    p->pid = (unsigned int)u->pid;
+    p->usedGpuMemory = u->used;
+}
+
+static void put_v2(void *infos, unsigned int i, const struct simgpu_proc_usage *u) {
+    nvmlProcessInfo_v2_t *p = (nvmlProcessInfo_v2_t *)infos + i;
+    p->pid = (unsigned int)u->pid;
+    p->usedGpuMemory = u->used;
+    p->gpuInstanceId = NO_INSTANCE;
+    p->computeInstanceId = NO_INSTANCE;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_t *infos) {
+    return list_processes(device, infoCount, infos, put_v2);
+}
+
+/* v2 and v3 share the layout; v3 exists for the meaning of usedGpuMemory under MIG. */
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                     nvmlProcessInfo_v2_t *infos) {
+    return list_processes(device, infoCount, infos, put_v2);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                  nvmlProcessInfo_v1_t *infos) {
+    return list_processes(device, infoCount, infos, put_v1);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                      nvmlProcessInfo_t *infos) {
+    (void)infos;
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
+    *infoCount = 0; /* a compute-only simulator: no graphics contexts */
+    return NVML_SUCCESS;
+}

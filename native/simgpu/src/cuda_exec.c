@@ -1,0 +1,456 @@
+/* Modules, libraries, functions and kernel launches.
+ *
+ * How long a kernel runs (documented in native/simgpu/README.md):
+ * - a simgpu module image is text: a first line "simgpu-module 1", then lines
+ *   "kernel <name> <duration>" where duration is a number with an optional unit (ns, us, ms,
+ *   s; microseconds when bare), '#' starts a comment;
+ * - the built-in kernel "simgpu_sleep", found in every module, runs for its first parameter
+ *   (a uint64_t count of nanoseconds);
+ * - any other image (cubin, fatbin, PTX) loads as an opaque module in which every name
+ *   resolves, at SIM_DEFAULT_KERNEL_NS per launch. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_internal.h"
+
+#define SIM_IMAGE_MAGIC "simgpu-module"
+
+/* --- functions --------------------------------------------------------------------------- */
+
+static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, uint64_t cost_ns) {
+    if (m->nfunc == m->cap) {
+        size_t cap = m->cap ? m->cap * 2 : 8;
+        struct CUfunc_st **v = realloc(m->funcs, cap * sizeof *v);
+        if (!v) return NULL;
+        m->funcs = v;
+        m->cap = cap;
+    }
+    struct CUfunc_st *f = calloc(1, sizeof *f);
+    if (!f) return NULL;
+    f->magic = SIM_FUNC_MAGIC;
+    f->mod = m;
+    f->cost_ns = cost_ns;
+    f->builtin_sleep = strcmp(name, SIM_BUILTIN_SLEEP) == 0;
+    snprintf(f->name, sizeof f->name, "%s", name);
+    m->funcs[m->nfunc++] = f;
+    return f;
+}
+
+static struct CUfunc_st *func_find_locked(struct CUmod_st *m, const char *name) {
+    for (size_t i = 0; i < m->nfunc; i++)
+        if (strcmp(m->funcs[i]->name, name) == 0) return m->funcs[i];
+    if (strcmp(name, SIM_BUILTIN_SLEEP) == 0 || m->opaque) return func_add_locked(m, name, SIM_DEFAULT_KERNEL_NS);
+    return NULL;
+}
+
+static int func_valid(const struct CUfunc_st *f) { return f && f->magic == SIM_FUNC_MAGIC; }
+
+/* --- module images ----------------------------------------------------------------------- */
+
+/* "250", "250us", "3ms", "1.5s", "800ns" -> ns; -1 on anything else. */
+static int64_t parse_duration(const char *s) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || errno || v < 0) return -1;
+    double scale = 1e3;
+    if (*end == 0 || strcmp(end, "us") == 0) scale = 1e3;
+    else if (strcmp(end, "ns") == 0) scale = 1;
+    else if (strcmp(end, "ms") == 0) scale = 1e6;
+    else if (strcmp(end, "s") == 0) scale = 1e9;
+    else return -1;
+    double ns = v * scale;
+    return ns > 9e18 ? -1 : (int64_t)ns;
+}
+
+static CUresult parse_image_locked(struct CUmod_st *m, const char *text) {
+    char line[512];
+    int first = 1;
+    for (const char *p = text; *p;) {
+        size_t n = strcspn(p, "\n");
+        snprintf(line, sizeof line, "%.*s", (int)(n < sizeof line ? n : sizeof line - 1), p);
+        p += n + (p[n] == '\n');
+        char *hash = strchr(line, '#');
+        if (hash) *hash = 0;
+        char kw[32], name[sizeof m->funcs[0]->name], dur[64], extra[8];
+        int k = sscanf(line, "%31s %127s %63s %7s", kw, name, dur, extra);
+        if (k <= 0) continue;
+        if (first) {
+            if (strcmp(kw, SIM_IMAGE_MAGIC) != 0 || k != 2 || strcmp(name, "1") != 0) return CUDA_ERROR_INVALID_IMAGE;
+            first = 0;
+            continue;
+        }
+        int64_t ns = k == 3 ? parse_duration(dur) : -1;
+        if (strcmp(kw, "kernel") != 0 || ns < 0) return CUDA_ERROR_INVALID_IMAGE;
+        struct CUfunc_st *f = NULL;
+        for (size_t i = 0; i < m->nfunc; i++)
+            if (strcmp(m->funcs[i]->name, name) == 0) f = m->funcs[i];
+        if (!f) f = func_add_locked(m, name, (uint64_t)ns);
+        if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
+        f->cost_ns = (uint64_t)ns; /* a later line for the same name wins */
+    }
+    return first ? CUDA_ERROR_INVALID_IMAGE : CUDA_SUCCESS;
+}
+
+static void module_free_locked(struct CUmod_st *m) {
+    for (size_t i = 0; i < m->nfunc; i++) {
+        m->funcs[i]->magic = 0;
+        free(m->funcs[i]);
+    }
+    free(m->funcs);
+    m->magic = 0;
+    free(m);
+}
+
+/* ctx NULL: a library. */
+static CUresult module_load(struct CUmod_st **out, const void *image, struct CUctx_st *ctx) {
+    if (!out || !image) return CUDA_ERROR_INVALID_VALUE;
+    struct CUmod_st *m = calloc(1, sizeof *m);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    m->magic = SIM_MOD_MAGIC;
+    m->ctx = ctx;
+    const char *text = image;
+    while (*text == ' ' || *text == '\t' || *text == '\n' || *text == '\r') text++;
+    sim_lock();
+    CUresult rc = CUDA_SUCCESS;
+    if (strncmp(text, SIM_IMAGE_MAGIC, strlen(SIM_IMAGE_MAGIC)) == 0) rc = parse_image_locked(m, text);
+    else m->opaque = 1; /* a real GPU image: nothing to learn from it */
+    if (rc == CUDA_SUCCESS) {
+        m->next = sim_proc.modules;
+        sim_proc.modules = m;
+        *out = m;
+    } else {
+        module_free_locked(m);
+    }
+    sim_unlock();
+    return rc;
+}
+
+static CUresult read_file(const char *path, char **out) {
+    if (!path) return CUDA_ERROR_INVALID_VALUE;
+    FILE *f = fopen(path, "rb");
+    if (!f) return CUDA_ERROR_FILE_NOT_FOUND;
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    for (size_t got; buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
+        n += got;
+        if (n + 1 == cap) {
+            char *b = realloc(buf, cap *= 2);
+            if (!b) free(buf);
+            buf = b;
+        }
+    }
+    fclose(f);
+    if (!buf) return CUDA_ERROR_OUT_OF_MEMORY;
+    buf[n] = 0;
+    *out = buf;
+    return CUDA_SUCCESS;
+}
+
+static CUresult ctx_module_load(CUmodule *module, const void *image) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    return rc != CUDA_SUCCESS ? rc : module_load(module, image, c);
+}
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image) { return ctx_module_load(module, image); }
+CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) { return ctx_module_load(module, fatCubin); }
+
+/* JIT options do not matter to a simulator. */
+CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
+                            void **optionValues) {
+    if (numOptions && (!options || !optionValues)) return CUDA_ERROR_INVALID_VALUE;
+    return ctx_module_load(module, image);
+}
+
+CUresult cuModuleLoad(CUmodule *module, const char *fname) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    char *text = NULL;
+    if (rc == CUDA_SUCCESS) rc = read_file(fname, &text);
+    if (rc == CUDA_SUCCESS) rc = module_load(module, text, c);
+    free(text);
+    return rc;
+}
+
+static CUresult module_unload(struct CUmod_st *m, int library) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUmod_st **link = &sim_proc.modules;
+    while (*link && *link != m) link = &(*link)->next;
+    if (*link && (m->ctx == NULL) == library) {
+        *link = m->next;
+        module_free_locked(m);
+    } else {
+        rc = CUDA_ERROR_INVALID_HANDLE;
+    }
+    sim_unlock();
+    return rc;
+}
+
+CUresult cuModuleUnload(CUmodule hmod) { return module_unload(hmod, 0); }
+
+void sim_module_free_ctx_locked(struct CUctx_st *ctx) {
+    for (struct CUmod_st **link = &sim_proc.modules; *link;) {
+        struct CUmod_st *m = *link;
+        if (m->ctx == ctx) {
+            *link = m->next;
+            module_free_locked(m);
+        } else {
+            link = &m->next;
+        }
+    }
+}
+
+static CUresult get_function(struct CUfunc_st **out, struct CUmod_st *m, const char *name) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (!m || m->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    sim_lock();
+    struct CUfunc_st *f = func_find_locked(m, name);
+    sim_unlock();
+    if (!f) return CUDA_ERROR_NOT_FOUND;
+    *out = f;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    return get_function(hfunc, hmod, name);
+}
+
+/* --- libraries: context-independent modules; a CUkernel is the same object as a CUfunction -- */
+
+static CUresult library_load(CUlibrary *library, const void *code, unsigned int numJit, CUjit_option *jit, void **jitv,
+                             unsigned int numLib, CUlibraryOption *lib, void **libv) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if ((numJit && (!jit || !jitv)) || (numLib && (!lib || !libv))) return CUDA_ERROR_INVALID_VALUE;
+    struct CUmod_st *m = NULL;
+    rc = module_load(&m, code, NULL);
+    if (rc == CUDA_SUCCESS) *library = (CUlibrary)(void *)m;
+    return rc;
+}
+
+CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions, void **jitOptionsValues,
+                           unsigned int numJitOptions, CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                           unsigned int numLibraryOptions) {
+    if (!library) return CUDA_ERROR_INVALID_VALUE;
+    return library_load(library, code, numJitOptions, jitOptions, jitOptionsValues, numLibraryOptions, libraryOptions,
+                        libraryOptionValues);
+}
+
+CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                               void **jitOptionsValues, unsigned int numJitOptions, CUlibraryOption *libraryOptions,
+                               void **libraryOptionValues, unsigned int numLibraryOptions) {
+    if (!library) return CUDA_ERROR_INVALID_VALUE;
+    char *text = NULL;
+    CUresult rc = read_file(fileName, &text);
+    if (rc == CUDA_SUCCESS)
+        rc = library_load(library, text, numJitOptions, jitOptions, jitOptionsValues, numLibraryOptions,
+                          libraryOptions, libraryOptionValues);
+    free(text);
+    return rc;
+}
+
+CUresult cuLibraryUnload(CUlibrary library) { return module_unload((struct CUmod_st *)(void *)library, 1); }
+
+CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name) {
+    struct CUfunc_st *f = NULL;
+    struct CUmod_st *m = (struct CUmod_st *)(void *)library;
+    if (m && m->magic == SIM_MOD_MAGIC && m->ctx) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult rc = get_function(&f, m, name);
+    if (rc == CUDA_SUCCESS) *pKernel = (CUkernel)(void *)f;
+    return rc;
+}
+
+CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library) {
+    struct CUmod_st *m = (struct CUmod_st *)(void *)library;
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pMod) return CUDA_ERROR_INVALID_VALUE;
+    if (!m || m->magic != SIM_MOD_MAGIC || m->ctx) return CUDA_ERROR_INVALID_HANDLE;
+    *pMod = m;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c); /* the function is the kernel's form in the current context */
+    if (rc != CUDA_SUCCESS) return rc;
+    struct CUfunc_st *f = (struct CUfunc_st *)(void *)kernel;
+    if (!pFunc) return CUDA_ERROR_INVALID_VALUE;
+    if (!func_valid(f)) return CUDA_ERROR_INVALID_HANDLE;
+    *pFunc = f;
+    return CUDA_SUCCESS;
+}
+
+/* --- function attributes ----------------------------------------------------------------- */
+
+CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pi || (int)attrib < 0 || attrib >= CU_FUNC_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+    if (!func_valid(hfunc)) return CUDA_ERROR_INVALID_HANDLE;
+    switch (attrib) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = 32; break;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION: case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *pi = 90; break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = 49152; break;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *pi = -1; break;
+    default: *pi = 0;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Accepted and not modelled: they change no simulated duration. */
+CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value) {
+    (void)value;
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if ((int)attrib < 0 || attrib >= CU_FUNC_ATTRIBUTE_MAX) return CUDA_ERROR_INVALID_VALUE;
+    return func_valid(hfunc) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache config) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if ((int)config < CU_FUNC_CACHE_PREFER_NONE || config > CU_FUNC_CACHE_PREFER_EQUAL) return CUDA_ERROR_INVALID_VALUE;
+    return func_valid(hfunc) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult cuFuncGetName(const char **name, CUfunction hfunc) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    if (!func_valid(hfunc)) return CUDA_ERROR_INVALID_HANDLE;
+    *name = hfunc->name;
+    return CUDA_SUCCESS;
+}
+
+/* --- launches ---------------------------------------------------------------------------- */
+
+CUresult sim_launch_duration(struct CUfunc_st *f, void **params, void **extra, uint64_t *dur_ns) {
+    if (!f->builtin_sleep) {
+        *dur_ns = f->cost_ns;
+        return CUDA_SUCCESS;
+    }
+    if (params && params[0]) {
+        memcpy(dur_ns, params[0], sizeof *dur_ns);
+        return CUDA_SUCCESS;
+    }
+    /* The packed form: CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size. */
+    const void *buf = NULL;
+    size_t size = 0;
+    for (size_t i = 0; extra && extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1]) size = *(size_t *)extra[i + 1];
+        else return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!buf || size < sizeof *dur_ns) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(dur_ns, buf, sizeof *dur_ns);
+    return CUDA_SUCCESS;
+}
+
+struct launch {
+    struct CUfunc_st *f;
+    unsigned int grid[3], block[3], shmem;
+    CUstream stream;
+    void **params, **extra;
+    int cooperative;
+};
+
+static CUresult launch(const struct launch *l, int ptds) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!func_valid(l->f)) return CUDA_ERROR_INVALID_HANDLE;
+    const unsigned int *g = l->grid, *b = l->block;
+    if (!g[0] || !g[1] || !g[2] || !b[0] || !b[1] || !b[2] || g[1] > 65535 || g[2] > 65535 || b[0] > 1024 ||
+        b[1] > 1024 || b[2] > 64 || (uint64_t)b[0] * b[1] * b[2] > 1024 || l->shmem > 232448 || (l->params && l->extra))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t dur = 0;
+    rc = sim_launch_duration(l->f, l->params, l->extra, &dur);
+    if (rc != CUDA_SUCCESS) return rc;
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    sim_lock();
+    rc = sim_stream_get(l->stream, ptds, &c, &s);
+    if (rc == CUDA_SUCCESS && l->f->mod->ctx && l->f->mod->ctx != c) rc = CUDA_ERROR_INVALID_HANDLE;
+    /* Every block of a cooperative grid must be resident at once. */
+    if (rc == CUDA_SUCCESS && l->cooperative &&
+        (uint64_t)g[0] * g[1] * g[2] > (uint64_t)simgpu_node()->gpus[c->phys].cfg.sm_count * 32)
+        rc = CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+    if (rc == CUDA_SUCCESS) rc = s->capture ? sim_capture_kernel_locked(s, l->f, dur) : sim_submit_kernel_locked(c, s, dur);
+    sim_unlock();
+    return rc;
+}
+
+#define LAUNCH(f, gx, gy, gz, bx, by, bz, sh, st, p, x, coop) \
+    (&(struct launch){(f), {(gx), (gy), (gz)}, {(bx), (by), (bz)}, (sh), (st), (p), (x), (coop)})
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                        unsigned int by, unsigned int bz, unsigned int sh, CUstream st, void **p, void **x) {
+    return launch(LAUNCH(f, gx, gy, gz, bx, by, bz, sh, st, p, x, 0), 0);
+}
+
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                             unsigned int by, unsigned int bz, unsigned int sh, CUstream st, void **p, void **x) {
+    return launch(LAUNCH(f, gx, gy, gz, bx, by, bz, sh, st, p, x, 0), 1);
+}
+
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                   unsigned int by, unsigned int bz, unsigned int sh, CUstream st, void **p) {
+    return launch(LAUNCH(f, gx, gy, gz, bx, by, bz, sh, st, p, NULL, 1), 0);
+}
+
+CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                        unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh,
+                                        CUstream st, void **p) {
+    return launch(LAUNCH(f, gx, gy, gz, bx, by, bz, sh, st, p, NULL, 1), 1);
+}
+
+/* Attributes other than cooperative change nothing the simulator measures. */
+static CUresult launch_ex(const CUlaunchConfig *cfg, CUfunction f, void **p, void **x, int ptds) {
+    if (!cfg || (cfg->numAttrs && !cfg->attrs)) return CUDA_ERROR_INVALID_VALUE;
+    int coop = 0;
+    for (unsigned int i = 0; i < cfg->numAttrs; i++)
+        if (cfg->attrs[i].id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE) coop = cfg->attrs[i].value.cooperative != 0;
+    return launch(LAUNCH(f, cfg->gridDimX, cfg->gridDimY, cfg->gridDimZ, cfg->blockDimX, cfg->blockDimY,
+                         cfg->blockDimZ, cfg->sharedMemBytes, cfg->hStream, p, x, coop),
+                  ptds);
+}
+
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    return launch_ex(config, f, kernelParams, extra, 0);
+}
+
+CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    return launch_ex(config, f, kernelParams, extra, 1);
+}
+
+/* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */
+SIM_SELF(cuFuncGetAttribute)
+SIM_SELF(cuFuncGetName)
+SIM_SELF(cuFuncSetAttribute)
+SIM_SELF(cuFuncSetCacheConfig)
+SIM_SELF(cuKernelGetFunction)
+SIM_SELF(cuLaunchCooperativeKernel)
+SIM_SELF(cuLaunchCooperativeKernel_ptsz)
+SIM_SELF(cuLaunchKernel)
+SIM_SELF(cuLaunchKernelEx)
+SIM_SELF(cuLaunchKernelEx_ptsz)
+SIM_SELF(cuLaunchKernel_ptsz)
+SIM_SELF(cuLibraryGetKernel)
+SIM_SELF(cuLibraryGetModule)
+SIM_SELF(cuLibraryLoadData)
+SIM_SELF(cuLibraryLoadFromFile)
+SIM_SELF(cuLibraryUnload)
+SIM_SELF(cuModuleGetFunction)
+SIM_SELF(cuModuleLoad)
+SIM_SELF(cuModuleLoadData)
+SIM_SELF(cuModuleLoadDataEx)
+SIM_SELF(cuModuleLoadFatBinary)
+SIM_SELF(cuModuleUnload)

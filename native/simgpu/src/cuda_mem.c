@@ -1,0 +1,485 @@
+/* Device memory: the process's address table, cuMemAlloc and its pitch/managed/host forms,
+ * arrays, cuMemGetInfo, cuPointerGetAttribute.
+ *
+ * Device memory is real host memory, so copies and memsets really move data: an allocation is
+ * an anonymous MAP_NORESERVE mapping (no RAM until touched) whose address is the CUdeviceptr.
+ * The node is charged the bytes a real driver would take from the GPU; the table remembers
+ * what each allocation charged so its free gives back exactly that. */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cuda_internal.h"
+
+/* --- the address table: allocations and VMM mappings, sorted by base ---------------------- */
+
+static struct sim_alloc **g_tab;
+static size_t g_n, g_cap;
+
+/* Index of the last entry whose base <= p, or -1. */
+static long floor_index(uintptr_t p) {
+    long lo = 0, hi = (long)g_n - 1, best = -1;
+    while (lo <= hi) {
+        long mid = (lo + hi) / 2;
+        if (g_tab[mid]->base <= p) {
+            best = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return best;
+}
+
+int sim_range_insert(struct sim_alloc *a) {
+    if (g_n == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 256;
+        struct sim_alloc **t = realloc(g_tab, cap * sizeof *t);
+        if (!t) return -1;
+        g_tab = t;
+        g_cap = cap;
+    }
+    size_t at = (size_t)(floor_index(a->base) + 1);
+    memmove(&g_tab[at + 1], &g_tab[at], (g_n - at) * sizeof *g_tab);
+    g_tab[at] = a;
+    g_n++;
+    return 0;
+}
+
+void sim_range_remove(struct sim_alloc *a) {
+    long i = floor_index(a->base);
+    while (i >= 0 && g_tab[i] != a) i--; /* equal bases cannot happen; be safe anyway */
+    if (i < 0) return;
+    memmove(&g_tab[i], &g_tab[i + 1], (g_n - (size_t)i - 1) * sizeof *g_tab);
+    g_n--;
+}
+
+struct sim_alloc *sim_range_find(uintptr_t p) {
+    long i = floor_index(p);
+    if (i < 0) return NULL;
+    struct sim_alloc *a = g_tab[i];
+    return p < a->base + a->size ? a : NULL;
+}
+
+CUresult sim_range_check(uintptr_t p, size_t n, int write) {
+    if (n == 0) return CUDA_SUCCESS;
+    if (p + n < p) return CUDA_ERROR_INVALID_VALUE;
+    /* Walk adjacent entries: a copy may span several VMM mappings of one reserved range. */
+    for (uintptr_t cur = p; cur < p + n;) {
+        struct sim_alloc *a = sim_range_find(cur);
+        if (!a) return CUDA_ERROR_INVALID_VALUE;
+        if (a->kind == SIM_MEM_VMM && (!(a->prot & PROT_READ) || (write && !(a->prot & PROT_WRITE))))
+            return CUDA_ERROR_INVALID_VALUE;
+        cur = a->base + a->size;
+    }
+    return CUDA_SUCCESS;
+}
+
+void *sim_map_anon(size_t len, int low32) {
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+#ifdef MAP_32BIT
+    if (low32) flags |= MAP_32BIT; /* the legacy v1 ABI has 32-bit device pointers */
+#else
+    if (low32) return NULL;
+#endif
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, flags, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static size_t page_round(size_t n) {
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + pg - 1) / pg * pg;
+}
+
+void sim_alloc_destroy_locked(struct sim_alloc *a) {
+    sim_range_remove(a);
+    munmap((void *)a->base, a->map_len);
+    if (a->kind == SIM_MEM_ASYNC) sim_pool_return_locked(a->pool, a->size);
+    else if (a->charged) simgpu_mem_uncharge(a->phys, a->charged);
+    free(a);
+}
+
+/* Map `size` bytes for ctx, charged `charge` (already taken by the caller), and record it. */
+static CUresult record_alloc(struct CUctx_st *ctx, uint32_t phys, size_t size, uint64_t charge, enum sim_mem_kind kind,
+                             int low32, void **out) {
+    size_t len = page_round(size);
+    void *p = sim_map_anon(len, low32);
+    struct sim_alloc *a = p ? calloc(1, sizeof *a) : NULL;
+    if (!a) {
+        if (p) munmap(p, len);
+        if (charge) simgpu_mem_uncharge(phys, charge);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *a = (struct sim_alloc){.base = (uintptr_t)p, .size = size, .map_len = len, .charged = charge, .phys = phys,
+                            .kind = kind, .ctx = ctx};
+    sim_lock();
+    int rc = sim_range_insert(a);
+    sim_unlock();
+    if (rc != 0) {
+        munmap(p, len);
+        if (charge) simgpu_mem_uncharge(phys, charge);
+        free(a);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = p;
+    return CUDA_SUCCESS;
+}
+
+static CUresult device_alloc(size_t size, uint64_t charge, enum sim_mem_kind kind, int low32, CUdeviceptr *dptr) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!dptr || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (simgpu_mem_charge(c->phys, charge) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    void *p = NULL;
+    rc = record_alloc(c, c->phys, size, charge, kind, low32, &p);
+    if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr)(uintptr_t)p;
+    return rc;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    return device_alloc(bytesize, bytesize, SIM_MEM_DEVICE, 0, dptr);
+}
+
+CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize) {
+    CUdeviceptr p = 0;
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = device_alloc(bytesize, bytesize, SIM_MEM_DEVICE, 1, &p);
+    if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr_v1)p;
+    return rc;
+}
+
+/* Rows are padded to SIM_PITCH_ALIGN; the whole pitch x height is what the GPU gives. */
+static CUresult pitch_alloc(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned int elem, int low32) {
+    if (!pitch || width == 0 || height == 0 || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
+    size_t p = (width + SIM_PITCH_ALIGN - 1) / SIM_PITCH_ALIGN * SIM_PITCH_ALIGN;
+    if (height > SIZE_MAX / p) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = device_alloc(p * height, (uint64_t)p * height, SIM_MEM_PITCH, low32, dptr);
+    if (rc == CUDA_SUCCESS) *pitch = p;
+    return rc;
+}
+
+CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height, unsigned int ElementSizeBytes) {
+    return pitch_alloc(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes, 0);
+}
+
+CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes, unsigned int Height,
+                         unsigned int ElementSizeBytes) {
+    CUdeviceptr p = 0;
+    size_t pitch = 0;
+    if (!dptr || !pPitch) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = pitch_alloc(&p, &pitch, WidthInBytes, Height, ElementSizeBytes, 1);
+    if (rc == CUDA_SUCCESS) {
+        *dptr = (CUdeviceptr_v1)p;
+        *pPitch = (unsigned int)pitch;
+    }
+    return rc;
+}
+
+/* Managed memory migrates on demand and never fails for want of GPU memory: it is charged as
+ * resident for what the GPU can hold when it is allocated, the rest stays in host memory. */
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!dptr || bytesize == 0 || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t charge = bytesize;
+    if (simgpu_mem_charge(c->phys, charge) != 0) {
+        uint64_t free_b, total;
+        simgpu_mem_info(c->phys, &free_b, &total);
+        charge = free_b < bytesize ? free_b : bytesize;
+        if (charge && simgpu_mem_charge(c->phys, charge) != 0) charge = 0;
+    }
+    void *p = NULL;
+    rc = record_alloc(c, c->phys, bytesize, charge, SIM_MEM_MANAGED, 0, &p);
+    if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr)(uintptr_t)p;
+    return rc;
+}
+
+static CUresult mem_free(CUdeviceptr dptr) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (dptr == 0) return CUDA_SUCCESS;
+    sim_lock();
+    struct sim_alloc *a = sim_range_find((uintptr_t)dptr);
+    if (!a || a->base != (uintptr_t)dptr || a->kind == SIM_MEM_HOST || a->kind == SIM_MEM_VMM)
+        rc = CUDA_ERROR_INVALID_VALUE; /* not the start of a device allocation */
+    else
+        sim_alloc_destroy_locked(a);
+    sim_unlock();
+    return rc;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) { return mem_free(dptr); }
+CUresult cuMemFree(CUdeviceptr_v1 dptr) { return mem_free(dptr); }
+
+/* --- page-locked host memory: the caller's RAM, never charged to the GPU ------------------ */
+
+static CUresult host_alloc(void **pp, size_t size) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pp || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    return record_alloc(c, c->phys, size, 0, SIM_MEM_HOST, 0, pp);
+}
+
+CUresult cuMemAllocHost_v2(void **pp, size_t bytesize) { return host_alloc(pp, bytesize); }
+CUresult cuMemAllocHost(void **pp, unsigned int bytesize) { return host_alloc(pp, bytesize); }
+
+CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
+    if (Flags & ~(unsigned int)(CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_WRITECOMBINED))
+        return CUDA_ERROR_INVALID_VALUE;
+    return host_alloc(pp, bytesize);
+}
+
+CUresult cuMemFreeHost(void *p) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct sim_alloc *a = sim_range_find((uintptr_t)p);
+    if (!p || !a || a->base != (uintptr_t)p || a->kind != SIM_MEM_HOST) rc = CUDA_ERROR_INVALID_VALUE;
+    else sim_alloc_destroy_locked(a);
+    sim_unlock();
+    return rc;
+}
+
+static CUresult host_device_pointer(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pdptr || Flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    struct sim_alloc *a = sim_range_find((uintptr_t)p);
+    rc = a && a->kind == SIM_MEM_HOST ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    sim_unlock();
+    if (rc == CUDA_SUCCESS) *pdptr = (CUdeviceptr)(uintptr_t)p; /* unified addressing */
+    return rc;
+}
+
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
+    return host_device_pointer(pdptr, p, Flags);
+}
+
+CUresult cuMemHostGetDevicePointer(CUdeviceptr_v1 *pdptr, void *p, unsigned int Flags) {
+    CUdeviceptr d = 0;
+    if (!pdptr) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = host_device_pointer(&d, p, Flags);
+    if (rc == CUDA_SUCCESS && d > 0xffffffffu) rc = CUDA_ERROR_INVALID_VALUE; /* no 32-bit form */
+    if (rc == CUDA_SUCCESS) *pdptr = (CUdeviceptr_v1)d;
+    return rc;
+}
+
+/* --- queries ----------------------------------------------------------------------------- */
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t f, t;
+    simgpu_mem_info(c->phys, &f, &t); /* node-wide: every process's memory counts */
+    *free_bytes = (size_t)f;
+    *total = (size_t)t;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total) {
+    size_t f, t;
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    uint64_t f64, t64;
+    simgpu_mem_info(c->phys, &f64, &t64);
+    f = f64 > 0xffffffffu ? 0xffffffffu : (size_t)f64;
+    t = t64 > 0xffffffffu ? 0xffffffffu : (size_t)t64;
+    *free_bytes = (unsigned int)f;
+    *total = (unsigned int)t;
+    return CUDA_SUCCESS;
+}
+
+static CUresult address_range(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct sim_alloc *a = sim_range_find((uintptr_t)dptr);
+    if (a && a->kind != SIM_MEM_HOST) {
+        if (pbase) *pbase = a->base;
+        if (psize) *psize = a->size;
+    } else {
+        rc = CUDA_ERROR_NOT_FOUND;
+    }
+    sim_unlock();
+    return rc;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+    return address_range(pbase, psize, dptr);
+}
+
+CUresult cuMemGetAddressRange(CUdeviceptr_v1 *pbase, unsigned int *psize, CUdeviceptr_v1 dptr) {
+    CUdeviceptr b = 0;
+    size_t n = 0;
+    CUresult rc = address_range(&b, &n, dptr);
+    if (rc == CUDA_SUCCESS && pbase) *pbase = (CUdeviceptr_v1)b;
+    if (rc == CUDA_SUCCESS && psize) *psize = (unsigned int)n;
+    return rc;
+}
+
+CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    struct sim_alloc *a = sim_range_find((uintptr_t)ptr);
+    struct sim_alloc copy;
+    if (a) copy = *a;
+    sim_unlock();
+    if (!a) return CUDA_ERROR_INVALID_VALUE;
+    int dev = 0;
+    for (int i = 0; i < sim_proc.ndev; i++)
+        if (sim_proc.phys[i] == copy.phys) dev = i;
+    switch (attribute) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = copy.ctx; break;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        *(unsigned int *)data = copy.kind == SIM_MEM_HOST ? CU_MEMORYTYPE_HOST : CU_MEMORYTYPE_DEVICE;
+        break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER: *(CUdeviceptr *)data = ptr; break;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+        if (copy.kind != SIM_MEM_HOST && copy.kind != SIM_MEM_MANAGED) return CUDA_ERROR_INVALID_VALUE;
+        *(void **)data = (void *)(uintptr_t)ptr;
+        break;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(int *)data = copy.kind == SIM_MEM_MANAGED; break;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = dev; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = copy.base; break;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = copy.size; break;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(int *)data = 1; break;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *(CUmemoryPool *)data = copy.pool; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* --- arrays: opaque, charged by their byte size ------------------------------------------ */
+
+struct CUarray_st {
+    uint32_t magic;
+    uint32_t phys;
+    uint64_t charged;
+    struct CUctx_st *ctx;
+    struct CUarray_st *next;
+};
+
+static struct CUarray_st *g_arrays;
+
+static size_t format_bytes(CUarray_format f) {
+    switch ((int)f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: case CU_AD_FORMAT_UNORM_INT8X1:
+    case CU_AD_FORMAT_SNORM_INT8X1: return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16: case CU_AD_FORMAT_HALF:
+    case CU_AD_FORMAT_UNORM_INT8X2: case CU_AD_FORMAT_SNORM_INT8X2: case CU_AD_FORMAT_UNORM_INT16X1:
+    case CU_AD_FORMAT_SNORM_INT16X1: return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32: case CU_AD_FORMAT_SIGNED_INT32: case CU_AD_FORMAT_FLOAT:
+    case CU_AD_FORMAT_UNORM_INT8X4: case CU_AD_FORMAT_SNORM_INT8X4: case CU_AD_FORMAT_UNORM_INT16X2:
+    case CU_AD_FORMAT_SNORM_INT16X2: return 4;
+    case CU_AD_FORMAT_UNORM_INT16X4: case CU_AD_FORMAT_SNORM_INT16X4: return 8;
+    default: return 0;
+    }
+}
+
+static CUresult array_create(CUarray *pHandle, size_t w, size_t h, size_t d, CUarray_format fmt, unsigned int ch) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    size_t elem = format_bytes(fmt);
+    if (!pHandle || w == 0 || elem == 0 || (ch != 1 && ch != 2 && ch != 4)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes = (uint64_t)w * (h ? h : 1) * (d ? d : 1) * elem * ch;
+    struct CUarray_st *arr = calloc(1, sizeof *arr);
+    if (!arr) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (simgpu_mem_charge(c->phys, bytes) != 0) {
+        free(arr);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *arr = (struct CUarray_st){.magic = SIM_ARRAY_MAGIC, .phys = c->phys, .charged = bytes, .ctx = c};
+    sim_lock();
+    arr->next = g_arrays;
+    g_arrays = arr;
+    sim_unlock();
+    *pHandle = arr;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels);
+}
+
+CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels);
+}
+
+CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+}
+
+CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+}
+
+static void array_unlink_locked(struct CUarray_st **link) {
+    struct CUarray_st *arr = *link;
+    *link = arr->next;
+    simgpu_mem_uncharge(arr->phys, arr->charged);
+    free(arr);
+}
+
+CUresult cuArrayDestroy(CUarray hArray) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUarray_st **link = &g_arrays;
+    while (*link && *link != hArray) link = &(*link)->next;
+    if (*link) array_unlink_locked(link);
+    else rc = CUDA_ERROR_INVALID_HANDLE;
+    sim_unlock();
+    return rc;
+}
+
+void sim_mem_free_ctx_locked(struct CUctx_st *ctx) {
+    for (size_t i = g_n; i-- > 0;)
+        if (g_tab[i]->ctx == ctx) sim_alloc_destroy_locked(g_tab[i]);
+    for (struct CUarray_st **link = &g_arrays; *link;) {
+        if ((*link)->ctx == ctx) array_unlink_locked(link);
+        else link = &(*link)->next;
+    }
+}
+
+/* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */
+SIM_SELF(cuArray3DCreate)
+SIM_SELF(cuArray3DCreate_v2)
+SIM_SELF(cuArrayCreate)
+SIM_SELF(cuArrayCreate_v2)
+SIM_SELF(cuArrayDestroy)
+SIM_SELF(cuMemAlloc)
+SIM_SELF(cuMemAllocHost)
+SIM_SELF(cuMemAllocHost_v2)
+SIM_SELF(cuMemAllocManaged)
+SIM_SELF(cuMemAllocPitch)
+SIM_SELF(cuMemAllocPitch_v2)
+SIM_SELF(cuMemAlloc_v2)
+SIM_SELF(cuMemFree)
+SIM_SELF(cuMemFreeHost)
+SIM_SELF(cuMemFree_v2)
+SIM_SELF(cuMemGetAddressRange)
+SIM_SELF(cuMemGetAddressRange_v2)
+SIM_SELF(cuMemGetInfo)
+SIM_SELF(cuMemGetInfo_v2)
+SIM_SELF(cuMemHostAlloc)
+SIM_SELF(cuMemHostGetDevicePointer)
+SIM_SELF(cuMemHostGetDevicePointer_v2)
+SIM_SELF(cuPointerGetAttribute)

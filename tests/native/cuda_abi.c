@@ -1,0 +1,91 @@
+/* Prints the ABI facts a caller of the driver depends on: constants, struct sizes and field
+ * offsets, and which entry point each API name maps to. Built against NVIDIA's cuda.h and
+ * against our compat header, the two outputs must be identical (test_simgpu_cuda.py). */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuda_test.h"
+
+#define VAL(x) printf("%s=%lld\n", #x, (long long)(x));
+#define SIZE(t) printf("sizeof(%s)=%zu\n", #t, sizeof(t));
+#define OFF(t, f) printf("offsetof(%s,%s)=%zu\n", #t, #f, offsetof(t, f));
+#define STR_(x) #x
+#define MAPS(x) printf("%s->%s\n", #x, STR_(x));
+
+static void constants(void) {
+    VAL(CUDA_VERSION)
+    VAL(CUDA_SUCCESS) VAL(CUDA_ERROR_INVALID_VALUE) VAL(CUDA_ERROR_OUT_OF_MEMORY) VAL(CUDA_ERROR_NOT_INITIALIZED)
+    VAL(CUDA_ERROR_DEINITIALIZED) VAL(CUDA_ERROR_NO_DEVICE) VAL(CUDA_ERROR_INVALID_DEVICE) VAL(CUDA_ERROR_INVALID_IMAGE)
+    VAL(CUDA_ERROR_INVALID_CONTEXT) VAL(CUDA_ERROR_FILE_NOT_FOUND) VAL(CUDA_ERROR_INVALID_HANDLE)
+    VAL(CUDA_ERROR_ILLEGAL_STATE) VAL(CUDA_ERROR_NOT_FOUND) VAL(CUDA_ERROR_NOT_READY) VAL(CUDA_ERROR_ILLEGAL_ADDRESS)
+    VAL(CUDA_ERROR_LAUNCH_FAILED) VAL(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) VAL(CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    VAL(CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE) VAL(CUDA_ERROR_UNSUPPORTED_LIMIT) VAL(CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY)
+    VAL(CUDA_ERROR_NOT_PERMITTED) VAL(CUDA_ERROR_NOT_SUPPORTED) VAL(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    VAL(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) VAL(CUDA_ERROR_KEY_ROTATION) VAL(CUDA_ERROR_UNKNOWN)
+    VAL(CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK) VAL(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    VAL(CU_DEVICE_ATTRIBUTE_PCI_BUS_ID) VAL(CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID) VAL(CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)
+    VAL(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) VAL(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    VAL(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING) VAL(CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)
+    VAL(CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH) VAL(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+    VAL(CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) VAL(CU_DEVICE_ATTRIBUTE_NUMA_ID)
+    VAL(CU_DEVICE_ATTRIBUTE_GPU_PCI_DEVICE_ID) VAL(CU_DEVICE_ATTRIBUTE_MAX)
+    VAL(CU_CTX_SCHED_BLOCKING_SYNC) VAL(CU_CTX_MAP_HOST) VAL(CU_CTX_FLAGS_MASK) VAL(CU_LIMIT_MALLOC_HEAP_SIZE)
+    VAL(CU_LIMIT_MAX) VAL(CU_STREAM_NON_BLOCKING) VAL(CU_EVENT_DISABLE_TIMING) VAL(CU_EVENT_INTERPROCESS)
+    VAL(CU_EVENT_RECORD_EXTERNAL) VAL(CU_EVENT_WAIT_EXTERNAL) VAL(CU_MEM_ATTACH_GLOBAL) VAL(CU_MEM_ATTACH_HOST)
+    VAL(CU_MEMORYTYPE_DEVICE) VAL(CU_POINTER_ATTRIBUTE_RANGE_SIZE) VAL(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)
+    VAL(CU_AD_FORMAT_FLOAT) VAL(CU_AD_FORMAT_SNORM_INT16X4) VAL(CU_MEM_ALLOCATION_TYPE_PINNED)
+    VAL(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) VAL(CU_MEM_LOCATION_TYPE_DEVICE) VAL(CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    VAL(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED) VAL(CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) VAL(CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+    VAL(CU_STREAM_CAPTURE_STATUS_INVALIDATED) VAL(CU_STREAM_CAPTURE_MODE_RELAXED)
+    VAL(CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY) VAL(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+    VAL(CU_FUNC_ATTRIBUTE_MAX) VAL(CU_FUNC_CACHE_PREFER_EQUAL) VAL(CU_JIT_NUM_OPTIONS) VAL(CU_LIBRARY_NUM_OPTIONS)
+    VAL(CU_LAUNCH_ATTRIBUTE_COOPERATIVE) VAL(CU_LAUNCH_ATTRIBUTE_PRIORITY)
+    VAL(CU_LAUNCH_ATTRIBUTE_NVLINK_UTIL_CENTRIC_SCHEDULING) VAL(CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)
+    VAL(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT) VAL(CU_EXEC_AFFINITY_TYPE_SM_COUNT)
+    VAL((intptr_t)CU_STREAM_LEGACY) VAL((intptr_t)CU_STREAM_PER_THREAD) VAL((intptr_t)CU_LAUNCH_PARAM_BUFFER_POINTER)
+    VAL((intptr_t)CU_LAUNCH_PARAM_BUFFER_SIZE) VAL((intptr_t)CU_LAUNCH_PARAM_END) VAL(CU_MEMHOSTALLOC_DEVICEMAP)
+}
+
+static void layouts(void) {
+    SIZE(CUdeviceptr) SIZE(CUdevice) SIZE(CUuuid) SIZE(CUmemGenericAllocationHandle) SIZE(CUresult)
+    SIZE(CUDA_ARRAY_DESCRIPTOR) OFF(CUDA_ARRAY_DESCRIPTOR, Format) OFF(CUDA_ARRAY_DESCRIPTOR, NumChannels)
+    SIZE(CUDA_ARRAY3D_DESCRIPTOR) OFF(CUDA_ARRAY3D_DESCRIPTOR, Depth) OFF(CUDA_ARRAY3D_DESCRIPTOR, Flags)
+    SIZE(CUmemLocation) SIZE(CUmemAccessDesc) OFF(CUmemAccessDesc, flags)
+    SIZE(CUmemAllocationProp) OFF(CUmemAllocationProp, location) OFF(CUmemAllocationProp, win32HandleMetaData)
+    OFF(CUmemAllocationProp, allocFlags)
+    SIZE(CUmemPoolProps) OFF(CUmemPoolProps, maxSize) OFF(CUmemPoolProps, usage) OFF(CUmemPoolProps, reserved)
+    SIZE(CUexecAffinityParam) SIZE(CUctxCreateParams) OFF(CUctxCreateParams, cigParams)
+    SIZE(CUlaunchAttributeValue) SIZE(CUlaunchAttribute) OFF(CUlaunchAttribute, value)
+    SIZE(CUlaunchConfig) OFF(CUlaunchConfig, hStream) OFF(CUlaunchConfig, attrs) OFF(CUlaunchConfig, numAttrs)
+    SIZE(CUDA_KERNEL_NODE_PARAMS) OFF(CUDA_KERNEL_NODE_PARAMS, kernelParams) OFF(CUDA_KERNEL_NODE_PARAMS, kern)
+    OFF(CUDA_KERNEL_NODE_PARAMS, ctx) SIZE(CUDA_KERNEL_NODE_PARAMS_v1)
+    printf("alignof(CUlaunchAttribute)=%zu\n", _Alignof(CUlaunchAttribute));
+    printf("alignof(CUmemPoolProps)=%zu\n", _Alignof(CUmemPoolProps));
+}
+
+static void mapping(void) {
+    MAPS(cuCtxCreate) MAPS(cuCtxDestroy) MAPS(cuCtxPushCurrent) MAPS(cuCtxPopCurrent) MAPS(cuDeviceTotalMem)
+    MAPS(cuDeviceGetUuid) MAPS(cuDevicePrimaryCtxRelease) MAPS(cuDevicePrimaryCtxReset)
+    MAPS(cuDevicePrimaryCtxSetFlags) MAPS(cuMemGetInfo) MAPS(cuMemAlloc) MAPS(cuMemAllocPitch) MAPS(cuMemFree)
+    MAPS(cuMemAllocHost) MAPS(cuMemGetAddressRange) MAPS(cuMemHostGetDevicePointer) MAPS(cuArrayCreate)
+    MAPS(cuArray3DCreate) MAPS(cuMemcpyHtoD) MAPS(cuMemcpyDtoH) MAPS(cuMemcpyDtoD) MAPS(cuMemcpyHtoDAsync)
+    MAPS(cuMemcpyDtoHAsync) MAPS(cuMemcpyDtoDAsync) MAPS(cuMemcpy) MAPS(cuMemcpyAsync) MAPS(cuMemsetD8)
+    MAPS(cuMemsetD16) MAPS(cuMemsetD32) MAPS(cuMemsetD8Async) MAPS(cuMemsetD32Async) MAPS(cuStreamDestroy)
+    MAPS(cuEventDestroy) MAPS(cuEventElapsedTime) MAPS(cuEventRecord) MAPS(cuStreamSynchronize) MAPS(cuStreamQuery)
+    MAPS(cuStreamWaitEvent) MAPS(cuStreamBeginCapture) MAPS(cuStreamEndCapture) MAPS(cuStreamIsCapturing)
+    MAPS(cuStreamGetCtx) MAPS(cuLaunchKernel) MAPS(cuLaunchKernelEx) MAPS(cuLaunchCooperativeKernel)
+    MAPS(cuGraphInstantiate) MAPS(cuGraphAddKernelNode) MAPS(cuGraphLaunch) MAPS(cuMemAllocAsync)
+    MAPS(cuMemFreeAsync) MAPS(cuMemAllocFromPoolAsync) MAPS(cuGetProcAddress) MAPS(cuInit) MAPS(cuMemCreate)
+}
+
+int main(void) {
+#ifdef VGPU_COMPAT_CUDA_TYPES_H
+    printf("header=compat\n");
+#else
+    printf("header=nvidia\n");
+#endif
+    constants();
+    layouts();
+    mapping();
+    return 0;
+}

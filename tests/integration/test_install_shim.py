@@ -8,6 +8,7 @@ import selectors
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,3 +233,37 @@ def test_reinstalling_an_older_build_marks_it_current_without_rewriting_it(
     assert first.shim_path.stat().st_mtime > second.shim_path.stat().st_mtime
     # v1 is current again, so v2 was superseded just now: a live allocation may use it.
     assert install.install_shim(root, shim_build, keep=1, live_since=1500).pruned_versions == ()
+
+
+def test_the_command_reports_what_it_did(
+    tmp_path: Path, shim_build: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    install.add_flags(parser)
+    args = parser.parse_args(["--host-root", str(tmp_path / "host"), "--source", str(shim_build)])
+    assert install.run(args) == 0
+    assert "installed" in capsys.readouterr().out
+    assert install.run(args) == 0
+    out = capsys.readouterr().out
+    assert "already installed" in out and "up to date" in out
+    bad = parser.parse_args(["--host-root", str(tmp_path / "h2"), "--source", "/nonexistent"])
+    assert install.run(bad) == 1
+    assert "/nonexistent" in capsys.readouterr().err
+
+
+def test_live_since_is_unknown_when_a_container_has_no_record(tmp_path: Path) -> None:
+    from vgpu_plugin.state import AllocationRecord, AllocationStore
+
+    root, state = tmp_path / "host", tmp_path / "state"
+    (root / "containers").mkdir(parents=True)
+    before = time.time()
+    assert (install.live_since(root, state) or 0) >= before  # nothing runs: now
+    store = AllocationStore(state)
+    for alloc_id, created in (("a", 500.0), ("b", 300.0)):
+        store.add(AllocationRecord(alloc_id, (f"GPU-x-{alloc_id}",), "r/g", created))
+        (root / "containers" / alloc_id).mkdir()
+    assert install.live_since(root, state) == 300.0
+    (root / "containers" / "unknown").mkdir()
+    assert install.live_since(root, state) is None

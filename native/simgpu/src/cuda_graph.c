@@ -16,12 +16,14 @@ struct CUgraphNode_st {
 };
 
 struct CUgraph_st {
+    struct sim_link link; /* first: see cuda_internal.h */
     uint32_t magic;
     size_t n, cap;
     struct CUgraphNode_st **nodes;
 };
 
 struct CUgraphExec_st {
+    struct sim_link link;
     uint32_t magic;
     size_t n;
     uint64_t *dur_ns; /* the kernels, in order */
@@ -31,13 +33,17 @@ static CUresult graph_valid(const struct CUgraph_st *g) {
     return g && g->magic == SIM_GRAPH_MAGIC ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-static struct CUgraph_st *graph_new(void) {
+/* Both with sim_lock held. */
+static struct CUgraph_st *graph_new_locked(void) {
     struct CUgraph_st *g = calloc(1, sizeof *g);
-    if (g) g->magic = SIM_GRAPH_MAGIC;
+    if (!g) return NULL;
+    g->magic = SIM_GRAPH_MAGIC;
+    sim_link_add_locked(&g->link);
     return g;
 }
 
-static void graph_free(struct CUgraph_st *g) {
+static void graph_free_locked(struct CUgraph_st *g) {
+    sim_link_del_locked(&g->link);
     for (size_t i = 0; i < g->n; i++) {
         g->nodes[i]->magic = 0;
         free(g->nodes[i]);
@@ -81,7 +87,7 @@ static CUresult begin_capture(CUstream h, CUstreamCaptureMode mode, int ptds) {
     if (rc == CUDA_SUCCESS && s->kind == SIM_STREAM_LEGACY) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     else if (rc == CUDA_SUCCESS && s->capture) rc = CUDA_ERROR_ILLEGAL_STATE;
     if (rc == CUDA_SUCCESS) {
-        s->capture = graph_new();
+        s->capture = graph_new_locked();
         s->capture_invalid = 0;
         if (!s->capture) rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -105,7 +111,7 @@ static CUresult end_capture(CUstream h, CUgraph *phGraph, int ptds) {
         struct CUgraph_st *g = s->capture;
         s->capture = NULL;
         if (s->capture_invalid) {
-            graph_free(g);
+            graph_free_locked(g);
             *phGraph = NULL;
             rc = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
         } else {
@@ -143,15 +149,20 @@ CUresult cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
     if (!phGraph || flags != 0) return CUDA_ERROR_INVALID_VALUE;
-    *phGraph = graph_new();
+    sim_lock();
+    *phGraph = graph_new_locked();
+    sim_unlock();
     return *phGraph ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 CUresult cuGraphDestroy(CUgraph hGraph) {
     CUresult rc = sim_ready();
     if (rc == CUDA_SUCCESS) rc = graph_valid(hGraph);
-    if (rc == CUDA_SUCCESS) graph_free(hGraph);
-    return rc;
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    graph_free_locked(hGraph);
+    sim_unlock();
+    return CUDA_SUCCESS;
 }
 
 static CUresult add_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps, struct CUfunc_st *f,
@@ -230,6 +241,9 @@ static CUresult instantiate(CUgraphExec *ph, CUgraph g, unsigned long long flags
     }
     x->magic = SIM_EXEC_MAGIC;
     x->dur_ns = d;
+    sim_lock();
+    sim_link_add_locked(&x->link);
+    sim_unlock();
     for (size_t i = 0; i < g->n; i++)
         if (g->nodes[i]->kernel) x->dur_ns[x->n++] = g->nodes[i]->dur_ns;
     *ph = x;
@@ -257,7 +271,10 @@ CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
     if (!hGraphExec || hGraphExec->magic != SIM_EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
     hGraphExec->magic = 0;
+    sim_link_del_locked(&hGraphExec->link);
+    sim_unlock();
     free(hGraphExec->dur_ns);
     free(hGraphExec);
     return CUDA_SUCCESS;

@@ -16,6 +16,21 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static atomic_int g_ready; /* 1 once cuInit succeeded */
 static atomic_ullong g_ids;
 
+static struct sim_link g_live = {&g_live, &g_live};
+
+void sim_link_add_locked(struct sim_link *l) {
+    l->next = g_live.next;
+    l->prev = &g_live;
+    g_live.next->prev = l;
+    g_live.next = l;
+}
+
+void sim_link_del_locked(struct sim_link *l) {
+    l->prev->next = l->next;
+    l->next->prev = l->prev;
+    l->prev = l->next = l;
+}
+
 void sim_lock(void) { pthread_mutex_lock(&sim_proc.mu); }
 void sim_unlock(void) { pthread_mutex_unlock(&sim_proc.mu); }
 unsigned long long sim_next_id(void) { return atomic_fetch_add(&g_ids, 1) + 1; }

@@ -83,7 +83,14 @@ struct CUctx_st {
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
 };
 
+/* Handles the caller may never destroy stay linked in a process list, so leak checkers (our
+ * sanitizer builds) see them reachable, as a real driver's handles are until exit. */
+struct sim_link {
+    struct sim_link *prev, *next;
+};
+
 struct CUevent_st {
+    struct sim_link link; /* first: the list holds these */
     uint32_t magic;
     unsigned int flags;
     int recorded;
@@ -166,6 +173,9 @@ struct sim_process {
 extern struct sim_process sim_proc SIM_HIDDEN;
 
 SIM_HIDDEN void sim_lock(void);
+/* Keep / drop a handle in the process's list of live handles (sim_lock held). */
+SIM_HIDDEN void sim_link_add_locked(struct sim_link *l);
+SIM_HIDDEN void sim_link_del_locked(struct sim_link *l);
 SIM_HIDDEN void sim_unlock(void);
 SIM_HIDDEN unsigned long long sim_next_id(void);
 SIM_HIDDEN uint64_t sim_max64(uint64_t a, uint64_t b);

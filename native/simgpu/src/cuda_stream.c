@@ -339,6 +339,9 @@ CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
     if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = SIM_EVENT_MAGIC;
     e->flags = Flags;
+    sim_lock();
+    sim_link_add_locked(&e->link);
+    sim_unlock();
     *phEvent = e;
     return CUDA_SUCCESS;
 }
@@ -416,7 +419,10 @@ static CUresult event_destroy(CUevent e) {
     CUresult rc = sim_ready();
     if (rc == CUDA_SUCCESS) rc = event_check(e);
     if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
     e->magic = 0;
+    sim_link_del_locked(&e->link);
+    sim_unlock();
     free(e);
     return CUDA_SUCCESS;
 }

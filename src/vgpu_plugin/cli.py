@@ -1,4 +1,4 @@
-"""The ``vgpu-plugin`` command line."""
+"""The ``vgpu-plugin`` command line. Each command's work lives in its own module."""
 
 from __future__ import annotations
 
@@ -7,8 +7,22 @@ import sys
 from collections.abc import Callable, Sequence
 
 from vgpu_plugin import __version__
+from vgpu_plugin.settings import add_serve_flags
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vgpu_plugin import serve
+    from vgpu_plugin.settings import settings_from
+
+    return serve.run(settings_from(args))
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from vgpu_plugin import check_config
+
+    return check_config.run(args)
 
 
 def _not_yet(name: str) -> Handler:
@@ -20,17 +34,26 @@ def _not_yet(name: str) -> Handler:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vgpu_plugin import check_config
+
     parser = argparse.ArgumentParser(
         prog="vgpu-plugin", description="Fractional GPU sharing for Kubernetes."
     )
     parser.add_argument("--version", action="version", version=f"vgpu-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+
+    p = sub.add_parser("serve", help="run the device plugin (the DaemonSet's command)")
+    add_serve_flags(p)
+    p.set_defaults(handler=_serve)
+
+    p = sub.add_parser("check-config", help="validate a config file and print the per-GPU plan")
+    check_config.add_flags(p)
+    p.set_defaults(handler=_check_config)
+
     for name, text in (
         ("demo", "run a whole simulated GPU node and show the limits at work"),
-        ("serve", "run the device plugin (the DaemonSet's command)"),
         ("status", "show the node's GPUs, slices and containers"),
-        ("check-config", "validate a config file and print the per-GPU plan"),
         ("install-shim", "install the shim and ld.so.preload into the host root"),
     ):
         p = sub.add_parser(name, help=text)

@@ -39,6 +39,20 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
     os.replace(tmp, path)
 
 
+def advertised_devices(plan: NodePlan, unhealthy: Mapping[str, str]) -> list[pb.Device]:
+    """Every slice of the plan as the kubelet sees it, with its GPU's health and NUMA node."""
+    out: list[pb.Device] = []
+    for g in plan.gpus:
+        health = UNHEALTHY if g.gpu.uuid in unhealthy else HEALTHY
+        topology = (
+            pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.gpu.numa_node)])
+            if g.gpu.numa_node is not None
+            else None
+        )
+        out.extend(pb.Device(ID=s.id, health=health, topology=topology) for s in g.slices)
+    return out
+
+
 class VgpuBackend:
     """Implements ``backend.Backend`` for one resource over the node's GPUs."""
 
@@ -81,17 +95,7 @@ class VgpuBackend:
         return default_options()
 
     def devices(self) -> list[pb.Device]:
-        plan, unhealthy = self._plan, self._unhealthy
-        out: list[pb.Device] = []
-        for g in plan.gpus:
-            health = UNHEALTHY if g.gpu.uuid in unhealthy else HEALTHY
-            topology = (
-                pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.gpu.numa_node)])
-                if g.gpu.numa_node is not None
-                else None
-            )
-            out.extend(pb.Device(ID=s.id, health=health, topology=topology) for s in g.slices)
-        return out
+        return advertised_devices(self._plan, self._unhealthy)
 
     def wait_for_change(self, timeout: float) -> bool:
         with self._cond:

@@ -1,0 +1,184 @@
+"""``vgpu-plugin serve``: the DaemonSet's process, wiring the edges around the backend.
+
+Start-up order matters to the kubelet: everything that can refuse to start (config, NVML,
+shim, device-list size) is checked before the socket is served and Register is called, so a
+broken node never advertises devices it cannot allocate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+
+from vgpu_plugin.backend import ListTooLargeError
+from vgpu_plugin.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
+from vgpu_plugin.core.config import Config, ConfigError, default_config
+from vgpu_plugin.health import HealthTracker
+from vgpu_plugin.install import ShimNotInstalled, installed_shim_version
+from vgpu_plugin.logs import setup_logging
+from vgpu_plugin.nvml import HealthWatcher, NvmlUnavailable, discover, nvml_session
+from vgpu_plugin.plugin import VgpuBackend
+from vgpu_plugin.server import DevicePluginServer
+from vgpu_plugin.settings import ServeSettings
+from vgpu_plugin.state import AllocationStore
+
+log = logging.getLogger("vgpu_plugin.serve")
+
+# Exit codes a DaemonSet's operator can tell apart in `kubectl describe`.
+EXIT_CONFIG = 2
+EXIT_NODE = 3
+
+
+class StartupError(RuntimeError):
+    """The plugin cannot start on this node; the message says what to fix."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _with_host_root(config: Config, host_root: str | None) -> Config:
+    return config if host_root is None else dataclasses.replace(config, host_root=host_root)
+
+
+def _load_config(
+    settings: ServeSettings, watcher: ConfigWatcher
+) -> tuple[Config, Mapping[str, str]]:
+    if not settings.config.exists():
+        log.warning("config %s does not exist: running with the defaults", settings.config)
+        try:
+            return default_config(), read_node_labels(settings.node_labels_file)
+        except (OSError, NodeLabelsError) as exc:
+            raise StartupError(f"node labels: {exc}", EXIT_CONFIG) from exc
+    try:
+        return watcher.load_initial()
+    except (ConfigError, NodeLabelsError, OSError) as exc:
+        raise StartupError(f"config {settings.config} is invalid: {exc}", EXIT_CONFIG) from exc
+
+
+class Plugin:
+    """Everything ``serve`` runs, started and stopped as one."""
+
+    def __init__(
+        self, settings: ServeSettings, shim_version: Callable[[str], str] | None = None
+    ) -> None:
+        self.settings = settings
+        self._shim_version = shim_version or _installed_shim_version
+        self._stop = threading.Event()
+        self._server: DevicePluginServer | None = None
+        self._health: HealthWatcher | None = None
+        self._watcher = ConfigWatcher(settings.config, settings.node_labels_file, self._on_config)
+        self.backend: VgpuBackend | None = None
+
+    def start(self) -> None:
+        s = self.settings
+        config, labels = _load_config(s, self._watcher)
+        config = _with_host_root(config, s.host_root)
+        try:
+            with nvml_session():
+                gpus = discover()
+        except NvmlUnavailable as exc:
+            raise StartupError(
+                f"{exc}: is the NVIDIA driver loaded on this node?", EXIT_NODE
+            ) from exc
+        if not gpus:
+            log.warning("NVML reports no GPU on this node: advertising no devices")
+        version = self._shim_version(config.host_root)
+        store = AllocationStore(s.state_dir)
+        try:
+            self.backend = VgpuBackend(
+                gpus, config, s.node_name, labels, store, version, s.lock_dir
+            )
+        except ListTooLargeError as exc:
+            raise StartupError(str(exc), EXIT_CONFIG) from exc
+        for g in self.backend.plan.gpus:
+            log.info(
+                "GPU %d %s %s: %d slices of %d MiB, compute %d%%",
+                g.gpu.index,
+                g.gpu.uuid,
+                g.gpu.name,
+                len(g.slices),
+                g.slice_memory_mib,
+                g.slice_compute_percent,
+            )
+        log.info("%d allocation records on file in %s", len(store.all()), s.state_dir)
+        tracker = HealthTracker(
+            [g.uuid for g in gpus],
+            ignored_xids=frozenset(config.health.ignored_xids),
+            recovery_seconds=config.health.recovery_seconds,
+        )
+        self._health = HealthWatcher(tracker, [g.uuid for g in gpus], self.backend.apply_health)
+        self._health.start()
+        self._server = DevicePluginServer(self.backend, config.resource_name, s.device_plugin_dir)
+        self._server.start()
+        self._watcher.start()
+
+    def _on_config(self, config: Config, labels: Mapping[str, str]) -> None:
+        backend = self.backend
+        if backend is None:
+            return
+        config = _with_host_root(config, self.settings.host_root)
+        old_resource = backend.config.resource_name
+        try:
+            backend.apply_config(config, labels)
+        except (ValueError, ListTooLargeError) as exc:
+            log.error("config refused, keeping the running one: %s", exc)
+            return
+        if config.resource_name != old_resource and self._server is not None:
+            # The kubelet knows a plugin by its resource name: serve and register anew.
+            log.info(
+                "resource name %s -> %s: registering again", old_resource, config.resource_name
+            )
+            self._server.stop()
+            self._server = DevicePluginServer(
+                backend, config.resource_name, self.settings.device_plugin_dir
+            )
+            self._server.start()
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._watcher.stop()
+        if self._server is not None:
+            self._server.stop()
+        if self._health is not None:
+            self._health.stop()
+        log.info("stopped")
+
+
+def _installed_shim_version(host_root: str) -> str:
+    try:
+        return installed_shim_version(Path(host_root))
+    except ShimNotInstalled as exc:
+        raise StartupError(str(exc), EXIT_NODE) from exc
+
+
+def run(settings: ServeSettings) -> int:
+    setup_logging(settings.log_format, settings.log_level)
+    logging.getLogger("filelock").setLevel(logging.WARNING)  # one line per lock is noise
+    plugin = Plugin(settings)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        plugin.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        plugin.start()
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        plugin.stop()
+        return exc.code
+    plugin.wait()
+    plugin.stop()
+    return 0

@@ -1,0 +1,100 @@
+"""``serve`` settings: every flag has an environment variable (DESIGN 3.8), for the DaemonSet."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    env: str
+    default: str | None
+    help: str
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("config", "VGPU_CONFIG", "/etc/vgpu-plugin/config.yaml", "config file (YAML)"),
+    Flag(
+        "device-plugin-dir",
+        "VGPU_DEVICE_PLUGIN_DIR",
+        "/var/lib/kubelet/device-plugins",
+        "the kubelet's device-plugin socket dir",
+    ),
+    Flag(
+        "pod-resources-socket",
+        "VGPU_POD_RESOURCES_SOCKET",
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "the kubelet's pod-resources socket",
+    ),
+    Flag(
+        "host-root",
+        "VGPU_HOST_ROOT",
+        None,
+        "host dir of the shim, limits and container dirs (default: the config's hostRoot, "
+        "/usr/local/vgpu)",
+    ),
+    Flag("state-dir", "VGPU_STATE_DIR", "/var/lib/vgpu-plugin", "allocation records"),
+    Flag("lock-dir", "VGPU_LOCK_DIR", "/tmp/vgpulock", "node-wide per-GPU lock dir"),
+    Flag("node-name", "NODE_NAME", None, "this node's name (default: the host name)"),
+    Flag(
+        "node-labels-file",
+        "VGPU_NODE_LABELS_FILE",
+        None,
+        "node labels as key=value lines, for config overrides",
+    ),
+    Flag("metrics-address", "VGPU_METRICS_ADDRESS", ":9400", "Prometheus metrics address"),
+    Flag("log-format", "VGPU_LOG_FORMAT", "text", "text or json"),
+    Flag("log-level", "VGPU_LOG_LEVEL", "info", "error, warning, info or debug"),
+)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    config: Path
+    device_plugin_dir: Path
+    pod_resources_socket: Path
+    host_root: str | None
+    state_dir: Path
+    lock_dir: str
+    node_name: str
+    node_labels_file: Path | None
+    metrics_address: str
+    log_format: str
+    log_level: str
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    for f in FLAGS:
+        default = f" (default: {f.default})" if f.default else ""
+        parser.add_argument(f"--{f.name}", help=f"{f.help}; env {f.env}{default}")
+
+
+def settings_from(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServeSettings:
+    """Flag, else environment variable, else default."""
+    env = os.environ if environ is None else environ
+    values: dict[str, str | None] = {}
+    for f in FLAGS:
+        given = getattr(args, f.name.replace("-", "_"), None)
+        values[f.name] = given if given is not None else env.get(f.env) or f.default
+    labels = values["node-labels-file"]
+    return ServeSettings(
+        config=Path(str(values["config"])),
+        device_plugin_dir=Path(str(values["device-plugin-dir"])),
+        pod_resources_socket=Path(str(values["pod-resources-socket"])),
+        host_root=values["host-root"],
+        state_dir=Path(str(values["state-dir"])),
+        lock_dir=str(values["lock-dir"]),
+        node_name=values["node-name"] or socket.gethostname(),
+        node_labels_file=Path(labels) if labels else None,
+        metrics_address=str(values["metrics-address"]),
+        log_format=str(values["log-format"]),
+        log_level=str(values["log-level"]),
+    )

@@ -1,0 +1,239 @@
+"""The real `vgpu-plugin serve` process on a simulated node, driven by the kubelet emulator."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from kubelet import KubeletEmulator, short_tmp_dir
+
+from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
+from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.simgpu import Node
+from vgpu_plugin.state import AllocationStore
+
+RES = "nvidia.com/gpu"
+
+
+@dataclass
+class Served:
+    node: Node
+    kubelet: KubeletEmulator
+    plugin_dir: Path
+    host_root: Path
+    state_dir: Path
+    config: Path
+    log: Path
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.node.env(), stdout=out, stderr=out)
+        return self.proc
+
+    def uuids(self) -> list[str]:
+        return [g.uuid for g in self.node.gpus()]
+
+    def wait_for(
+        self, predicate: Callable[[list[pb.Device]], bool], timeout: float = 10
+    ) -> list[pb.Device]:
+        return self.kubelet.wait_devices(RES, predicate, timeout)
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+    def wait_log(self, text: str, timeout: float = 10) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.logs()}"
+            time.sleep(0.05)
+        return self.logs()
+
+
+def install_shim(host_root: Path, native_tree: Path) -> None:
+    from vgpu_plugin import install
+
+    install.install_shim(host_root, native_tree / "lib" / "libvgpu.so")
+
+
+@pytest.fixture
+def served(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Served]:
+    host_root = tmp_path / "host"
+    install_shim(host_root, native_tree)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "version: v1\nsharing: {splitCount: 4, compute: proportional}\n"
+        "health: {recoverySeconds: 1}\n"
+    )
+    plugin_dir = short_tmp_dir()
+    log = tmp_path / "plugin.log"
+    state_dir = tmp_path / "state"
+    argv = [
+        sys.executable, "-m", "vgpu_plugin", "serve",
+        "--config", str(config), "--device-plugin-dir", str(plugin_dir),
+        "--host-root", str(host_root), "--state-dir", str(state_dir),
+        "--lock-dir", str(tmp_path / "locks"), "--node-name", "node-1",
+        "--metrics-address", "127.0.0.1:0", "--log-level", "debug",
+    ]  # fmt: skip
+    s = Served(
+        simgpu_node,
+        KubeletEmulator(plugin_dir),
+        plugin_dir,
+        host_root,
+        state_dir,
+        config,
+        log,
+        argv,
+    )
+    s.kubelet.start()
+    s.start()
+    try:
+        s.kubelet.wait_registrations(1, timeout=20)
+        s.wait_for(lambda d: len(d) == 8)
+        yield s
+    finally:
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+        s.kubelet.stop()
+
+
+def test_registers_and_advertises_the_simulated_gpus(served: Served) -> None:
+    devices = served.kubelet.devices(RES)
+    assert devices is not None
+    a, b = served.uuids()
+    assert sorted(d.ID for d in devices) == sorted(
+        [f"{a}-{k}" for k in range(4)] + [f"{b}-{k}" for k in range(4)]
+    )
+    # NUMA node comes from NVML: the fixture puts GPU i on NUMA node i.
+    assert {d.topology.nodes[0].ID for d in devices if d.ID.startswith(b)} == {1}
+    assert served.kubelet.registration_count(RES) == 1
+    served.wait_log("registered")
+
+
+def test_sigkill_and_restart_keeps_ids_and_records(served: Served) -> None:
+    a, _ = served.uuids()
+    resp = served.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])
+    aid = resp.container_responses[0].envs["VGPU_ALLOCATION_ID"]
+    before = sorted(d.ID for d in served.kubelet.devices(RES) or [])
+    assert served.proc is not None
+    served.proc.kill()
+    served.proc.wait()
+    served.start()
+    served.kubelet.wait_registrations(2, timeout=20)
+    after = served.wait_for(lambda d: len(d) == 8)
+    assert sorted(d.ID for d in after) == before
+    records = AllocationStore(served.state_dir).all()
+    assert [r.allocation_id for r in records] == [aid]
+    assert (served.host_root / "limits" / aid).exists()
+
+
+def test_kubelet_restarts_are_answered_once_each(served: Served) -> None:
+    for i in range(3):
+        served.kubelet.restart()
+        served.kubelet.wait_registrations(2 + i, timeout=10)
+        served.wait_for(lambda d: len(d) == 8)
+    time.sleep(0.5)
+    assert served.kubelet.registration_count(RES) == 4
+
+
+def test_xid_makes_slices_unhealthy_until_quiet(served: Served) -> None:
+    _, b = served.uuids()
+    served.node.inject_xid(1, 79)
+    served.wait_for(lambda d: {x.ID.rsplit("-", 1)[0] for x in d if x.health == UNHEALTHY} == {b})
+    # recoverySeconds: 1 -> healthy again with all slices
+    served.wait_for(lambda d: all(x.health == HEALTHY for x in d), timeout=15)
+    served.node.inject_xid(1, 13)  # an application XID changes nothing
+    time.sleep(1.5)
+    assert all(x.health == HEALTHY for x in served.kubelet.devices(RES) or [])
+
+
+def test_lost_gpu_is_unhealthy_and_comes_back(served: Served) -> None:
+    a, _ = served.uuids()
+    served.node.set_lost(0)
+    served.wait_for(lambda d: {x.ID.rsplit("-", 1)[0] for x in d if x.health == UNHEALTHY} == {a})
+    served.node.set_lost(0, False)
+    served.wait_for(lambda d: all(x.health == HEALTHY for x in d), timeout=15)
+
+
+def test_config_reload_valid_and_invalid(served: Served) -> None:
+    served.config.write_text("version: v1\nsharing: {splitCount: 8}\n")
+    served.wait_for(lambda d: len(d) == 16, timeout=10)
+    served.config.write_text("version: v1\nsharing: {splitCount: -3}\n")
+    logs = served.wait_log("sharing.splitCount")
+    assert "keeping the running config" in logs
+    assert len(served.kubelet.devices(RES) or []) == 16
+
+
+def test_sigterm_stops_cleanly_and_removes_the_socket(served: Served) -> None:
+    assert served.proc is not None
+    ours = [p for p in served.plugin_dir.iterdir() if p.name != "kubelet.sock"]
+    assert len(ours) == 1
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=10) == 0
+    assert not ours[0].exists()
+
+
+def test_missing_shim_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vgpu_plugin",
+            "serve",
+            "--config",
+            str(config),
+            "--device-plugin-dir",
+            str(tmp_path / "dp"),
+            "--host-root",
+            str(tmp_path / "empty"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--metrics-address",
+            "127.0.0.1:0",
+        ],
+        env=simgpu_node.env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode != 0
+    assert "install-shim" in proc.stderr
+
+
+def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v2\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vgpu_plugin",
+            "serve",
+            "--config",
+            str(config),
+            "--device-plugin-dir",
+            str(tmp_path / "dp"),
+            "--host-root",
+            str(tmp_path / "h"),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--metrics-address",
+            "127.0.0.1:0",
+        ],
+        env={**simgpu_node.env(), "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2
+    assert "version" in proc.stderr

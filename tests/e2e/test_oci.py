@@ -1,0 +1,51 @@
+"""The runc harness turns envs and mounts into a real container, as the CRI would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vgpu_plugin.oci import BindMount, ContainerConfig, RuncRuntime, runc_unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    runc_unavailable_reason() is not None, reason=str(runc_unavailable_reason())
+)
+
+
+def test_preload_envs_and_mount_modes(native_tree: Path, tmp_path: Path) -> None:
+    shim = native_tree / "lib" / "libvgpu.so"
+    preload = tmp_path / "ld.so.preload"
+    preload.write_text("/usr/local/vgpu/libvgpu.so\n")
+    limits = tmp_path / "limits"
+    limits.write_text("vgpu-limits 1\n")
+    rw = tmp_path / "rw"
+    rw.mkdir()
+    script = (
+        "echo env=$VGPU_ALLOCATION_ID; "
+        "grep -c libvgpu.so /proc/self/maps; "
+        "echo x > /etc/vgpu/limits 2>/dev/null && echo limits-writable || echo limits-ro; "
+        "echo hello > /tmp/vgpu/out && echo rw-ok; "
+        "echo $$"
+    )
+    config = ContainerConfig(
+        name="oci-test",
+        args=["sh", "-c", script],
+        envs={"VGPU_ALLOCATION_ID": "abc123"},
+        mounts=[
+            BindMount("/usr/local/vgpu/libvgpu.so", str(shim), True),
+            BindMount("/etc/ld.so.preload", str(preload), True),
+            BindMount("/etc/vgpu/limits", str(limits), True),
+            BindMount("/tmp/vgpu", str(rw), False),
+        ],
+    )
+    result = RuncRuntime(tmp_path / "runtime").run(config, timeout=30)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split()
+    assert lines[0] == "env=abc123"
+    assert int(lines[1]) >= 1, "the preloaded shim is not mapped in the container's shell"
+    assert lines[2] == "limits-ro"
+    assert lines[3] == "rw-ok" and (rw / "out").read_text() == "hello\n"
+    assert lines[4] == "1", "the container has no pid namespace of its own"
+    assert limits.read_text() == "vgpu-limits 1\n"
+    assert not (tmp_path / "runtime" / "oci-test").exists(), "bundle left behind"

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kubelet import KubeletEmulator, short_tmp_dir
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.health import HealthChange, Reason
+from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.plugin import VgpuBackend
 from vgpu_plugin.server import DevicePluginServer
 from vgpu_plugin.state import AllocationStore

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kubelet import KubeletEmulator, short_tmp_dir
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.simgpu import Node
 from vgpu_plugin.state import AllocationStore
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kubelet import KubeletEmulator, short_tmp_dir
 
 from vgpu_plugin.api.constants import HEALTHY, MAX_MESSAGE_BYTES, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.server import (
     BackendError,
     DevicePluginServer,

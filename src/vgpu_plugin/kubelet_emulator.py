@@ -101,7 +101,7 @@ class KubeletEmulator:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self._executor = ThreadPoolExecutor(8, thread_name_prefix="kubelet-emu")
         server = grpc.server(self._executor)
-        pb_grpc.add_RegistrationServicer_to_server(_RegistrationService(self), server)
+        pb_grpc.add_RegistrationServicer_to_server(_RegistrationService(self), server)  # type: ignore[no-untyped-call]
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
@@ -316,7 +316,7 @@ class KubeletEmulator:
                 f"endpoint {request.endpoint!r} is not a socket in {self.plugin_dir}",
             )
         channel = grpc.insecure_channel(f"unix://{endpoint}")
-        stub = pb_grpc.DevicePluginStub(channel)
+        stub = pb_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
         try:
             # Like the kubelet: ask the plugin for its options while Register is pending.
             options = stub.GetDevicePluginOptions(pb.Empty(), timeout=self.call_timeout)
@@ -376,7 +376,7 @@ class KubeletEmulator:
             plugin.thread.join(timeout=5.0)
 
 
-class _RegistrationService(pb_grpc.RegistrationServicer):  # type: ignore[misc]
+class _RegistrationService(pb_grpc.RegistrationServicer):
     def __init__(self, kubelet: KubeletEmulator) -> None:
         self._kubelet = kubelet
 

@@ -135,14 +135,27 @@ def _optional_str(value: Any, name: str) -> str | None:
     return None if value is None else str(_typed(value, str, name))
 
 
-def encode(records: dict[str, AllocationRecord]) -> bytes:
-    payload = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "records": [r.to_wire() for r in records.values()],
-    }
-    data: bytes = msgpack.packb(payload, use_bin_type=True)
+def pack_record(record: AllocationRecord) -> bytes:
+    data: bytes = msgpack.packb(record.to_wire(), use_bin_type=True)
     return data
+
+
+def encode(records: dict[str, AllocationRecord], packed: dict[str, bytes] | None = None) -> bytes:
+    """The file's bytes. ``packed`` holds records already encoded (by allocation id), so a
+    change re-encodes only what changed: Allocate must not cost O(records) of Python work."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = [
+        packer.pack_map_header(3),
+        packer.pack("format"),
+        packer.pack(FORMAT_NAME),
+        packer.pack("version"),
+        packer.pack(FORMAT_VERSION),
+        packer.pack("records"),
+        packer.pack_array_header(len(records)),
+    ]
+    cache = packed if packed is not None else {}
+    body = [cache.get(k) or pack_record(r) for k, r in records.items()]
+    return b"".join(head + body)
 
 
 def decode(path: Path, data: bytes) -> dict[str, AllocationRecord]:
@@ -204,6 +217,11 @@ class AllocationStore:
         self._mutex = threading.RLock()
         # Where a refused file was moved, if one was; for status output and tests.
         self.quarantined: list[Path] = []
+        # The last bytes read or written and what they decode to: a read that finds the same
+        # bytes skips decoding. Compared by content, so another process's write is never missed.
+        self._seen_bytes: bytes | None = None
+        self._seen_records: dict[str, AllocationRecord] = {}
+        self._packed: dict[str, bytes] = {}
         with self._locked():
             self._remove_stale_tmp()
             self._load()
@@ -213,7 +231,8 @@ class AllocationStore:
         with self._locked():
             records = self._load()
             records[record.allocation_id] = record
-            write_atomically(self.path, encode(records))
+            self._packed[record.allocation_id] = pack_record(record)
+            self._write(records)
 
     def remove(self, allocation_id: str) -> bool:
         """Drops a record; returns whether it existed."""
@@ -221,7 +240,7 @@ class AllocationStore:
             records = self._load()
             if records.pop(allocation_id, None) is None:
                 return False
-            write_atomically(self.path, encode(records))
+            self._write(records)
             return True
 
     def get(self, allocation_id: str) -> AllocationRecord | None:
@@ -238,14 +257,22 @@ class AllocationStore:
         with self._mutex, self._flock:
             yield
 
+    def _write(self, records: dict[str, AllocationRecord]) -> None:
+        self._packed = {k: v for k, v in self._packed.items() if k in records}
+        data = encode(records, self._packed)
+        write_atomically(self.path, data)
+        self._seen_bytes, self._seen_records = data, dict(records)
+
     def _load(self) -> dict[str, AllocationRecord]:
         """Reads the file (caller holds the lock); a bad file is quarantined, not fatal."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return {}
+        if data == self._seen_bytes:
+            return dict(self._seen_records)
         try:
-            return decode(self.path, data)
+            records = decode(self.path, data)
         except StateFileError as err:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             n = 0
@@ -262,6 +289,9 @@ class AllocationStore:
                 extra={"state_file": str(self.path), "moved_to": str(aside)},
             )
             return {}
+        self._seen_bytes, self._seen_records = data, dict(records)
+        self._packed = {k: pack_record(r) for k, r in records.items()}
+        return records
 
     def _remove_stale_tmp(self) -> None:
         # Writers hold the lock while their tmp file exists, so under the lock any tmp file

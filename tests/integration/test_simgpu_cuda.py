@@ -198,6 +198,7 @@ def test_copies_move_data_and_misuse_is_refused(simgpu_node: Node, native_bin: P
         "vmm_release_twice",
     ]
     assert {name: out[name] for name in refused} == dict.fromkeys(refused, INVALID_VALUE)
+    assert out["free_null"] == out["free_host_null"] == SUCCESS  # free(NULL) semantics
 
 
 # --- the execution timeline -------------------------------------------------------------------
@@ -256,6 +257,8 @@ def test_per_thread_streams_are_independent_and_the_legacy_stream_serialises(
     for name in [*ready, "legacy"]:
         assert int(out[f"a_ptds_{name}"]) == (SUCCESS if name in ready else NOT_READY), name
     assert float(out["a_ptds_ptds_wait_ms"]) < 50
+    # Synchronising the legacy stream covers what it would wait for, even with nothing on it.
+    assert int(out["a_ptds_legacy_stream_query"]) == NOT_READY
     assert float(out["a_ptds_legacy_wait_ms"]) >= 90
     # Thread A queued 100 ms on the legacy stream: everything blocking waits for it.
     for name in ["ptds", "ptds_handle", "blocking", "legacy"]:

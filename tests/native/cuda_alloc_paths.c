@@ -195,6 +195,7 @@ static void data(void) {
     printf("copy_to_host_pointer=%d\n", (int)cuMemcpyHtoD((CUdeviceptr)(uintptr_t)dst, src, 8));
     CK(cuMemFree(a));
     printf("free_twice=%d\n", (int)cuMemFree(a));
+    printf("free_null=%d\nfree_host_null=%d\n", (int)cuMemFree(0), (int)cuMemFreeHost(NULL));
     printf("free_unknown=%d\n", (int)cuMemFree((CUdeviceptr)(uintptr_t)src));
     printf("free_interior=%d\n", (int)cuMemFree(b + 16));
     CK(cuMemFree(b));

@@ -126,6 +126,7 @@ static void b_side(const char *round, CUstream blocking, CUstream nonblocking) {
     CK(cuEventRecord(e[4], NULL)); /* the legacy stream */
     const char *names[] = {"ptds", "ptds_handle", "nonblocking", "blocking", "legacy"};
     for (int i = 0; i < 5; i++) printf("%s_%s=%d\n", round, names[i], (int)cuEventQuery(e[i]));
+    printf("%s_legacy_stream_query=%d\n", round, (int)cuStreamQuery(NULL)); /* nothing queued on it */
     double t0 = now_ms();
     CK(cuEventSynchronize(e[0]));
     printf("%s_ptds_wait_ms=%.2f\n", round, now_ms() - t0);

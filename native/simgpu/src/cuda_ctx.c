@@ -320,7 +320,9 @@ CUresult cuCtxGetFlags(unsigned int *flags) {
     if (!flags) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = sim_current(&c);
     if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
     *flags = c->flags;
+    sim_unlock();
     return CUDA_SUCCESS;
 }
 
@@ -328,8 +330,11 @@ CUresult cuCtxSetFlags(unsigned int flags) {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
     if (rc == CUDA_SUCCESS) rc = check_flags(flags);
-    if (rc == CUDA_SUCCESS) c->flags = flags;
-    return rc;
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    c->flags = flags;
+    sim_unlock();
+    return CUDA_SUCCESS;
 }
 
 CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {

@@ -237,9 +237,10 @@ CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
 CUresult cuMemFreeHost(void *p) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
+    if (!p) return CUDA_SUCCESS; /* free(NULL) semantics, as the real driver */
     sim_lock();
     struct sim_alloc *a = sim_range_find((uintptr_t)p);
-    if (!p || !a || a->base != (uintptr_t)p || a->kind != SIM_MEM_HOST) rc = CUDA_ERROR_INVALID_VALUE;
+    if (!a || a->base != (uintptr_t)p || a->kind != SIM_MEM_HOST) rc = CUDA_ERROR_INVALID_VALUE;
     else sim_alloc_destroy_locked(a);
     sim_unlock();
     return rc;

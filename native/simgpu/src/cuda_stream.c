@@ -226,6 +226,12 @@ static CUresult stream_destroy(CUstream h) {
 CUresult cuStreamDestroy(CUstream hStream) { return stream_destroy(hStream); }
 CUresult cuStreamDestroy_v2(CUstream hStream) { return stream_destroy(hStream); }
 
+/* What synchronising with s waits for: its own work; for the legacy stream also the blocking
+ * streams' work, which anything queued on it now would wait for. */
+static uint64_t pending_until(struct CUctx_st *ctx, struct CUstream_st *s) {
+    return s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(ctx, s) : s->end_ns;
+}
+
 static CUresult stream_sync(CUstream h, int ptds) {
     struct CUctx_st *c;
     struct CUstream_st *s;
@@ -236,7 +242,7 @@ static CUresult stream_sync(CUstream h, int ptds) {
         s->capture_invalid = 1; /* a sync breaks the capture, as on the real driver */
         rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     } else if (rc == CUDA_SUCCESS) {
-        t = s->end_ns;
+        t = pending_until(c, s);
     }
     sim_unlock();
     return rc == CUDA_SUCCESS ? wait_until(t) : rc;
@@ -251,7 +257,7 @@ static CUresult stream_query(CUstream h, int ptds) {
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
     if (rc == CUDA_SUCCESS && s->capture) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    else if (rc == CUDA_SUCCESS && simgpu_now_ns() < s->end_ns) rc = CUDA_ERROR_NOT_READY;
+    else if (rc == CUDA_SUCCESS && simgpu_now_ns() < pending_until(c, s)) rc = CUDA_ERROR_NOT_READY;
     sim_unlock();
     return rc;
 }

@@ -1,0 +1,213 @@
+/* The shared region: one file per container that accounts its GPU memory.
+ *
+ * Every CUDA-using process of the container maps the file (/tmp/vgpu/<allocation-id>.cache)
+ * and owns one slot in it; the host plugin maps the same file read-mostly to report usage.
+ * This header is the one definition of the file's layout: C includes it, and Python binds it
+ * with cffi (src/vgpu_plugin/region.py), which feeds it to ffi.cdef() after dropping comments
+ * and preprocessor lines. Keep it plain declarations: constants in enums, literal array
+ * sizes, no macros, no attributes.
+ *
+ * Rules of the file (the implementation is native/libvgpu/src/region*.c):
+ * - Identity first: magic "VGPUREG", layout version, total size. Readers refuse anything else.
+ * - Limits per device are written once, by whoever creates the file (the plugin on the host,
+ *   or the first process), and never change. A process enforces min(its own limits, the
+ *   region's): rewriting the region cannot raise anybody's limit.
+ * - Slots are the truth. A slot holds a process's charge per device; device totals are the
+ *   sum of the slots, kept in step under one robust process-shared mutex (and recomputed
+ *   from the slots when a holder dies mid-update).
+ * - Liveness is a kernel lock: the owner of slot i holds an OFD write lock on the first byte
+ *   of slots[i] for its lifetime. A slot whose byte can be locked belongs to a dead process;
+ *   its charge is reclaimed once, under the mutex. No pid is ever compared, so pid
+ *   namespaces and pid reuse do not matter; (pid, start time) are recorded for people.
+ * - Writers bump `generation` to odd before and to even after each update (a seqlock): the
+ *   host copies without taking the mutex and retries on change. A host that keeps losing the
+ *   race posts a ticket in `snap_request`; the next writer copies the state into `published`
+ *   while it holds the mutex anyway.
+ */
+#ifndef VGPU_REGION_H
+#define VGPU_REGION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    VGPU_REGION_VERSION = 1,
+    VGPU_MAX_DEVICES = 16,
+    VGPU_MAX_SLOTS = 256,
+    VGPU_UUID_SIZE = 80,   /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" and NUL, with room */
+    VGPU_REGION_ERRLEN = 320 /* a good size for the err buffers below */
+};
+
+/* What the region calls return. */
+enum vgpu_region_status {
+    VGPU_REGION_OK = 0,
+    VGPU_REGION_DENIED = 1,   /* reserve: the charge would exceed this process's limit */
+    VGPU_REGION_EINVAL = 2,   /* no such device index, or a bad argument */
+    VGPU_REGION_EFAIL = 3,    /* the region is unusable (file refused, slot lost); see err */
+    VGPU_REGION_EBUSY = 4     /* snapshot: a live process is stalled inside an update */
+};
+
+enum { VGPU_SLOT_FREE = 0, VGPU_SLOT_LIVE = 1 };
+
+/* --- limits: what a container may use, per physical GPU ------------------------------------ */
+
+struct vgpu_device_limit {
+    char uuid[80];           /* NUL-terminated GPU UUID */
+    uint64_t memory_limit;   /* bytes */
+    uint32_t sm_percent;     /* 0..100, 0 = not limited; recorded for the host */
+    uint32_t reserved;
+};
+
+struct vgpu_limits {
+    uint32_t count;          /* 1..VGPU_MAX_DEVICES */
+    uint32_t reserved;
+    struct vgpu_device_limit devices[16];
+};
+
+/* --- the file -------------------------------------------------------------------------------
+ * Sizes are multiples of 64 so every hot field group starts a cache line of its own. */
+
+struct vgpu_region_device {
+    char uuid[80];
+    uint64_t memory_limit;   /* bytes, set at creation, never written again */
+    uint32_t sm_percent;
+    uint32_t reserved;
+};
+
+struct vgpu_slot_device {
+    uint64_t charged;        /* bytes charged to this process (includes pending) */
+    uint64_t pending;        /* of which reserved but not yet committed (informational) */
+};
+
+struct vgpu_region_slot {
+    uint32_t state;          /* VGPU_SLOT_FREE / VGPU_SLOT_LIVE; the OFD lock says if alive */
+    int32_t pid;             /* in the container's pid namespace */
+    uint64_t start_time;     /* field 22 of /proc/<pid>/stat, clock ticks since boot */
+    struct vgpu_slot_device dev[16];
+    uint64_t reserved[6];
+};
+
+/* A consistent copy of the dynamic state, written by a writer on a host's request. */
+struct vgpu_region_published {
+    uint64_t generation;     /* seqlock of this copy: odd while being written */
+    uint64_t served;         /* the highest request this copy answers */
+    uint64_t source_generation;
+    uint32_t slot_hwm;
+    uint32_t reserved0;
+    uint64_t reserved1[4];
+    uint64_t used[16];
+    struct vgpu_region_slot slots[256];
+};
+
+struct vgpu_region_file {
+    /* line 0: identity, written before the file is published and never again */
+    char magic[8];           /* "VGPUREG" and NUL */
+    uint32_t version;        /* VGPU_REGION_VERSION */
+    uint32_t device_count;   /* 1..VGPU_MAX_DEVICES */
+    uint64_t file_size;      /* sizeof(struct vgpu_region_file) */
+    uint32_t slot_count;     /* VGPU_MAX_SLOTS */
+    uint32_t reserved0;
+    uint64_t reserved1[4];
+    /* line 1: what every update touches, device 0's total included, so that an update on
+       device 0 moves one cache line between processes */
+    uint64_t lock[6];        /* a pthread_mutex_t: process-shared, robust */
+    uint64_t generation;     /* seqlock: odd while a writer is between its stores */
+    uint64_t used[16];       /* per device: sum of the LIVE slots' charged */
+    /* line 3, from byte 248 */
+    uint64_t snap_request;   /* tickets posted by readers that want a published copy */
+    uint32_t slot_hwm;       /* slots at or above this index have never been used */
+    uint32_t reserved2;
+    uint64_t reserved3[7];
+    struct vgpu_region_device devices[16];
+    struct vgpu_region_slot slots[256];
+    struct vgpu_region_published published;
+};
+
+/* --- what the host reads ------------------------------------------------------------------- */
+
+struct vgpu_snapshot_device {
+    char uuid[80];
+    uint64_t memory_limit;   /* as the region's creator wrote it */
+    uint64_t used;           /* bytes charged on the device: the sum of the processes below */
+    uint32_t sm_percent;
+    uint32_t reserved;
+};
+
+struct vgpu_snapshot_process {
+    uint32_t slot;
+    int32_t pid;
+    uint64_t start_time;
+    int32_t alive;           /* 1: its owner holds the slot's lock; 0: dead, not reclaimed yet */
+    uint32_t reserved;
+    uint64_t used[16];       /* bytes charged per device */
+    uint64_t pending[16];    /* of which still between reserve and commit */
+};
+
+struct vgpu_region_snapshot {
+    uint32_t device_count;
+    uint32_t process_count;
+    uint64_t generation;
+    int32_t recovered;       /* 1: the last writer died mid-update and no process has repaired
+                                the region yet; this view is what the repair will produce
+                                (live slots only, totals recomputed from them) */
+    int32_t published;       /* 1: copied by a writer on this reader's request (busy region) */
+    struct vgpu_snapshot_device devices[16];
+    struct vgpu_snapshot_process processes[256];
+};
+
+/* --- the API (exported from libvgpu.so) ----------------------------------------------------
+ * Functions taking `err` write a one-line reason naming the file there (errlen bytes,
+ * truncated, always NUL-terminated when errlen > 0). */
+
+struct vgpu_region; /* this process's attachment: opaque */
+
+/* Create the region file at `path` with `limits` unless a file is already there. The file
+ * is built under a temporary name and linked into place complete, mode 0666, so nobody
+ * sees a half-initialised region. Returns 1 created, 0 already present (not validated
+ * here), -1 error. */
+int vgpu_region_create(const char *path, const struct vgpu_limits *limits, char *err,
+                       size_t errlen);
+
+/* Attach to the region at `path` (creating it from `limits` if it is missing and `limits`
+ * is not NULL), validate it, and register this process's slot. `limits` are this process's
+ * own limits (from the read-only limits file): each device's limit is min(own, region's); a
+ * region device the limits do not name keeps the region's limit. Thread-safe; a forked
+ * child registers a slot of its own on its first call. Returns VGPU_REGION_OK or
+ * VGPU_REGION_EFAIL. */
+int vgpu_region_open(const char *path, const struct vgpu_limits *limits,
+                     struct vgpu_region **out, char *err, size_t errlen);
+/* Return this process's charges and free its slot, then detach. */
+void vgpu_region_close(struct vgpu_region *r);
+
+/* The region's device index of GPU `uuid`, or -1. */
+int vgpu_region_device_index(const struct vgpu_region *r, const char *uuid);
+int vgpu_region_device_count(const struct vgpu_region *r);
+/* This process's limit on device `dev`: min(own, region's); 0 for a bad index. */
+uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev);
+
+/* Charge `bytes` on `dev` to this process if the container's usage stays within this
+ * process's limit, atomically across all processes (dead processes' charges are reclaimed
+ * first when that makes room). Then call the driver, and commit on success or roll back on
+ * failure. Returns VGPU_REGION_OK, _DENIED, _EINVAL or _EFAIL. No syscall unless denied. */
+int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes);
+void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes);
+void vgpu_region_rollback(struct vgpu_region *r, int dev, uint64_t bytes);
+/* Return `bytes` of committed charge on `dev` (a free). More than this process holds is
+ * clamped to what it holds, with one warning per process: counters never wrap. */
+void vgpu_region_release(struct vgpu_region *r, int dev, uint64_t bytes);
+
+/* Bytes charged on `dev` by the whole container / by this process. */
+uint64_t vgpu_region_usage(const struct vgpu_region *r, int dev);
+uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev);
+
+/* Reclaim the slots of dead processes now. Returns how many, or -1. */
+int vgpu_region_reap(struct vgpu_region *r);
+
+/* Host side: validate the file at `path` and copy a consistent view of it into `out`
+ * without taking the region's lock (the tenants never wait on the reader). Returns
+ * VGPU_REGION_OK, VGPU_REGION_EFAIL (missing, refused: the reason is in err) or
+ * VGPU_REGION_EBUSY (a live process has been stalled inside an update for too long). */
+int vgpu_region_snapshot(const char *path, struct vgpu_region_snapshot *out, char *err,
+                         size_t errlen);
+
+#endif

@@ -1,0 +1,482 @@
+/* The tenant side of the shared region: this process's slot, the atomic check-and-reserve,
+ * release, reclaiming dead processes' slots, and repair after a writer died mid-update.
+ *
+ * Concurrency, in one place:
+ * - Every change of a device total happens under the region's robust process-shared mutex,
+ *   together with the change of the slot it belongs to. The check and the charge are one
+ *   critical section, so no interleaving of processes can push a total past a limit.
+ * - A process killed inside a critical section cannot wedge anyone: the kernel marks the
+ *   robust mutex OWNER_DIED and wakes a waiter, which gets EOWNERDEAD, reclaims the dead
+ *   slots, recomputes every total from the live slots (the truth; a writer only ever writes
+ *   its own slot or dead ones) and marks the mutex consistent.
+ * - A process killed outside a critical section leaves a LIVE slot whose OFD lock the kernel
+ *   dropped; the next registration, denied reservation or vgpu_region_reap() reclaims it,
+ *   under the mutex, so exactly once.
+ * - commit only moves bytes out of the slot's `pending` (an atomic RMW on our own slot): the
+ *   charge itself is already counted, so it needs no lock.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "region_internal.h"
+
+/* Open attachments, for the fork handler: a child must not keep its parent's open file
+ * description (it would keep the parent's slot looking alive after the parent dies). */
+static struct {
+    pthread_mutex_t mu;
+    struct vgpu_region *head;
+} g_regions = {PTHREAD_MUTEX_INITIALIZER, NULL};
+static pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+
+static void atfork_prepare(void) { pthread_mutex_lock(&g_regions.mu); }
+static void atfork_parent(void) { pthread_mutex_unlock(&g_regions.mu); }
+static void atfork_child(void) {
+    pthread_mutex_init(&g_regions.mu, NULL);
+    for (struct vgpu_region *r = g_regions.head; r; r = r->next) {
+        /* Closing our copy leaves the parent's lock in place; the child registers a slot of
+         * its own on its first call (the mapping is inherited and stays valid). */
+        if (r->fd >= 0) close(r->fd);
+        r->fd = -1;
+        __atomic_store_n(&r->slot, -1, __ATOMIC_RELEASE);
+        pthread_mutex_init(&r->mu, NULL);
+    }
+}
+static void install_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
+
+/* --- the lock and the seqlock ------------------------------------------------------------- */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Open a write section: readers that see an odd generation retry. Idempotent. */
+static inline void write_begin(struct vgpu_region_file *f) {
+    uint64_t g = LD_RELAXED(&f->generation);
+    if (!(g & 1)) __atomic_store_n(&f->generation, g + 1, __ATOMIC_RELAXED);
+}
+
+/* Close it, if one is open; serve a reader's request for a published copy first. */
+static inline void write_end(struct vgpu_region_file *f) {
+    uint64_t g = LD_RELAXED(&f->generation);
+    if (!(g & 1)) return;
+    if (VGPU_UNLIKELY(LD_RELAXED(&f->snap_request) != LD_RELAXED(&f->published.served)))
+        vgpu_region_publish_locked(f);
+    ST(&f->generation, g + 1);
+}
+
+/* Reclaim slot `s` (its owner is dead, or it is ours and we are leaving). Write section open. */
+static void reclaim_locked(struct vgpu_region_file *f, int s) {
+    struct vgpu_region_slot *sl = &f->slots[s];
+    for (uint32_t d = 0; d < vgpu_region_ndev(f); d++) {
+        uint64_t c = LD_RELAXED(&sl->dev[d].charged);
+        uint64_t u = LD_RELAXED(&f->used[d]);
+        ST(&f->used[d], u >= c ? u - c : 0);
+        ST(&sl->dev[d].charged, (uint64_t)0);
+        ST(&sl->dev[d].pending, (uint64_t)0);
+    }
+    ST(&sl->pid, 0);
+    ST(&sl->start_time, (uint64_t)0);
+    ST(&sl->state, (uint32_t)VGPU_SLOT_FREE);
+}
+
+/* Reclaim dead slots: all of them (dev < 0) or those holding a charge on `dev`. Mutex held. */
+static int reap_locked(struct vgpu_region *r, int dev) {
+    struct vgpu_region_file *f = r->file;
+    uint32_t hwm = LD_RELAXED(&f->slot_hwm);
+    int self = __atomic_load_n(&r->slot, __ATOMIC_RELAXED), n = 0;
+    if (r->fd < 0) return 0;
+    for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++) {
+        struct vgpu_region_slot *sl = &f->slots[s];
+        if ((int)s == self || LD_RELAXED(&sl->state) != VGPU_SLOT_LIVE) continue;
+        if (dev >= 0 && LD_RELAXED(&sl->dev[dev].charged) == 0) continue;
+        if (!vgpu_slot_dead(r->fd, (int)s)) continue;
+        write_begin(f);
+        reclaim_locked(f, (int)s);
+        n++;
+    }
+    return n;
+}
+
+/* The previous holder died inside a critical section: its own slot and any dead slot it was
+ * reclaiming may be half-written, and the totals may not match the slots. Reclaim every dead
+ * slot, then rebuild the totals from the live ones. */
+static void repair_locked(struct vgpu_region *r) {
+    struct vgpu_region_file *f = r->file;
+    write_begin(f);
+    int reaped = reap_locked(r, -1);
+    uint32_t hwm = LD_RELAXED(&f->slot_hwm);
+    for (uint32_t d = 0; d < vgpu_region_ndev(f); d++) {
+        uint64_t sum = 0;
+        for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++) {
+            if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_LIVE)
+                sum += LD_RELAXED(&f->slots[s].dev[d].charged);
+        }
+        ST(&f->used[d], sum);
+    }
+    write_end(f);
+    vgpu_region_warn("a process died while updating the region: totals recomputed from the "
+                     "slots, %d dead slot(s) reclaimed", reaped);
+}
+
+/* The lock is held for tens of nanoseconds, so a waiter first watches the lock word (reads
+ * only, no writes to bounce the line) for a few pauses, then yields its CPU a few times (on
+ * a busy node the holder may be waiting for a CPU, possibly ours), and only then sleeps in
+ * the kernel: a futex sleep costs microseconds on both sides and convoys the next waiters.
+ * Tuned with bench/bench_region.py. */
+enum { LOCK_SPINS = 4, LOCK_YIELDS = 32 };
+
+static int __attribute__((noinline)) lock_contended(struct vgpu_region *r) {
+    pthread_mutex_t *m = vgpu_region_mutex(r->file);
+    int rc = EBUSY;
+    for (int i = 0; i < LOCK_SPINS + LOCK_YIELDS && rc == EBUSY; i++) {
+        uint32_t w = vgpu_region_lock_word(r->file);
+        if (w & VGPU_FUTEX_OWNER_DIED) break; /* pthread_mutex_lock repairs */
+        if (w != 0) {
+            if (i < LOCK_SPINS)
+                cpu_relax();
+            else
+                sched_yield();
+            continue;
+        }
+        rc = pthread_mutex_trylock(m);
+    }
+    return rc == EBUSY ? pthread_mutex_lock(m) : rc;
+}
+
+static int region_lock(struct vgpu_region *r) {
+    pthread_mutex_t *m = vgpu_region_mutex(r->file);
+    int rc = pthread_mutex_trylock(m);
+    if (VGPU_UNLIKELY(rc == EBUSY)) rc = lock_contended(r);
+    if (VGPU_UNLIKELY(rc == EOWNERDEAD)) {
+        repair_locked(r);
+        rc = pthread_mutex_consistent(m);
+    }
+    if (VGPU_UNLIKELY(rc != 0)) {
+        if (!__atomic_exchange_n(&r->warned_broken, 1, __ATOMIC_RELAXED))
+            vgpu_region_warn("cannot lock the region %s: %s; allocations are refused", r->path,
+                             strerror(rc));
+        return -1;
+    }
+    return 0;
+}
+
+static inline void region_unlock(struct vgpu_region *r) {
+    pthread_mutex_unlock(vgpu_region_mutex(r->file));
+}
+
+/* --- slots -------------------------------------------------------------------------------- */
+
+static int register_slot(struct vgpu_region *r, char *err, size_t errlen) {
+    struct vgpu_region_file *f = r->file;
+    uint64_t start = vgpu_proc_start_time();
+    int32_t pid = (int32_t)getpid();
+    if (region_lock(r) != 0) {
+        vgpu_region_seterr(err, errlen, "cannot lock region %s", r->path);
+        return -1;
+    }
+    reap_locked(r, -1);
+    int slot = -1;
+    for (int s = 0; s < VGPU_MAX_SLOTS && slot < 0; s++) {
+        /* A FREE slot whose byte is still locked belongs to a process between leaving and
+         * closing its file: skip it. */
+        if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_FREE &&
+            vgpu_slot_lock(r->fd, s, F_WRLCK) == 0)
+            slot = s;
+    }
+    if (slot >= 0) {
+        struct vgpu_region_slot *sl = &f->slots[slot];
+        write_begin(f);
+        for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
+            ST(&sl->dev[d].charged, (uint64_t)0);
+            ST(&sl->dev[d].pending, (uint64_t)0);
+        }
+        ST(&sl->pid, pid);
+        ST(&sl->start_time, start);
+        ST(&sl->state, (uint32_t)VGPU_SLOT_LIVE);
+        if ((uint32_t)slot >= LD_RELAXED(&f->slot_hwm)) ST(&f->slot_hwm, (uint32_t)slot + 1);
+        write_end(f);
+    }
+    region_unlock(r);
+    if (slot < 0) {
+        vgpu_region_seterr(err, errlen, "region %s: all %d process slots are in use", r->path,
+                           VGPU_MAX_SLOTS);
+        return -1;
+    }
+    __atomic_store_n(&r->slot, slot, __ATOMIC_RELEASE);
+    return slot;
+}
+
+/* A description of the region file of our own, to carry our slot's lock. It is never the
+ * one the mapping was made from: a mapping holds its file description, so a forked child's
+ * inherited mapping would keep the parent's lock alive after the parent's death. */
+static int open_lock_fd(const struct vgpu_region *r) {
+    struct stat st;
+    int fd = open(r->path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd >= 0 && (fstat(fd, &st) != 0 || st.st_dev != r->st_dev || st.st_ino != r->st_ino)) {
+        close(fd);
+        errno = ESTALE;
+        fd = -1;
+    }
+    return fd;
+}
+
+/* A forked child's first call: open its own description of the file, take a slot. */
+static int __attribute__((noinline)) reregister(struct vgpu_region *r) {
+    char err[VGPU_REGION_ERRLEN];
+    pthread_mutex_lock(&r->mu);
+    int slot = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (slot < 0) {
+        int fd = open_lock_fd(r);
+        if (fd >= 0) {
+            r->fd = fd;
+            slot = register_slot(r, err, sizeof err);
+        } else {
+            snprintf(err, sizeof err, "cannot reopen %s: %s", r->path, strerror(errno));
+        }
+        if (slot < 0 && !__atomic_exchange_n(&r->warned_broken, 1, __ATOMIC_RELAXED))
+            vgpu_region_warn("forked child cannot register in the region: %s; allocations "
+                             "are refused", err);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return slot;
+}
+
+static inline int ensure_slot(struct vgpu_region *r) {
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    return VGPU_LIKELY(s >= 0) ? s : reregister(r);
+}
+
+/* --- open and close ----------------------------------------------------------------------- */
+
+static void set_limits(struct vgpu_region *r, const struct vgpu_limits *own) {
+    const struct vgpu_region_file *f = r->file;
+    for (int d = 0; d < r->device_count; d++) {
+        const struct vgpu_region_device *dv = &f->devices[d];
+        r->limit[d] = dv->memory_limit;
+        for (uint32_t i = 0; own && i < own->count && i < VGPU_MAX_DEVICES; i++) {
+            const struct vgpu_device_limit *o = &own->devices[i];
+            if (strncmp(o->uuid, dv->uuid, sizeof o->uuid) != 0) continue;
+            if (o->memory_limit != dv->memory_limit)
+                vgpu_region_warn("%s: the region limits %.80s to %llu bytes, this process's "
+                                 "limits say %llu: the lower applies", r->path, dv->uuid,
+                                 (unsigned long long)dv->memory_limit,
+                                 (unsigned long long)o->memory_limit);
+            if (o->memory_limit < r->limit[d]) r->limit[d] = o->memory_limit;
+        }
+    }
+    for (uint32_t i = 0; own && i < own->count && i < VGPU_MAX_DEVICES; i++) {
+        if (vgpu_region_device_index(r, own->devices[i].uuid) < 0)
+            vgpu_region_warn("%s has no record of GPU %.80s: allocations there cannot be "
+                             "accounted", r->path, own->devices[i].uuid);
+    }
+}
+
+VGPU_EXPORT int vgpu_region_open(const char *path, const struct vgpu_limits *limits,
+                                 struct vgpu_region **out, char *err, size_t errlen) {
+    if (!out || !path) {
+        vgpu_region_seterr(err, errlen, "vgpu_region_open: no path or no out pointer");
+        return VGPU_REGION_EINVAL;
+    }
+    *out = NULL;
+    pthread_once(&g_atfork_once, install_atfork);
+    if (limits && vgpu_region_create(path, limits, err, errlen) < 0) return VGPU_REGION_EFAIL;
+    int fd = -1;
+    struct vgpu_region_file *f = vgpu_region_map(path, 1, &fd, NULL, err, errlen);
+    if (!f) return VGPU_REGION_EFAIL;
+    size_t plen = strlen(path) + 1;
+    struct vgpu_region *r = calloc(1, sizeof *r + plen);
+    struct stat st;
+    if (!r || fstat(fd, &st) != 0) {
+        vgpu_region_seterr(err, errlen, "cannot attach to region %s: %s", path,
+                           strerror(errno));
+        free(r);
+        vgpu_region_unmap(f, fd);
+        return VGPU_REGION_EFAIL;
+    }
+    close(fd); /* the mapping keeps the file; our lock goes on a description of its own */
+    memcpy(r->path, path, plen);
+    r->file = f;
+    r->device_count = (int)vgpu_region_ndev(f);
+    r->st_dev = st.st_dev;
+    r->st_ino = st.st_ino;
+    r->fd = open_lock_fd(r);
+    r->slot = -1;
+    pthread_mutex_init(&r->mu, NULL);
+    set_limits(r, limits);
+    if (r->fd < 0) {
+        vgpu_region_seterr(err, errlen, "cannot reopen region %s: %s", path, strerror(errno));
+    }
+    if (r->fd < 0 || register_slot(r, err, errlen) < 0) {
+        pthread_mutex_destroy(&r->mu);
+        vgpu_region_unmap(f, r->fd);
+        free(r);
+        return VGPU_REGION_EFAIL;
+    }
+    pthread_mutex_lock(&g_regions.mu);
+    r->next = g_regions.head;
+    g_regions.head = r;
+    pthread_mutex_unlock(&g_regions.mu);
+    *out = r;
+    return VGPU_REGION_OK;
+}
+
+VGPU_EXPORT void vgpu_region_close(struct vgpu_region *r) {
+    if (!r) return;
+    pthread_mutex_lock(&g_regions.mu);
+    for (struct vgpu_region **p = &g_regions.head; *p; p = &(*p)->next) {
+        if (*p == r) {
+            *p = r->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_regions.mu);
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (s >= 0 && region_lock(r) == 0) {
+        write_begin(r->file);
+        reclaim_locked(r->file, s);
+        write_end(r->file);
+        region_unlock(r);
+    }
+    /* Closing the description drops the slot's lock, after the slot is FREE. */
+    vgpu_region_unmap(r->file, r->fd);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
+/* --- queries ------------------------------------------------------------------------------ */
+
+VGPU_EXPORT int vgpu_region_device_index(const struct vgpu_region *r, const char *uuid) {
+    if (!r || !uuid) return -1;
+    for (int d = 0; d < r->device_count; d++) {
+        if (strncmp(r->file->devices[d].uuid, uuid, VGPU_UUID_SIZE) == 0) return d;
+    }
+    return -1;
+}
+
+VGPU_EXPORT int vgpu_region_device_count(const struct vgpu_region *r) {
+    return r ? r->device_count : 0;
+}
+
+static inline int bad_dev(const struct vgpu_region *r, int dev) {
+    return !r || (unsigned)dev >= (unsigned)r->device_count;
+}
+
+VGPU_EXPORT uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev) {
+    return bad_dev(r, dev) ? 0 : r->limit[dev];
+}
+
+VGPU_EXPORT uint64_t vgpu_region_usage(const struct vgpu_region *r, int dev) {
+    return bad_dev(r, dev) ? 0 : LD(&r->file->used[dev]);
+}
+
+VGPU_EXPORT uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev) {
+    if (bad_dev(r, dev)) return 0;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    return s < 0 ? 0 : LD(&r->file->slots[s].dev[dev].charged);
+}
+
+/* --- reserve, commit, rollback, release ---------------------------------------------------- */
+
+static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
+    return used <= limit && bytes <= limit - used;
+}
+
+VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
+    int s = ensure_slot(r);
+    if (VGPU_UNLIKELY(s < 0 || region_lock(r) != 0)) return VGPU_REGION_EFAIL;
+    struct vgpu_region_file *f = r->file;
+    uint64_t limit = r->limit[dev];
+    uint64_t used = LD_RELAXED(&f->used[dev]);
+    int ok = fits(used, bytes, limit);
+    if (VGPU_UNLIKELY(!ok) && reap_locked(r, dev) > 0) {
+        used = LD_RELAXED(&f->used[dev]);
+        ok = fits(used, bytes, limit);
+    }
+    if (VGPU_LIKELY(ok)) {
+        struct vgpu_slot_device *sd = &f->slots[s].dev[dev];
+        write_begin(f);
+        ST(&sd->charged, LD_RELAXED(&sd->charged) + bytes);
+        __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELEASE);
+        ST(&f->used[dev], used + bytes);
+    }
+    write_end(f);
+    region_unlock(r);
+    return ok ? VGPU_REGION_OK : VGPU_REGION_DENIED;
+}
+
+/* pending -= bytes, never below 0 (commit runs without the mutex, beside reserve). */
+static void pending_sub(uint64_t *p, uint64_t bytes) {
+    uint64_t old = LD_RELAXED(p), next;
+    do {
+        next = old >= bytes ? old - bytes : 0;
+    } while (!__atomic_compare_exchange_n(p, &old, next, 1, __ATOMIC_RELEASE, __ATOMIC_RELAXED));
+}
+
+VGPU_EXPORT void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (bad_dev(r, dev)) return;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (s >= 0) pending_sub(&r->file->slots[s].dev[dev].pending, bytes);
+}
+
+/* Uncharge up to `bytes` from our slot and the total. Mutex held. */
+static void uncharge_locked(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
+    struct vgpu_region_file *f = r->file;
+    struct vgpu_slot_device *sd = &f->slots[s].dev[dev];
+    uint64_t have = LD_RELAXED(&sd->charged);
+    if (VGPU_UNLIKELY(bytes > have)) {
+        if (!r->warned_clamp) {
+            r->warned_clamp = 1;
+            vgpu_region_warn("release of %llu bytes on device %d exceeds the %llu this process "
+                             "holds there: clamped (warned once)", (unsigned long long)bytes,
+                             dev, (unsigned long long)have);
+        }
+        bytes = have;
+    }
+    if (bytes == 0) return;
+    uint64_t used = LD_RELAXED(&f->used[dev]);
+    write_begin(f);
+    ST(&sd->charged, have - bytes);
+    ST(&f->used[dev], used >= bytes ? used - bytes : 0);
+    write_end(f);
+}
+
+VGPU_EXPORT void vgpu_region_rollback(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (bad_dev(r, dev)) return;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (s < 0 || region_lock(r) != 0) return;
+    pending_sub(&r->file->slots[s].dev[dev].pending, bytes);
+    uncharge_locked(r, s, dev, bytes);
+    region_unlock(r);
+}
+
+VGPU_EXPORT void vgpu_region_release(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (VGPU_UNLIKELY(s < 0)) {
+        /* A forked child freeing what its parent allocated: it holds nothing here. */
+        s = ensure_slot(r);
+        if (s < 0) return;
+    }
+    if (VGPU_UNLIKELY(region_lock(r) != 0)) return;
+    uncharge_locked(r, s, dev, bytes);
+    region_unlock(r);
+}
+
+VGPU_EXPORT int vgpu_region_reap(struct vgpu_region *r) {
+    if (!r || ensure_slot(r) < 0 || region_lock(r) != 0) return -1;
+    int n = reap_locked(r, -1);
+    write_end(r->file);
+    region_unlock(r);
+    return n;
+}

@@ -1,0 +1,91 @@
+/* Internals of the shared region shared by region.c (the tenant side: slots, reserve,
+ * release, repair), region_file.c (create, map, validate) and region_snapshot.c (the host's
+ * lock-free read). The layout itself is in include/vgpu/region.h. */
+#ifndef VGPU_REGION_INTERNAL_H
+#define VGPU_REGION_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "vgpu/region.h"
+
+#define VGPU_EXPORT __attribute__((visibility("default")))
+#define VGPU_LIKELY(x) __builtin_expect(!!(x), 1)
+#define VGPU_UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* Every field another process may read concurrently is accessed through these, so the
+ * seqlock is sound under the C11 model (and ThreadSanitizer agrees): a writer's data stores
+ * are release stores ordered after its odd `generation` store; a reader's data loads are
+ * acquire loads ordered before its closing `generation` load. On x86 all are plain moves. */
+#define LD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define LD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define ST(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+/* The process-local attachment. Fields other than `slot`/`fd` are fixed after open; `slot`
+ * and `fd` change only when a forked child registers afresh (under `mu`). */
+struct vgpu_region {
+    struct vgpu_region_file *file;
+    int fd;                      /* our open file description: it carries our slot's lock */
+    int slot;                    /* -1: not registered in this process (fresh fork child) */
+    int device_count;
+    uint64_t limit[VGPU_MAX_DEVICES]; /* min(own, region's) */
+    dev_t st_dev;                /* the mapped file, to re-open the same one after fork */
+    ino_t st_ino;
+    pthread_mutex_t mu;          /* process-private: serialises re-registration */
+    int warned_clamp;            /* the release-clamp warning is printed once */
+    int warned_broken;
+    struct vgpu_region *next;    /* the list the fork handler walks */
+    char path[];
+};
+
+/* --- region_file.c ------------------------------------------------------------------------ */
+
+/* printf into err (may be NULL or 0 long). */
+void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* A "[vgpu] region: ..." warning on stderr unless LIBVGPU_LOG_LEVEL=error. */
+void vgpu_region_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Open and map the region file at `path` and validate its identity and tables. `writable`:
+ * 1 read-write (tenants), 0 read-only, -1 read-write if permitted else read-only (host).
+ * On success returns the mapping, sets *fd_out and *writable_out. NULL with err set. */
+struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd_out,
+                                         int *writable_out, char *err, size_t errlen);
+void vgpu_region_unmap(struct vgpu_region_file *f, int fd);
+
+/* Field 22 of /proc/self/stat (start time in clock ticks), 0 if unreadable. */
+uint64_t vgpu_proc_start_time(void);
+
+/* 1 if the OFD lock byte of slot `slot` is free as seen through `fd` (its owner is gone),
+ * 0 if held or unknown. */
+int vgpu_slot_dead(int fd, int slot);
+/* Take (F_WRLCK) or drop (F_UNLCK) this description's lock on the byte of slot `slot`. */
+int vgpu_slot_lock(int fd, int slot, int type);
+
+static inline pthread_mutex_t *vgpu_region_mutex(struct vgpu_region_file *f) {
+    return (pthread_mutex_t *)(void *)f->lock;
+}
+
+/* The device count, bounded: the file is writable by the tenant, so a count changed after
+ * validation must still keep every loop inside the arrays. */
+static inline uint32_t vgpu_region_ndev(const struct vgpu_region_file *f) {
+    uint32_t n = __atomic_load_n(&f->device_count, __ATOMIC_RELAXED);
+    return n <= VGPU_MAX_DEVICES ? n : VGPU_MAX_DEVICES;
+}
+
+/* The futex word of the robust mutex (glibc keeps it first; the kernel sets OWNER_DIED in
+ * it when the holder dies). Read-only peeks, never written by us. */
+static inline uint32_t vgpu_region_lock_word(const struct vgpu_region_file *f) {
+    return __atomic_load_n((const uint32_t *)(const void *)f->lock, __ATOMIC_ACQUIRE);
+}
+enum { VGPU_FUTEX_OWNER_DIED = 0x40000000 };
+
+/* --- region_snapshot.c: the writers' half of the snapshot protocol ------------------------- */
+
+/* Copy the dynamic state into `published` for the readers that asked (mutex held, inside a
+ * write section whose stores are all done). */
+void vgpu_region_publish_locked(struct vgpu_region_file *f);
+
+#endif

@@ -1,0 +1,399 @@
+/* Functional checks of the shared region, one subcommand each, run by
+ * tests/integration/test_region.py. Prints "... ok" and exits 0 when every check holds;
+ * prints "FAIL: <what>" and exits 1 otherwise. Some subcommands only set a scene (hold a
+ * charge, die holding the lock) for the test to act on. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "region_test.h"
+
+static const char *path;
+
+static void snapshot_or_die(struct vgpu_region_snapshot *s) {
+    char err[VGPU_REGION_ERRLEN];
+    int rc = R.snapshot(path, s, err, sizeof err);
+    CHECK(rc == VGPU_REGION_OK, "snapshot: %s", err);
+}
+
+static const struct vgpu_snapshot_process *find_slot(const struct vgpu_region_snapshot *s,
+                                                     uint32_t slot) {
+    for (uint32_t i = 0; i < s->process_count; i++)
+        if (s->processes[i].slot == slot) return &s->processes[i];
+    return NULL;
+}
+
+/* The region file mapped directly, as only a test may: to forge or tear its contents. */
+static struct vgpu_region_file *map_raw(void) {
+    int fd = open(path, O_RDWR);
+    CHECK(fd >= 0, "open %s: %s", path, strerror(errno));
+    void *p = mmap(NULL, sizeof(struct vgpu_region_file), PROT_READ | PROT_WRITE, MAP_SHARED,
+                   fd, 0);
+    CHECK(p != MAP_FAILED, "mmap: %s", strerror(errno));
+    close(fd);
+    return p;
+}
+
+static pthread_mutex_t *raw_mutex(struct vgpu_region_file *f) {
+    return (pthread_mutex_t *)(void *)f->lock;
+}
+
+static void raw_lock(struct vgpu_region_file *f) {
+    int rc = pthread_mutex_lock(raw_mutex(f));
+    if (rc == EOWNERDEAD) die("raw_lock: region needs repair; tests forge only healthy regions");
+    CHECK(rc == 0, "lock: %s", strerror(rc));
+}
+
+/* A consistent slot for `pid` holding `bytes` on device 0, whose lock nobody holds. */
+static uint32_t forge_slot(int32_t pid, uint64_t start_time, uint64_t bytes) {
+    struct vgpu_region_file *f = map_raw();
+    raw_lock(f);
+    uint32_t s = 0;
+    while (s < VGPU_MAX_SLOTS && f->slots[s].state != VGPU_SLOT_FREE) s++;
+    CHECK(s < VGPU_MAX_SLOTS, "no free slot to forge");
+    f->generation++;
+    f->slots[s].pid = pid;
+    f->slots[s].start_time = start_time;
+    f->slots[s].dev[0].charged = bytes;
+    f->slots[s].state = VGPU_SLOT_LIVE;
+    f->used[0] += bytes;
+    if (s >= f->slot_hwm) f->slot_hwm = s + 1;
+    f->generation++;
+    pthread_mutex_unlock(raw_mutex(f));
+    munmap(f, sizeof *f);
+    return s;
+}
+
+/* Reserve to the limit in 1 MiB steps, exactly to it, past it; release back to zero;
+ * rollback, pending, clamping and bad device indexes. */
+static int cmd_basic(void) {
+    struct vgpu_region *r = open_region(path, NULL);
+    uint64_t limit = R.limit(r, 0), chunk = 1 << 20, got = 0;
+    CHECK(limit > 16 * chunk, "limit %llu too small for this test", (unsigned long long)limit);
+    while (R.reserve(r, 0, chunk) == VGPU_REGION_OK) {
+        R.commit(r, 0, chunk);
+        got += chunk;
+    }
+    CHECK(R.usage(r, 0) == got && R.own_usage(r, 0) == got, "usage %llu != reserved %llu",
+          (unsigned long long)R.usage(r, 0), (unsigned long long)got);
+    CHECK(got * 100 >= limit * 99, "only %llu of %llu usable", (unsigned long long)got,
+          (unsigned long long)limit);
+    uint64_t rest = limit - got;
+    if (rest) {
+        CHECK(R.reserve(r, 0, rest) == VGPU_REGION_OK, "the last %llu bytes are refused",
+              (unsigned long long)rest);
+        R.commit(r, 0, rest);
+    }
+    CHECK(R.usage(r, 0) == limit, "usage %llu at the limit %llu", (unsigned long long)R.usage(r, 0),
+          (unsigned long long)limit);
+    CHECK(R.reserve(r, 0, 1) == VGPU_REGION_DENIED, "one byte past the limit was granted");
+    CHECK(R.reserve(r, 0, UINT64_MAX) == VGPU_REGION_DENIED, "UINT64_MAX was granted");
+    R.release(r, 0, rest);
+    for (uint64_t i = 0; i < got / chunk; i++) R.release(r, 0, chunk);
+    CHECK(R.usage(r, 0) == 0 && R.own_usage(r, 0) == 0, "released back to %llu",
+          (unsigned long long)R.usage(r, 0));
+
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    CHECK(R.reserve(r, 0, 3 * chunk) == VGPU_REGION_OK, "reserve after release");
+    snapshot_or_die(s);
+    CHECK(s->process_count == 1 && s->processes[0].pending[0] == 3 * chunk &&
+              s->processes[0].used[0] == 3 * chunk && s->processes[0].alive &&
+              s->processes[0].pid == getpid(),
+          "a reservation in flight is not shown as pending");
+    R.commit(r, 0, 3 * chunk);
+    snapshot_or_die(s);
+    CHECK(s->processes[0].pending[0] == 0 && s->devices[0].used == 3 * chunk, "commit");
+    R.release(r, 0, 3 * chunk);
+    CHECK(R.reserve(r, 0, 5 * chunk) == VGPU_REGION_OK, "reserve to roll back");
+    R.rollback(r, 0, 5 * chunk);
+    snapshot_or_die(s);
+    CHECK(s->devices[0].used == 0 && s->processes[0].pending[0] == 0, "rollback");
+
+    /* Releasing more than held clamps (one warning), never wraps. */
+    CHECK(R.reserve(r, 0, chunk) == VGPU_REGION_OK, "reserve before over-release");
+    R.commit(r, 0, chunk);
+    R.release(r, 0, 2 * chunk);
+    R.release(r, 0, chunk);
+    CHECK(R.usage(r, 0) == 0 && R.own_usage(r, 0) == 0, "over-release wrapped to %llu",
+          (unsigned long long)R.usage(r, 0));
+    CHECK(R.reserve(r, 0, limit) == VGPU_REGION_OK, "the whole limit after over-release");
+    R.release(r, 0, limit);
+
+    CHECK(R.reserve(r, 99, 1) == VGPU_REGION_EINVAL && R.reserve(r, -1, 1) == VGPU_REGION_EINVAL,
+          "a bad device index is not refused");
+    CHECK(R.device_index(r, "GPU-nope") == -1, "unknown uuid has an index");
+    R.close(r);
+    snapshot_or_die(s);
+    CHECK(s->process_count == 0 && s->devices[0].used == 0, "close left a slot behind");
+    free(s);
+    printf("basic ok limit=%llu usable=%llu\n", (unsigned long long)limit,
+           (unsigned long long)got);
+    return 0;
+}
+
+/* Own limits below the region's lower this process's limit; above it change nothing. */
+static int cmd_limits(void) {
+    struct vgpu_region *plain = open_region(path, NULL);
+    uint64_t limit = R.limit(plain, 0);
+    struct vgpu_limits higher = test_limits(1, 2 * limit), lower = test_limits(1, limit / 2);
+    struct vgpu_limits other = test_limits(1, limit);
+    snprintf(other.devices[0].uuid, sizeof other.devices[0].uuid, "GPU-not-in-this-region");
+    struct vgpu_region *hi = open_region(path, &higher);
+    struct vgpu_region *lo = open_region(path, &lower);
+    struct vgpu_region *ot = open_region(path, &other);
+    CHECK(R.limit(hi, 0) == limit, "own limits raised the limit to %llu",
+          (unsigned long long)R.limit(hi, 0));
+    CHECK(R.limit(lo, 0) == limit / 2, "own lower limits ignored");
+    CHECK(R.limit(ot, 0) == limit, "limits naming another GPU changed this one");
+    CHECK(R.reserve(lo, 0, limit / 2 + 1) == VGPU_REGION_DENIED, "lower own limit not enforced");
+    CHECK(R.reserve(hi, 0, limit + 1) == VGPU_REGION_DENIED, "region limit not enforced");
+    CHECK(R.reserve(hi, 0, limit) == VGPU_REGION_OK, "the region's limit is not usable");
+    R.release(hi, 0, limit);
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    snapshot_or_die(s);
+    CHECK(s->devices[0].memory_limit == limit, "the region's limit changed");
+    R.close(hi);
+    R.close(lo);
+    R.close(ot);
+    R.close(plain);
+    free(s);
+    printf("limits ok\n");
+    return 0;
+}
+
+/* Charge `bytes` on device 0 (committed, or left pending) and wait to be killed. */
+static int __attribute__((noreturn)) cmd_hold(uint64_t bytes, int commit) {
+    struct vgpu_region *r = open_region(path, NULL);
+    CHECK(R.reserve(r, 0, bytes) == VGPU_REGION_OK, "cannot reserve %llu",
+          (unsigned long long)bytes);
+    if (commit) R.commit(r, 0, bytes);
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    for (;;) pause();
+}
+
+/* Reserve `bytes` on device 0, retrying for up to `timeout_ms`. */
+static int cmd_reserve(uint64_t bytes, uint64_t timeout_ms) {
+    struct vgpu_region *r = open_region(path, NULL);
+    uint64_t t0 = now_ns();
+    for (;;) {
+        int rc = R.reserve(r, 0, bytes);
+        uint64_t ms = (now_ns() - t0) / 1000000u;
+        if (rc == VGPU_REGION_OK) {
+            R.commit(r, 0, bytes);
+            R.release(r, 0, bytes);
+            R.close(r);
+            printf("granted after %llu ms\n", (unsigned long long)ms);
+            return 0;
+        }
+        CHECK(rc == VGPU_REGION_DENIED, "reserve: status %d", rc);
+        if (ms > timeout_ms) {
+            printf("denied for %llu ms\n", (unsigned long long)ms);
+            return 2;
+        }
+        usleep(1000);
+    }
+}
+
+/* Take the region's lock behind the library's back, leave a torn update, then die
+ * (SIGKILL) or stop: the worst moment for a writer to go. */
+static int __attribute__((noreturn)) cmd_lock_and(const char *what) {
+    struct vgpu_region_file *f = map_raw();
+    raw_lock(f);
+    __atomic_store_n(&f->generation, f->generation | 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&f->used[0], f->used[0] + 12345, __ATOMIC_RELEASE);
+    if (strcmp(what, "kill") == 0) raise(SIGKILL);
+    printf("locked %d\n", (int)getpid());
+    fflush(stdout);
+    for (;;) pause();
+}
+
+static int cmd_snapshot(void) {
+    char err[VGPU_REGION_ERRLEN];
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    int rc = R.snapshot(path, s, err, sizeof err);
+    if (rc != VGPU_REGION_OK) {
+        printf("error %d: %s\n", rc, err);
+        free(s);
+        return rc;
+    }
+    printf("ok recovered=%d processes=%u", s->recovered, s->process_count);
+    for (uint32_t d = 0; d < s->device_count; d++)
+        printf(" used%u=%llu", d, (unsigned long long)s->devices[d].used);
+    for (uint32_t i = 0; i < s->process_count; i++)
+        printf(" pid%u=%d alive%u=%d", i, s->processes[i].pid, i, s->processes[i].alive);
+    printf("\n");
+    check_books(s, "snapshot");
+    free(s);
+    return 0;
+}
+
+static int cmd_open(void) {
+    char err[VGPU_REGION_ERRLEN];
+    struct vgpu_region *r = NULL;
+    int rc = R.open(path, NULL, &r, err, sizeof err);
+    if (rc != VGPU_REGION_OK) {
+        printf("error %d: %s\n", rc, err);
+        return 1;
+    }
+    R.close(r);
+    printf("ok\n");
+    return 0;
+}
+
+/* A slot with our own (live) pid but another start time, holding the whole limit: a pid
+ * reused by us. We must not inherit it, and its charge must be reclaimable. */
+static int cmd_pid_reuse(void) {
+    struct vgpu_region *probe = open_region(path, NULL);
+    uint64_t limit = R.limit(probe, 0);
+    R.close(probe);
+    uint32_t forged = forge_slot((int32_t)getpid(), 4242, limit);
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    snapshot_or_die(s);
+    const struct vgpu_snapshot_process *p = find_slot(s, forged);
+    CHECK(p && p->pid == getpid() && !p->alive && s->devices[0].used == limit,
+          "a slot nobody locks must read dead although its pid is alive");
+    struct vgpu_region *r = open_region(path, NULL);
+    CHECK(R.own_usage(r, 0) == 0, "the new process inherited %llu bytes of a reused pid",
+          (unsigned long long)R.own_usage(r, 0));
+    CHECK(R.reserve(r, 0, limit) == VGPU_REGION_OK,
+          "the dead slot's charge was not reclaimed (its pid is alive)");
+    R.release(r, 0, limit);
+    R.close(r);
+    free(s);
+    printf("pid-reuse ok\n");
+    return 0;
+}
+
+/* Same pid, no registration: a forged slot stays listed until somebody reaps. */
+static int cmd_forge(uint64_t bytes, int32_t pid) {
+    printf("forged slot %u\n", forge_slot(pid, 1, bytes));
+    return 0;
+}
+
+/* A forked child registers a slot of its own; the parent reaps it after it dies. */
+static int cmd_fork(uint64_t x, uint64_t y) {
+    struct vgpu_region *r = open_region(path, NULL);
+    CHECK(R.reserve(r, 0, x) == VGPU_REGION_OK, "parent reserve");
+    R.commit(r, 0, x);
+    pid_t child = fork();
+    CHECK(child >= 0, "fork");
+    if (child == 0) {
+        CHECK(R.own_usage(r, 0) == 0, "the child sees its parent's charge as its own");
+        CHECK(R.reserve(r, 0, y) == VGPU_REGION_OK, "child reserve");
+        R.commit(r, 0, y);
+        CHECK(R.own_usage(r, 0) == y && R.usage(r, 0) == x + y, "child books");
+        struct vgpu_region_snapshot *s = malloc(sizeof *s);
+        snapshot_or_die(s);
+        CHECK(s->process_count == 2, "child and parent should have a slot each, got %u",
+              s->process_count);
+        check_books(s, "fork");
+        _exit(0); /* without closing: its slot is left for the parent to reap */
+    }
+    int st;
+    CHECK(waitpid(child, &st, 0) == child && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+          "child failed");
+    CHECK(R.usage(r, 0) == x + y, "the dead child's charge vanished before reaping");
+    CHECK(R.reap(r) == 1, "reap did not reclaim exactly the child's slot");
+    CHECK(R.reap(r) == 0, "a second reap reclaimed again");
+    CHECK(R.usage(r, 0) == x && R.own_usage(r, 0) == x, "after reap: %llu",
+          (unsigned long long)R.usage(r, 0));
+    R.release(r, 0, x);
+    R.close(r);
+    printf("fork ok\n");
+    return 0;
+}
+
+/* Charge x, fork a child that never uses the region and outlives us, then exit without
+ * closing: our slot must read dead although the child inherited our descriptors. */
+static int __attribute__((noreturn)) cmd_fork_orphan(uint64_t x) {
+    struct vgpu_region *r = open_region(path, NULL);
+    CHECK(R.reserve(r, 0, x) == VGPU_REGION_OK, "reserve");
+    R.commit(r, 0, x);
+    pid_t child = fork();
+    CHECK(child >= 0, "fork");
+    if (child == 0) {
+        int null = open("/dev/null", O_RDWR); /* let the caller's pipes close with us */
+        dup2(null, 1);
+        dup2(null, 2);
+        sleep(60);
+        _exit(0);
+    }
+    printf("child %d\n", (int)child);
+    fflush(stdout);
+    _exit(0);
+}
+
+/* n processes create-or-attach at once: one creates, none sees a half-made region. */
+static int cmd_race(int n) {
+    int go[2];
+    CHECK(pipe(go) == 0, "pipe");
+    int created = 0;
+    for (int i = 0; i < n; i++) {
+        pid_t p = fork();
+        CHECK(p >= 0, "fork");
+        if (p == 0) {
+            char c, err[VGPU_REGION_ERRLEN];
+            close(go[1]);
+            if (read(go[0], &c, 1) != 0) _exit(3);
+            struct vgpu_limits l = test_limits(2, 1 << 30);
+            int rc = R.create(path, &l, err, sizeof err);
+            if (rc < 0) die("create: %s", err);
+            struct vgpu_region *r = open_region(path, &l);
+            CHECK(R.reserve(r, 1, 4096) == VGPU_REGION_OK, "reserve in a fresh region");
+            _exit(rc == 1 ? 10 : 0);
+        }
+    }
+    close(go[0]);
+    close(go[1]); /* everyone starts now */
+    for (int i = 0; i < n; i++) {
+        int st;
+        CHECK(wait(&st) > 0 && WIFEXITED(st), "a racer died");
+        CHECK(WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 10, "a racer failed");
+        created += WEXITSTATUS(st) == 10;
+    }
+    CHECK(created == 1, "%d processes created the region", created);
+    struct stat st;
+    CHECK(stat(path, &st) == 0 && (st.st_mode & 0777) == 0666, "mode %o, not 0666",
+          (unsigned)(st.st_mode & 0777));
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    snapshot_or_die(s);
+    check_books(s, "after the race");
+    free(s);
+    printf("race ok created=%d\n", created);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 3) die("usage: region_tool CMD PATH [ARGS]");
+    region_api_load();
+    const char *cmd = argv[1];
+    path = argv[2];
+    const char *a3 = argc > 3 ? argv[3] : "0", *a4 = argc > 4 ? argv[4] : "0";
+    if (strcmp(cmd, "create") == 0) {
+        char err[VGPU_REGION_ERRLEN];
+        struct vgpu_limits l = test_limits(atoi(a3), parse_size(a4));
+        int rc = R.create(path, &l, err, sizeof err);
+        if (rc < 0) die("create: %s", err);
+        printf("%s\n", rc == 1 ? "created" : "exists");
+        return 0;
+    }
+    if (strcmp(cmd, "basic") == 0) return cmd_basic();
+    if (strcmp(cmd, "limits") == 0) return cmd_limits();
+    if (strcmp(cmd, "hold") == 0) return cmd_hold(parse_size(a3), strcmp(a4, "pending") != 0);
+    if (strcmp(cmd, "reserve") == 0) return cmd_reserve(parse_size(a3), parse_size(a4));
+    if (strcmp(cmd, "lock-and") == 0) return cmd_lock_and(a3);
+    if (strcmp(cmd, "snapshot") == 0) return cmd_snapshot();
+    if (strcmp(cmd, "open") == 0) return cmd_open();
+    if (strcmp(cmd, "pid-reuse") == 0) return cmd_pid_reuse();
+    if (strcmp(cmd, "forge") == 0) return cmd_forge(parse_size(a3), (int32_t)atoi(a4));
+    if (strcmp(cmd, "fork") == 0) return cmd_fork(parse_size(a3), parse_size(a4));
+    if (strcmp(cmd, "fork-orphan") == 0) return cmd_fork_orphan(parse_size(a3));
+    if (strcmp(cmd, "race") == 0) return cmd_race(atoi(a3));
+    die("unknown command %s", cmd);
+}

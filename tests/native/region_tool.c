@@ -69,6 +69,13 @@ static uint32_t forge_slot(int32_t pid, uint64_t start_time, uint64_t bytes) {
     return s;
 }
 
+/* Reserve and commit `bytes` on device 0, or die. */
+static void charge(struct vgpu_region *r, uint64_t bytes, const char *who) {
+    CHECK(R.reserve(r, 0, bytes) == VGPU_REGION_OK, "%s: cannot reserve %llu", who,
+          (unsigned long long)bytes);
+    R.commit(r, 0, bytes);
+}
+
 /* Reserve to the limit in 1 MiB steps, exactly to it, past it; release back to zero;
  * rollback, pending, clamping and bad device indexes. */
 static int cmd_basic(void) {
@@ -115,8 +122,7 @@ static int cmd_basic(void) {
     CHECK(s->devices[0].used == 0 && s->processes[0].pending[0] == 0, "rollback");
 
     /* Releasing more than held clamps (one warning), never wraps. */
-    CHECK(R.reserve(r, 0, chunk) == VGPU_REGION_OK, "reserve before over-release");
-    R.commit(r, 0, chunk);
+    charge(r, chunk, "before over-release");
     R.release(r, 0, 2 * chunk);
     R.release(r, 0, chunk);
     CHECK(R.usage(r, 0) == 0 && R.own_usage(r, 0) == 0, "over-release wrapped to %llu",
@@ -169,9 +175,10 @@ static int cmd_limits(void) {
 /* Charge `bytes` on device 0 (committed, or left pending) and wait to be killed. */
 static int __attribute__((noreturn)) cmd_hold(uint64_t bytes, int commit) {
     struct vgpu_region *r = open_region(path, NULL);
-    CHECK(R.reserve(r, 0, bytes) == VGPU_REGION_OK, "cannot reserve %llu",
-          (unsigned long long)bytes);
-    if (commit) R.commit(r, 0, bytes);
+    if (commit)
+        charge(r, bytes, "hold");
+    else
+        CHECK(R.reserve(r, 0, bytes) == VGPU_REGION_OK, "hold: cannot reserve");
     printf("ready %d\n", (int)getpid());
     fflush(stdout);
     for (;;) pause();
@@ -279,14 +286,12 @@ static int cmd_forge(uint64_t bytes, int32_t pid) {
 /* A forked child registers a slot of its own; the parent reaps it after it dies. */
 static int cmd_fork(uint64_t x, uint64_t y) {
     struct vgpu_region *r = open_region(path, NULL);
-    CHECK(R.reserve(r, 0, x) == VGPU_REGION_OK, "parent reserve");
-    R.commit(r, 0, x);
+    charge(r, x, "parent");
     pid_t child = fork();
     CHECK(child >= 0, "fork");
     if (child == 0) {
         CHECK(R.own_usage(r, 0) == 0, "the child sees its parent's charge as its own");
-        CHECK(R.reserve(r, 0, y) == VGPU_REGION_OK, "child reserve");
-        R.commit(r, 0, y);
+        charge(r, y, "child");
         CHECK(R.own_usage(r, 0) == y && R.usage(r, 0) == x + y, "child books");
         struct vgpu_region_snapshot *s = malloc(sizeof *s);
         snapshot_or_die(s);
@@ -313,8 +318,7 @@ static int cmd_fork(uint64_t x, uint64_t y) {
  * closing: our slot must read dead although the child inherited our descriptors. */
 static int __attribute__((noreturn)) cmd_fork_orphan(uint64_t x) {
     struct vgpu_region *r = open_region(path, NULL);
-    CHECK(R.reserve(r, 0, x) == VGPU_REGION_OK, "reserve");
-    R.commit(r, 0, x);
+    charge(r, x, "orphan's parent");
     pid_t child = fork();
     CHECK(child >= 0, "fork");
     if (child == 0) {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Sequence
 
 from vgpu_plugin import __version__
@@ -25,16 +24,27 @@ def _check_config(args: argparse.Namespace) -> int:
     return check_config.run(args)
 
 
-def _not_yet(name: str) -> Handler:
-    def run(_: argparse.Namespace) -> int:
-        print(f"vgpu-plugin {name}: not yet implemented in this version", file=sys.stderr)
-        return 2
+def _status(args: argparse.Namespace) -> int:
+    from vgpu_plugin import status
 
-    return run
+    return status.run(args)
+
+
+def _install_shim(args: argparse.Namespace) -> int:
+    from vgpu_plugin import install
+
+    return install.run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from vgpu_plugin.demo import run
+
+    return run.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vgpu_plugin import check_config
+    from vgpu_plugin import check_config, install, status
+    from vgpu_plugin.demo import run as demo
 
     parser = argparse.ArgumentParser(
         prog="vgpu-plugin", description="Fractional GPU sharing for Kubernetes."
@@ -51,13 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     check_config.add_flags(p)
     p.set_defaults(handler=_check_config)
 
-    for name, text in (
-        ("demo", "run a whole simulated GPU node and show the limits at work"),
-        ("status", "show the node's GPUs, slices and containers"),
-        ("install-shim", "install the shim and ld.so.preload into the host root"),
-    ):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(handler=_not_yet(name))
+    p = sub.add_parser("status", help="show the node's GPUs, slices and containers")
+    status.add_flags(p)
+    p.set_defaults(handler=_status)
+
+    p = sub.add_parser("install-shim", help="install the shim and ld.so.preload into the host root")
+    install.add_flags(p)
+    p.set_defaults(handler=_install_shim)
+
+    p = sub.add_parser("demo", help="run a whole simulated GPU node and show the limits at work")
+    demo.add_flags(p)
+    p.set_defaults(handler=_demo)
     return parser
 
 

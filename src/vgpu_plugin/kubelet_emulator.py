@@ -38,6 +38,8 @@ import grpc
 from vgpu_plugin.api.constants import KUBELET_SOCKET_NAME, VERSION
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.api.podresources.v1 import api_pb2 as pr_pb
+from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pr_grpc
 
 # Extended resource names: <domain>/<name>, as the kubelet validates them.
 _RESOURCE_NAME = re.compile(
@@ -389,3 +391,93 @@ def _is_socket(path: Path) -> bool:
         return stat.S_ISSOCK(os.lstat(path).st_mode)
     except FileNotFoundError:
         return False
+
+
+class PodResourcesEmulator:
+    """The kubelet's pod-resources API (``v1.PodResourcesLister``) over a unix socket.
+
+    The demo and end-to-end tests record which container holds which devices (as the kubelet
+    does after Allocate) and the plugin's node agent reads it back like on a real node.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path | str,
+        allocatable: Callable[[], Sequence[tuple[str, Sequence[str]]]] | None = None,
+    ) -> None:
+        """``allocatable`` returns (resource, device ids) pairs for GetAllocatableResources,
+        e.g. from a KubeletEmulator's device lists; without it that call is UNIMPLEMENTED, as
+        on a kubelet with the feature gate off."""
+        self.socket_path = Path(socket_path)
+        self.allocatable = allocatable
+        self._lock = threading.Lock()
+        # (namespace, pod) -> container -> [(resource, device ids)]
+        self._pods: dict[tuple[str, str], dict[str, list[tuple[str, list[str]]]]] = {}
+        self._server: Any = None
+
+    def assign(
+        self, namespace: str, pod: str, container: str, resource: str, device_ids: Sequence[str]
+    ) -> None:
+        with self._lock:
+            containers = self._pods.setdefault((namespace, pod), {})
+            containers.setdefault(container, []).append((resource, list(device_ids)))
+
+    def remove_pod(self, namespace: str, pod: str) -> None:
+        with self._lock:
+            self._pods.pop((namespace, pod), None)
+
+    def list_response(self) -> Any:
+        with self._lock:
+            pods = [
+                pr_pb.PodResources(
+                    namespace=ns,
+                    name=name,
+                    containers=[
+                        pr_pb.ContainerResources(
+                            name=c,
+                            devices=[
+                                pr_pb.ContainerDevices(resource_name=r, device_ids=ids)
+                                for r, ids in devs
+                            ],
+                        )
+                        for c, devs in containers.items()
+                    ],
+                )
+                for (ns, name), containers in self._pods.items()
+            ]
+        return pr_pb.ListPodResourcesResponse(pod_resources=pods)
+
+    def start(self) -> None:
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        server = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="podresources-emu"))
+        pr_grpc.add_PodResourcesListerServicer_to_server(  # type: ignore[no-untyped-call]
+            _PodResourcesService(self), server
+        )
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(0).wait(5.0)
+        self.socket_path.unlink(missing_ok=True)
+
+
+class _PodResourcesService(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, emulator: PodResourcesEmulator) -> None:
+        self._emulator = emulator
+
+    def List(self, request: Any, context: Any) -> Any:
+        return self._emulator.list_response()
+
+    def GetAllocatableResources(self, request: Any, context: Any) -> Any:
+        source = self._emulator.allocatable
+        if source is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetAllocatableResources is not enabled")
+            return None  # abort raises; this keeps the types honest
+        devices = [
+            pr_pb.ContainerDevices(resource_name=r, device_ids=list(ids)) for r, ids in source()
+        ]
+        return pr_pb.AllocatableResourcesResponse(devices=devices)

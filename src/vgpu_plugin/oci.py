@@ -2,9 +2,10 @@
 
 Used by ``vgpu-plugin demo`` and the end-to-end tests: the response's envs and mounts (with
 their read-only flags) go into an OCI bundle whose rootfs is an overlay over the host's root
-(so the host's programs and Python are there, and nothing the container writes reaches the
-host), and runc runs it in fresh namespaces. ``/etc/ld.so.preload`` in the container is then
-the plugin's file, and every process really loads the shim.
+(so the host's programs and Python are there, and what the container writes lands in the
+overlay's upper dir, never on the host), and runc runs it in fresh namespaces.
+``/etc/ld.so.preload`` in the container is then the plugin's file, and every process really
+loads the shim.
 """
 
 from __future__ import annotations
@@ -80,14 +81,7 @@ def oci_spec(config: ContainerConfig, rootfs: Path) -> dict[str, object]:
             "source": "sysfs",
             "options": ["nosuid", "noexec", "nodev", "ro"],
         },
-        {
-            "destination": "/tmp",
-            "type": "tmpfs",
-            "source": "tmpfs",
-            "options": ["nosuid", "nodev", "mode=1777"],
-        },
     ]
-    # Bind mounts after /tmp's tmpfs, as the runtime orders them: /tmp/vgpu lands on top.
     mounts.extend(_mount_entry(m) for m in config.mounts)
     caps = [
         "CAP_CHOWN",
@@ -110,7 +104,7 @@ def oci_spec(config: ContainerConfig, rootfs: Path) -> dict[str, object]:
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
             "noNewPrivileges": True,
         },
-        "root": {"path": str(rootfs), "readonly": True},
+        "root": {"path": str(rootfs), "readonly": False},
         "hostname": config.name[:63],
         "mounts": mounts,
         "linux": {

@@ -89,6 +89,7 @@ class Plugin:
         if not gpus:
             log.warning("NVML reports no GPU on this node: advertising no devices")
         version = self._shim_version(config.host_root)
+        _make_shared_dir(Path(s.lock_dir))
         store = AllocationStore(s.state_dir)
         try:
             self.backend = VgpuBackend(
@@ -153,6 +154,16 @@ class Plugin:
         if self._health is not None:
             self._health.stop()
         log.info("stopped")
+
+
+def _make_shared_dir(path: Path) -> None:
+    """The node-wide lock dir every container mounts: it must exist before the first one
+    starts (a bind mount of a missing host path fails the container) and be usable by any uid."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o1777)
+    except OSError as exc:
+        raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
 
 
 def _installed_shim_version(host_root: str) -> str:

@@ -1,0 +1,191 @@
+/* Accounting glue: which limits apply to each CUDA device, and the calls into the shared
+ * region (include/vgpu/region.h) that charge and release memory.
+ *
+ * A CUDA device is resolved once, on first use, by its UUID (cuDeviceGetUuid): limits are
+ * keyed by UUID, so a CUDA_VISIBLE_DEVICES that reorders or hides devices cannot mix them
+ * up. The region is opened then too (created from the limits when missing); if it cannot be,
+ * limited devices fail closed. */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "shim.h"
+
+void vgpu_format_uuid(const CUuuid *u, char out[VGPU_UUID_SIZE]) {
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, VGPU_UUID_SIZE,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+}
+
+static void add_limit(struct vgpu_limits *lim, const char *uuid, const struct vgpu_limit *l) {
+    if (lim->count >= VGPU_MAX_DEVICES || !uuid[0]) return;
+    for (uint32_t i = 0; i < lim->count; i++)
+        if (strcasecmp(lim->devices[i].uuid, uuid) == 0) return;
+    struct vgpu_device_limit *d = &lim->devices[lim->count++];
+    snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
+    d->memory_limit = l->bad ? 0 : l->mem;
+    d->sm_percent = l->bad ? 0 : (uint32_t)l->sm;
+}
+
+/* The container's limits as the region records them: every GPU the limits name, or, when the
+ * envs name GPUs by CUDA ordinal, every GPU the driver shows. */
+void vgpu_container_limits(struct vgpu_limits *lim) {
+    const struct vgpu_config *c = &vgpu.cfg;
+    memset(lim, 0, sizeof *lim);
+    if (c->mode == VGPU_MODE_FILE || c->by_uuid) {
+        for (int i = 0; i < c->count; i++) add_limit(lim, c->dev[i].uuid, &c->dev[i]);
+        if (c->mode == VGPU_MODE_FILE) return;
+    }
+    int n = 0;
+    if (!vgpu.real.cuDeviceGetCount || vgpu.real.cuDeviceGetCount(&n) != CUDA_SUCCESS) return;
+    for (int ord = 0; ord < n && ord < VGPU_MAX_ORDINALS; ord++) {
+        CUuuid u;
+        char uuid[VGPU_UUID_SIZE];
+        if (vgpu.real.cuDeviceGetUuid(&u, ord) != CUDA_SUCCESS) continue;
+        vgpu_format_uuid(&u, uuid);
+        struct vgpu_limit l = vgpu_config_lookup(c, uuid, ord);
+        add_limit(lim, uuid, &l);
+    }
+}
+
+/* 1 when the region is open. vgpu.mu held. */
+static int region_open_locked(void) {
+    if (vgpu.region_state) return vgpu.region_state > 0;
+    struct vgpu_limits lim;
+    vgpu_container_limits(&lim);
+    char err[VGPU_REGION_ERRLEN] = "no GPU to account";
+    int rc = VGPU_REGION_EFAIL;
+    if (lim.count > 0) {
+        /* The region's directory is a mount in a container; make it elsewhere (tests). */
+        char dir[sizeof vgpu.cfg.region_path];
+        snprintf(dir, sizeof dir, "%s", vgpu.cfg.region_path);
+        char *slash = strrchr(dir, '/');
+        if (slash && slash != dir) {
+            *slash = 0;
+            if (mkdir(dir, 0777) == 0) chmod(dir, 01777);
+        }
+        rc = vgpu_region_open(vgpu.cfg.region_path, &lim, &vgpu.region, err, sizeof err);
+    }
+    vgpu.region_state = rc == VGPU_REGION_OK ? 1 : -1;
+    if (rc != VGPU_REGION_OK)
+        vgpu_log(VGPU_LOG_ERROR, "cannot use the shared region: %s; allocations on limited "
+                 "GPUs are refused", err);
+    return vgpu.region_state > 0;
+}
+
+/* Fill d from the limits of GPU `uuid`. vgpu.mu held. */
+static void setup_locked(struct vgpu_dev *d, const char *uuid, int ordinal) {
+    struct vgpu_limit l = vgpu_config_lookup(&vgpu.cfg, uuid, ordinal);
+    snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
+    d->ordinal = ordinal;
+    d->rdev = -1;
+    d->limit = l.bad ? 0 : l.mem;
+    d->fail_closed = vgpu.limited && l.bad;
+    d->sm = !l.bad && l.sm > 0 && l.sm < 100 ? l.sm : 0;
+    /* With any limit set, every allocation is counted (the host reports usage), even on a
+     * GPU whose memory is not limited. */
+    d->accounted = vgpu.limited && !d->fail_closed;
+    if (d->accounted) {
+        if (!region_open_locked()) {
+            d->accounted = 0;
+            d->fail_closed = 1;
+        } else if ((d->rdev = vgpu_region_device_index(vgpu.region, uuid)) < 0) {
+            vgpu_log(VGPU_LOG_ERROR, "the shared region %s has no record of GPU %s: "
+                     "allocations there are refused", vgpu.cfg.region_path, uuid);
+            d->accounted = 0;
+            d->fail_closed = 1;
+        } else {
+            uint64_t rl = vgpu_region_limit(vgpu.region, d->rdev); /* min(ours, region's) */
+            if (rl < d->limit) d->limit = rl;
+        }
+    }
+    if (d->sm && ordinal >= 0) {
+        d->pace = vgpu_pace_attach(uuid, &d->sm);
+        if (!d->pace) d->sm = 0; /* out of memory for even a private bucket */
+    }
+    VLOG(VGPU_LOG_DEBUG, "GPU %s (ordinal %d): memory limit %llu, SM %d%%%s", uuid, ordinal,
+         (unsigned long long)d->limit, d->sm, d->fail_closed ? ", failing closed" : "");
+}
+
+static struct vgpu_dev *__attribute__((noinline)) resolve(int ordinal) {
+    struct vgpu_dev *d = &vgpu.dev[ordinal];
+    CUuuid u;
+    char uuid[VGPU_UUID_SIZE];
+    if (!vgpu.real.cuDeviceGetUuid || vgpu.real.cuDeviceGetUuid(&u, ordinal) != CUDA_SUCCESS)
+        return NULL;
+    vgpu_format_uuid(&u, uuid);
+    pthread_mutex_lock(&vgpu.mu);
+    if (!d->ready) {
+        setup_locked(d, uuid, ordinal);
+        __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&vgpu.mu);
+    return d;
+}
+
+struct vgpu_dev *vgpu_dev(int ordinal) {
+    if (UNLIKELY((unsigned)ordinal >= VGPU_MAX_ORDINALS)) return NULL;
+    struct vgpu_dev *d = &vgpu.dev[ordinal];
+    return LIKELY(__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)) ? d : resolve(ordinal);
+}
+
+struct vgpu_dev *vgpu_current_dev(void) {
+    CUdevice dev;
+    if (!vgpu.real.cuCtxGetDevice || vgpu.real.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return NULL;
+    return vgpu_dev((int)dev);
+}
+
+struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid) {
+    if (!vgpu.limited || !uuid || !uuid[0]) return NULL;
+    for (int i = 0; i < VGPU_MAX_ORDINALS; i++) {
+        struct vgpu_dev *d = &vgpu.dev[i];
+        if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && strcasecmp(d->uuid, uuid) == 0)
+            return d;
+    }
+    /* A GPU this process has not used through CUDA (an NVML-only tool): by UUID alone. */
+    struct vgpu_dev *found = NULL;
+    pthread_mutex_lock(&vgpu.mu);
+    for (int i = 0; i < VGPU_MAX_DEVICES && !found; i++) {
+        struct vgpu_dev *d = &vgpu.by_uuid[i];
+        if (d->ready && strcasecmp(d->uuid, uuid) == 0) found = d;
+        else if (!d->ready) {
+            setup_locked(d, uuid, -1);
+            __atomic_store_n(&d->ready, 1, __ATOMIC_RELEASE);
+            found = d;
+        }
+    }
+    pthread_mutex_unlock(&vgpu.mu);
+    return found;
+}
+
+/* --- charging ------------------------------------------------------------------------------ */
+
+CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
+    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!d->accounted) return CUDA_SUCCESS;
+    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    if (LIKELY(rc == VGPU_REGION_OK)) return CUDA_SUCCESS;
+    VLOG(VGPU_LOG_INFO, "allocation of %llu bytes on GPU %s refused: %llu of %llu bytes in use",
+         (unsigned long long)bytes, d->uuid, (unsigned long long)vgpu_used(d),
+         (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+}
+
+void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
+}
+
+void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+}
+
+uint64_t vgpu_used(struct vgpu_dev *d) {
+    return d->accounted ? vgpu_region_usage(vgpu.region, d->rdev) : 0;
+}

@@ -1,0 +1,274 @@
+/* Launch hooks and the measurement behind the compute limit.
+ *
+ * Without a compute limit a launch hook is one predictable branch and a jump to the driver.
+ * On a paced GPU each launch (kernel, Ex, cooperative, graph; legacy and per-thread stream
+ * forms alike) first waits while the container's budget (pace.c) is in debt, takes its
+ * estimated cost, and is bracketed by two timing events on its own stream. When the events
+ * have completed (checked, oldest first, at later launches) the estimate is replaced by the
+ * GPU time the launch really took.
+ *
+ * What a bracket measures includes time spent queued behind other containers' work on the
+ * same GPU. Charged as is, that would hold a container below its share whenever another one
+ * is busy, so each launch's charge is settled against a per-kernel estimate (same function or
+ * graph, same grid): a measurement within 10 % of the estimate is charged as measured; a much
+ * longer one is taken to include waiting and charged the estimate, but never less than half
+ * of what was measured. Estimates follow decreases at once and increases by 1/8 per launch. */
+#include <string.h>
+
+#include "shim.h"
+
+enum { RING = 64, POOL = 128, EST = 512 };
+
+struct pending {
+    CUevent start, end;
+    CUcontext ctx;
+    struct vgpu_dev *d;
+    int64_t charged; /* the estimate taken at launch */
+    uint64_t key;
+};
+
+/* This process's launches in flight and its estimates (this file's part of the process
+ * state), under one mutex taken only on paced launches. */
+static struct {
+    pthread_mutex_t mu;
+    struct pending ring[RING];
+    unsigned head, len;
+    struct { CUevent e; CUcontext ctx; } pool[POOL];
+    int npool;
+    struct { uint64_t key; int64_t ns; } est[EST];
+    int64_t last_ns; /* the last settled charge: the estimate of a kernel never seen */
+} g = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t key_of(const void *fn, uint64_t grid, uint64_t block) {
+    uint64_t k = (uint64_t)(uintptr_t)fn * 0x9E3779B97F4A7C15ull;
+    k ^= grid * 0xC2B2AE3D27D4EB4Full + block;
+    return k ? k : 1;
+}
+
+/* --- events ------------------------------------------------------------------------------- */
+
+static CUevent event_get(CUcontext ctx) {
+    for (int i = g.npool - 1; i >= 0; i--) {
+        if (g.pool[i].ctx == ctx) {
+            CUevent e = g.pool[i].e;
+            g.pool[i] = g.pool[--g.npool];
+            return e;
+        }
+    }
+    CUevent e = NULL;
+    return vgpu.real.cuEventCreate(&e, CU_EVENT_DEFAULT) == CUDA_SUCCESS ? e : NULL;
+}
+
+static void event_put(CUevent e, CUcontext ctx) {
+    if (!e) return;
+    if (g.npool < POOL) g.pool[g.npool++] = (__typeof__(g.pool[0])){e, ctx};
+    else vgpu.real.cuEventDestroy_v2(e);
+}
+
+/* --- settling ------------------------------------------------------------------------------ */
+
+static int64_t settle_charge(uint64_t key, int64_t measured) {
+    __typeof__(g.est[0]) *e = &g.est[key % EST];
+    int64_t charge = measured;
+    if (e->key != key) {
+        e->key = key;
+        e->ns = measured;
+    } else if (measured <= e->ns) {
+        e->ns = measured;
+    } else {
+        if (measured * 10 > e->ns * 11) charge = e->ns > measured / 2 ? e->ns : measured / 2;
+        e->ns += (measured - e->ns) / 8;
+    }
+    g.last_ns = charge;
+    return charge;
+}
+
+static int64_t estimate(uint64_t key) {
+    const __typeof__(g.est[0]) *e = &g.est[key % EST];
+    return e->key == key ? e->ns : g.last_ns;
+}
+
+/* Settle the oldest pending launches whose events completed; with `wait`, wait for the oldest.
+ * g.mu held. */
+static void reap(int wait) {
+    while (g.len) {
+        struct pending *p = &g.ring[g.head];
+        CUresult q = wait ? vgpu.real.cuEventSynchronize(p->end) : vgpu.real.cuEventQuery(p->end);
+        if (q == CUDA_ERROR_NOT_READY) return;
+        float ms = 0;
+        if (q == CUDA_SUCCESS && vgpu.real.cuEventElapsedTime(&ms, p->start, p->end) == CUDA_SUCCESS) {
+            int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
+            vgpu_pace_add(p->d->pace, p->charged - settle_charge(p->key, measured));
+        }
+        event_put(p->start, p->ctx);
+        event_put(p->end, p->ctx);
+        g.head = (g.head + 1) % RING;
+        g.len--;
+        wait = 0;
+    }
+}
+
+void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events) {
+    pthread_mutex_lock(&g.mu);
+    struct pending keep[RING];
+    unsigned n = 0;
+    for (unsigned i = 0; i < g.len; i++) {
+        struct pending *p = &g.ring[(g.head + i) % RING];
+        if (p->ctx != ctx) {
+            keep[n++] = *p;
+        } else if (destroy_events) {
+            vgpu.real.cuEventDestroy_v2(p->start);
+            vgpu.real.cuEventDestroy_v2(p->end);
+        }
+    }
+    memcpy(g.ring, keep, n * sizeof keep[0]);
+    g.head = 0;
+    g.len = n;
+    for (int i = g.npool - 1; i >= 0; i--) {
+        if (g.pool[i].ctx != ctx) continue;
+        if (destroy_events) vgpu.real.cuEventDestroy_v2(g.pool[i].e);
+        g.pool[i] = g.pool[--g.npool];
+    }
+    pthread_mutex_unlock(&g.mu);
+}
+
+/* --- one paced launch ----------------------------------------------------------------------- */
+
+struct paced {
+    struct vgpu_dev *d;
+    CUstream stream;
+    int ptsz;
+    CUcontext ctx;
+    CUevent start;
+    int64_t charged;
+    uint64_t key;
+};
+
+static CUresult record(CUevent e, CUstream s, int ptsz) {
+    return ptsz ? vgpu.real.cuEventRecord_ptsz(e, s) : vgpu.real.cuEventRecord(e, s);
+}
+
+/* Before the real launch: 1 when the launch is paced (pc filled), 0 to just launch. */
+static int __attribute__((noinline)) pace_begin(struct paced *pc, CUstream s, int ptsz, uint64_t key) {
+    CUcontext sctx;
+    struct vgpu_dev *d = vgpu_stream_dev(s, ptsz, &sctx);
+    if (!d || !d->sm || !d->pace) return 0;
+    /* Work captured into a graph does not run now: its graph is paced when launched. */
+    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    __typeof__(cuStreamIsCapturing) *is_cap = ptsz ? vgpu.real.cuStreamIsCapturing_ptsz : vgpu.real.cuStreamIsCapturing;
+    if (!is_cap || is_cap(s, &cap) != CUDA_SUCCESS || cap != CU_STREAM_CAPTURE_STATUS_NONE) return 0;
+    if (vgpu.real.cuCtxGetCurrent(&pc->ctx) != CUDA_SUCCESS || !pc->ctx) return 0;
+    pthread_mutex_lock(&g.mu);
+    reap(0);
+    if (g.len == RING) reap(1);
+    int64_t est = estimate(key);
+    pc->start = event_get(pc->ctx);
+    pthread_mutex_unlock(&g.mu);
+    vgpu_pace_wait(d->pace, d->sm);
+    vgpu_pace_add(d->pace, -est);
+    pc->d = d;
+    pc->stream = s;
+    pc->ptsz = ptsz;
+    pc->charged = est;
+    pc->key = key;
+    if (pc->start && record(pc->start, s, ptsz) != CUDA_SUCCESS) {
+        pthread_mutex_lock(&g.mu);
+        event_put(pc->start, pc->ctx);
+        pthread_mutex_unlock(&g.mu);
+        pc->start = NULL; /* not measurable: the estimate stands */
+    }
+    return 1;
+}
+
+static void pace_end(struct paced *pc, CUresult rc) {
+    pthread_mutex_lock(&g.mu);
+    CUevent end = rc == CUDA_SUCCESS && pc->start ? event_get(pc->ctx) : NULL;
+    if (end && record(end, pc->stream, pc->ptsz) == CUDA_SUCCESS && g.len < RING) {
+        g.ring[(g.head + g.len) % RING] = (struct pending){pc->start, end, pc->ctx, pc->d, pc->charged, pc->key};
+        g.len++;
+    } else {
+        if (rc != CUDA_SUCCESS) vgpu_pace_add(pc->d->pace, pc->charged); /* nothing ran */
+        event_put(pc->start, pc->ctx);
+        event_put(end, pc->ctx);
+    }
+    pthread_mutex_unlock(&g.mu);
+}
+
+/* --- the hooks ---------------------------------------------------------------------------- */
+
+#define NEED(fn)                                                                               \
+    do {                                                                                       \
+        vgpu_ensure();                                                                         \
+        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
+    } while (0)
+
+#define PACED(stream, ptsz, key, call)                                                         \
+    do {                                                                                       \
+        if (LIKELY(!vgpu.pace_any)) return (call);                                             \
+        struct paced pc_;                                                                      \
+        if (!pace_begin(&pc_, (stream), (ptsz), (key))) return (call);                         \
+        CUresult rc_ = (call);                                                                 \
+        pace_end(&pc_, rc_);                                                                   \
+        return rc_;                                                                            \
+    } while (0)
+
+#define GRID(x, y, z) ((uint64_t)(x) * (y) * (z))
+
+VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                 unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh,
+                                 CUstream st, void **p, void **x) {
+    NEED(cuLaunchKernel);
+    PACED(st, 0, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
+          vgpu.real.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sh, st, p, x));
+}
+
+VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                      unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh,
+                                      CUstream st, void **p, void **x) {
+    NEED(cuLaunchKernel_ptsz);
+    PACED(st, 1, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
+          vgpu.real.cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, sh, st, p, x));
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                            unsigned int bx, unsigned int by, unsigned int bz,
+                                            unsigned int sh, CUstream st, void **p) {
+    NEED(cuLaunchCooperativeKernel);
+    PACED(st, 0, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
+          vgpu.real.cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, sh, st, p));
+}
+
+VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy,
+                                                 unsigned int gz, unsigned int bx, unsigned int by,
+                                                 unsigned int bz, unsigned int sh, CUstream st, void **p) {
+    NEED(cuLaunchCooperativeKernel_ptsz);
+    PACED(st, 1, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
+          vgpu.real.cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, sh, st, p));
+}
+
+#define EX_KEY(c, f) ((c) ? key_of((f), GRID((c)->gridDimX, (c)->gridDimY, (c)->gridDimZ), \
+                                   GRID((c)->blockDimX, (c)->blockDimY, (c)->blockDimZ))  \
+                          : 0)
+
+VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
+    NEED(cuLaunchKernelEx);
+    if (!config) return vgpu.real.cuLaunchKernelEx(config, f, kernelParams, extra);
+    PACED(config->hStream, 0, EX_KEY(config, f), vgpu.real.cuLaunchKernelEx(config, f, kernelParams, extra));
+}
+
+VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                        void **extra) {
+    NEED(cuLaunchKernelEx_ptsz);
+    if (!config) return vgpu.real.cuLaunchKernelEx_ptsz(config, f, kernelParams, extra);
+    PACED(config->hStream, 1, EX_KEY(config, f), vgpu.real.cuLaunchKernelEx_ptsz(config, f, kernelParams, extra));
+}
+
+VGPU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    NEED(cuGraphLaunch);
+    PACED(hStream, 0, key_of(hGraphExec, 0, 0), vgpu.real.cuGraphLaunch(hGraphExec, hStream));
+}
+
+VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    NEED(cuGraphLaunch_ptsz);
+    PACED(hStream, 1, key_of(hGraphExec, 0, 0), vgpu.real.cuGraphLaunch_ptsz(hGraphExec, hStream));
+}

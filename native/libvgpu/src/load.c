@@ -1,0 +1,148 @@
+/* Loading and dispatch: nothing happens while the process does not use the GPU.
+ *
+ * The shim is preloaded into every process of a container, and most of them never touch
+ * CUDA. So there is no constructor, no thread and no file opened at load time: the first
+ * call into a hook (or a dlsym/cuGetProcAddress lookup of a hooked name) dlopen()s the real
+ * libcuda.so.1, resolves the real entry points on that handle (a handle lookup searches
+ * libcuda and its dependencies only, so it can never resolve to the shim), and reads the
+ * limits. libnvidia-ml.so.1 is loaded only when an NVML hook runs or a context is measured. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+/* The one process-wide state (see shim.h). Zero-initialised; `mu` is static. */
+struct vgpu_state vgpu = {.mu = PTHREAD_MUTEX_INITIALIZER, .log_level = VGPU_LOG_WARN};
+
+/* --- the hook table -------------------------------------------------------------------------
+ * Sorted by name once, searched by name (dlsym) and by real pointer (cuGetProcAddress). */
+
+#define VGPU_HOOK_CUDA(n) {#n, (void *)&n, (void **)&vgpu.real.n, 0},
+#define VGPU_HOOK_NVML(n) {#n, (void *)&n, (void **)&vgpu.real.n, 1},
+static struct vgpu_hook g_hooks[] = {VGPU_CUDA_HOOKS(VGPU_HOOK_CUDA) VGPU_NVML_HOOKS(VGPU_HOOK_NVML)};
+enum { N_HOOKS = sizeof g_hooks / sizeof g_hooks[0] };
+
+static int cmp_hook(const void *a, const void *b) {
+    return strcmp(((const struct vgpu_hook *)a)->name, ((const struct vgpu_hook *)b)->name);
+}
+
+static pthread_once_t g_sort_once = PTHREAD_ONCE_INIT;
+static void sort_hooks(void) { qsort(g_hooks, N_HOOKS, sizeof g_hooks[0], cmp_hook); }
+
+const struct vgpu_hook *vgpu_hook_by_name(const char *name) {
+    pthread_once(&g_sort_once, sort_hooks);
+    size_t lo = 0, hi = N_HOOKS;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int c = strcmp(name, g_hooks[mid].name);
+        if (c == 0) return &g_hooks[mid];
+        if (c < 0) hi = mid;
+        else lo = mid + 1;
+    }
+    return NULL;
+}
+
+void *vgpu_hook_for_real(void *real) {
+    if (!real) return NULL;
+    for (size_t i = 0; i < N_HOOKS; i++)
+        if (__atomic_load_n(g_hooks[i].real, __ATOMIC_ACQUIRE) == real) return g_hooks[i].hook;
+    return NULL;
+}
+
+/* --- loading ------------------------------------------------------------------------------ */
+
+/* While this thread loads, libcuda's own constructors may look symbols up: those lookups must
+ * not wait for the load they are part of. */
+static _Thread_local int t_loading;
+
+static void resolve(void *handle, const char *name, void **slot, const void *hook) {
+    void *p = vgpu_real_dlsym(handle, name);
+    if (p == hook) p = NULL; /* never call ourselves: treat as missing */
+    __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+}
+
+#define VGPU_RESOLVE_HOOK(n) resolve(vgpu.cuda, #n, (void **)&vgpu.real.n, (const void *)&n);
+#define VGPU_RESOLVE_USED(n) resolve(vgpu.cuda, #n, (void **)&vgpu.real.n, NULL);
+#define VGPU_RESOLVE_NVML_HOOK(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, (const void *)&n);
+#define VGPU_RESOLVE_NVML_USED(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, NULL);
+
+static void load_once(void) {
+    t_loading = 1;
+    vgpu.log_level = vgpu_log_level_from_env();
+    vgpu.cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (vgpu.cuda) {
+        VGPU_CUDA_HOOKS(VGPU_RESOLVE_HOOK)
+        VGPU_CUDA_USED(VGPU_RESOLVE_USED)
+        /* Newer drivers' elapsed-time entry point; the legacy one has the same signature. */
+        void *v2 = vgpu_real_dlsym(vgpu.cuda, "cuEventElapsedTime_v2");
+        if (v2) vgpu.real.cuEventElapsedTime = (__typeof__(cuEventElapsedTime) *)v2;
+        void *uuid2 = vgpu_real_dlsym(vgpu.cuda, "cuDeviceGetUuid_v2");
+        if (uuid2) vgpu.real.cuDeviceGetUuid = (__typeof__(cuDeviceGetUuid) *)uuid2;
+    }
+    vgpu_config_load(&vgpu.cfg);
+    vgpu.limited = vgpu.cfg.mode != VGPU_MODE_NONE;
+    if (vgpu.cfg.mode == VGPU_MODE_ENV || vgpu.cfg.mode == VGPU_MODE_FILE) {
+        int any = vgpu.cfg.dflt.sm > 0 && vgpu.cfg.dflt.sm < 100;
+        for (int i = 0; i < vgpu.cfg.count; i++)
+            any |= vgpu.cfg.dev[i].sm > 0 && vgpu.cfg.dev[i].sm < 100;
+        vgpu.pace_any = any;
+    }
+    if (!vgpu.cuda)
+        VLOG(VGPU_LOG_INFO, "libcuda.so.1 not loadable (%s): CUDA hooks report "
+             "CUDA_ERROR_NOT_INITIALIZED", dlerror());
+    VLOG(VGPU_LOG_DEBUG, "loaded: limits from %s, %d device record(s), pacing %s",
+         vgpu.cfg.mode == VGPU_MODE_FILE ? "the limits file"
+         : vgpu.cfg.mode == VGPU_MODE_ENV ? "the environment" : "nowhere (pass-through)",
+         vgpu.cfg.count, vgpu.pace_any ? "on" : "off");
+    t_loading = 0;
+}
+
+static pthread_once_t g_load_once = PTHREAD_ONCE_INIT;
+
+void vgpu_load_slow(void) {
+    if (t_loading) return; /* re-entered from libcuda's constructors: real pointers not set */
+    pthread_once(&g_load_once, load_once);
+    __atomic_store_n(&vgpu.ready, 1, __ATOMIC_RELEASE);
+}
+
+int vgpu_loading_here(void) { return t_loading; }
+
+static void load_nvml(void) {
+    t_loading = 1;
+    vgpu.nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (vgpu.nvml) {
+        VGPU_NVML_HOOKS(VGPU_RESOLVE_NVML_HOOK)
+        VGPU_NVML_USED(VGPU_RESOLVE_NVML_USED)
+    }
+    t_loading = 0;
+}
+
+static pthread_once_t g_nvml_once = PTHREAD_ONCE_INIT;
+
+/* The hooks need the real NVML entry points; NVML itself is initialised only for our own
+ * queries (vgpu_nvml_ready), since a process's NVML calls work only after its nvmlInit. */
+static void nvml_entry_points(void) { pthread_once(&g_nvml_once, load_nvml); }
+
+int vgpu_nvml_ready(void) {
+    int st = __atomic_load_n(&vgpu.nvml_state, __ATOMIC_ACQUIRE);
+    if (LIKELY(st != 0)) return st > 0;
+    nvml_entry_points();
+    pthread_mutex_lock(&vgpu.mu);
+    st = vgpu.nvml_state;
+    if (st == 0) {
+        /* NVML counts nvmlInit calls: ours is never undone, so a program's own shutdown
+         * leaves our handle working. */
+        st = vgpu.real.nvmlInit_v2 && vgpu.real.nvmlDeviceGetHandleByUUID &&
+                     vgpu.real.nvmlDeviceGetMemoryInfo && vgpu.real.nvmlInit_v2() == NVML_SUCCESS
+                 ? 1
+                 : -1;
+        if (st < 0) VLOG(VGPU_LOG_INFO, "NVML unavailable: context memory is not measured");
+        __atomic_store_n(&vgpu.nvml_state, st, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&vgpu.mu);
+    return st > 0;
+}
+
+void vgpu_nvml_load(void) { nvml_entry_points(); }

@@ -1,0 +1,176 @@
+/* What each live allocation charged: (kind, pointer or handle) -> (device, bytes, context).
+ *
+ * A free must give back exactly what its allocation charged, whatever the API; the driver
+ * does not tell us the size of what is freed. The table is 64 independently locked stripes,
+ * each an open-addressing hash with linear probing and backward-shift deletion: a put or take
+ * is one uncontended mutex and a probe or two, and threads allocating at once rarely meet on
+ * a stripe. The stripes are this file's private part of the process state (the table is
+ * process-wide by nature, and only this file touches it). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+enum { STRIPES = 64, MIN_CAP = 64 };
+
+struct stripe {
+    pthread_mutex_t mu;
+    struct vgpu_rec *slots;
+    uint32_t cap, n;
+} __attribute__((aligned(64)));
+
+static struct stripe g_tab[STRIPES];
+static pthread_once_t g_tab_once = PTHREAD_ONCE_INIT;
+
+static void tab_init(void) {
+    for (int i = 0; i < STRIPES; i++) pthread_mutex_init(&g_tab[i].mu, NULL);
+}
+
+static inline uint64_t hash(int kind, uint64_t key) {
+    uint64_t h = (key ^ ((uint64_t)kind << 59)) * 0x9E3779B97F4A7C15ull;
+    return h ^ (h >> 29);
+}
+
+static inline struct stripe *stripe_of(uint64_t h) {
+    pthread_once(&g_tab_once, tab_init);
+    return &g_tab[h & (STRIPES - 1)];
+}
+
+static inline uint32_t home(const struct stripe *s, uint64_t h) { return (uint32_t)(h >> 6) & (s->cap - 1); }
+
+/* Slot index of (kind, key), or -1. Stripe locked. */
+static long find(const struct stripe *s, int kind, uint64_t key, uint64_t h) {
+    if (!s->cap) return -1;
+    for (uint32_t i = home(s, h);; i = (i + 1) & (s->cap - 1)) {
+        const struct vgpu_rec *r = &s->slots[i];
+        if (!r->used) return -1;
+        if (r->key == key && r->kind == kind) return i;
+    }
+}
+
+static void place(struct stripe *s, const struct vgpu_rec *rec) {
+    uint32_t i = home(s, hash(rec->kind, rec->key));
+    while (s->slots[i].used) i = (i + 1) & (s->cap - 1);
+    s->slots[i] = *rec;
+    s->n++;
+}
+
+static int grow(struct stripe *s) {
+    uint32_t cap = s->cap ? s->cap * 2 : MIN_CAP;
+    struct vgpu_rec *old = s->slots, *fresh = calloc(cap, sizeof *fresh);
+    if (!fresh) return -1;
+    uint32_t oldcap = s->cap;
+    s->slots = fresh;
+    s->cap = cap;
+    s->n = 0;
+    for (uint32_t i = 0; i < oldcap; i++)
+        if (old[i].used) place(s, &old[i]);
+    free(old);
+    return 0;
+}
+
+/* Remove slot i, moving later members of its probe run back. Stripe locked. */
+static void erase(struct stripe *s, uint32_t i) {
+    uint32_t mask = s->cap - 1;
+    for (uint32_t j = (i + 1) & mask; s->slots[j].used; j = (j + 1) & mask) {
+        uint32_t k = home(s, hash(s->slots[j].kind, s->slots[j].key));
+        /* Move j into the hole when its home is not cyclically within (i, j]. */
+        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+            s->slots[i] = s->slots[j];
+            i = j;
+        }
+    }
+    memset(&s->slots[i], 0, sizeof s->slots[i]);
+    s->n--;
+}
+
+static void release(const struct vgpu_rec *r) {
+    struct vgpu_dev *d = vgpu_dev(r->ordinal);
+    if (d) vgpu_uncharge(d, r->bytes);
+}
+
+int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+    uint64_t h = hash(kind, key);
+    struct stripe *s = stripe_of(h);
+    struct vgpu_rec rec = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
+                           .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    struct vgpu_rec stale = {0};
+    pthread_mutex_lock(&s->mu);
+    long at = find(s, kind, key, h);
+    if (at >= 0) {
+        /* The driver handed out an address we still list: its free passed us by (say, with
+         * its context). Give the old charge back rather than keep it forever. */
+        stale = s->slots[at];
+        s->slots[at] = rec;
+    } else if ((uint64_t)(s->n + 1) * 10 > (uint64_t)s->cap * 7 && grow(s) != 0) {
+        pthread_mutex_unlock(&s->mu);
+        return -1;
+    } else {
+        place(s, &rec);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (stale.used) release(&stale);
+    return 0;
+}
+
+int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out) {
+    uint64_t h = hash(kind, key);
+    struct stripe *s = stripe_of(h);
+    pthread_mutex_lock(&s->mu);
+    long at = find(s, kind, key, h);
+    if (at >= 0) {
+        *out = s->slots[at];
+        erase(s, (uint32_t)at);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return at >= 0;
+}
+
+int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out) {
+    uint64_t h = hash(kind, key);
+    struct stripe *s = stripe_of(h);
+    pthread_mutex_lock(&s->mu);
+    long at = find(s, kind, key, h);
+    if (at >= 0) *out = s->slots[at];
+    pthread_mutex_unlock(&s->mu);
+    return at >= 0;
+}
+
+int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out) {
+    uint64_t h = hash(kind, key);
+    struct stripe *s = stripe_of(h);
+    int refs = -1;
+    pthread_mutex_lock(&s->mu);
+    long at = find(s, kind, key, h);
+    if (at >= 0) {
+        struct vgpu_rec *r = &s->slots[at];
+        int64_t n = (int64_t)r->refs + delta;
+        refs = n < 0 ? 0 : (int)n;
+        r->refs = (uint32_t)refs;
+        if (refs == 0) {
+            *out = *r;
+            erase(s, (uint32_t)at);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return refs;
+}
+
+void vgpu_tab_drop_ctx(CUcontext ctx) {
+    if (!ctx) return;
+    pthread_once(&g_tab_once, tab_init);
+    for (int k = 0; k < STRIPES; k++) {
+        struct stripe *s = &g_tab[k];
+        pthread_mutex_lock(&s->mu);
+        for (uint32_t i = 0; i < s->cap;) {
+            struct vgpu_rec r = s->slots[i];
+            if (r.used && r.ctx == ctx) {
+                erase(s, i); /* slot i now holds a later record, or is empty: look again */
+                release(&r);
+            } else {
+                i++;
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+}

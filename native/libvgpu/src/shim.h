@@ -1,0 +1,227 @@
+/* Internals of the enforcement shim shared by its source files (everything but region*.c).
+ *
+ * One process-wide state struct (`vgpu`, defined in load.c) holds what the shim learns about
+ * the process: the real driver entry points, the limits, the per-device state. It is one
+ * struct rather than scattered globals so that what the shim keeps is visible in one place.
+ *
+ * The driver header is included as a driver implementation includes it
+ * (__CUDA_API_VERSION_INTERNAL): every versioned, legacy and _ptsz/_ptds entry point is then
+ * declared under its own name, and each hook below is *defined* with that name, so a hook
+ * whose signature differs from NVIDIA's prototype does not compile. */
+#ifndef VGPU_SHIM_H
+#define VGPU_SHIM_H
+
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+#include <nvml.h>
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vgpu/region.h"
+
+#define VGPU_API __attribute__((visibility("default")))
+#define VGPU_HIDDEN __attribute__((visibility("hidden")))
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+
+/* --- the entry points -----------------------------------------------------------------------
+ * H: hooked (exported by the shim, real one called through vgpu.real), R: only called. */
+#define VGPU_CUDA_HOOKS(H)                                                                     \
+    H(cuGetProcAddress) H(cuGetProcAddress_v2)                                                 \
+    H(cuMemAlloc) H(cuMemAlloc_v2) H(cuMemAllocPitch) H(cuMemAllocPitch_v2)                    \
+    H(cuMemAllocManaged) H(cuMemAllocAsync) H(cuMemAllocAsync_ptsz)                            \
+    H(cuMemAllocFromPoolAsync) H(cuMemAllocFromPoolAsync_ptsz)                                 \
+    H(cuMemFree) H(cuMemFree_v2) H(cuMemFreeAsync) H(cuMemFreeAsync_ptsz)                      \
+    H(cuMemCreate) H(cuMemRelease) H(cuMemRetainAllocationHandle)                              \
+    H(cuMemPoolCreate) H(cuMemPoolDestroy)                                                     \
+    H(cuArrayCreate) H(cuArrayCreate_v2) H(cuArray3DCreate) H(cuArray3DCreate_v2)              \
+    H(cuArrayDestroy)                                                                          \
+    H(cuCtxCreate) H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4)                       \
+    H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
+    H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
+    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2)                                   \
+    H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
+    H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
+    H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
+    H(cuGraphLaunch) H(cuGraphLaunch_ptsz)
+
+#define VGPU_CUDA_USED(R)                                                                      \
+    R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
+    R(cuDeviceGetUuid) R(cuDeviceGetCount) R(cuDeviceGet)                                      \
+    R(cuDevicePrimaryCtxGetState) R(cuEventCreate) R(cuEventDestroy_v2) R(cuEventRecord)       \
+    R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
+    R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
+    R(cuCtxPopCurrent_v2)
+
+#define VGPU_NVML_HOOKS(H) H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)
+
+#define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)
+
+#define VGPU_PTR_FIELD(n) __typeof__(n) *n;
+struct vgpu_real {
+    VGPU_CUDA_HOOKS(VGPU_PTR_FIELD)
+    VGPU_CUDA_USED(VGPU_PTR_FIELD)
+    VGPU_NVML_HOOKS(VGPU_PTR_FIELD)
+    VGPU_NVML_USED(VGPU_PTR_FIELD)
+};
+
+/* One hooked name: what dlsym and cuGetProcAddress hand out instead of the real function. */
+struct vgpu_hook {
+    const char *name;
+    void *hook;
+    void **real; /* the slot in vgpu.real */
+    int nvml;
+};
+
+/* --- limits (limits.c) ----------------------------------------------------------------- */
+
+enum { VGPU_MODE_NONE = 0, VGPU_MODE_FILE = 1, VGPU_MODE_ENV = 2 };
+enum { VGPU_MAX_ORDINALS = 64 };
+
+struct vgpu_limit {
+    char uuid[VGPU_UUID_SIZE]; /* empty: applies by CUDA ordinal (env without UUIDs) */
+    uint64_t mem;              /* bytes; UINT64_MAX: no memory limit */
+    int sm;                    /* 0..100, 0 = not limited */
+    int bad;                   /* a value was rejected: this device fails closed */
+};
+
+struct vgpu_config {
+    int mode;
+    int all_bad;                       /* the limits file is unusable: every device fails closed */
+    int count;
+    struct vgpu_limit dev[VGPU_MAX_DEVICES]; /* file: by UUID; env: visible index i */
+    int by_uuid;                       /* env: NVIDIA_VISIBLE_DEVICES named UUIDs */
+    struct vgpu_limit dflt;            /* env: CUDA_DEVICE_*_LIMIT without index */
+    int oversubscribe;
+    char allocation[128];
+    char region_path[4096];
+    char pace_path[4096];
+    char lock_dir[4096];
+};
+
+/* Parse the limits file or the envs into `c` (messages on stderr). */
+VGPU_HIDDEN void vgpu_config_load(struct vgpu_config *c);
+/* The limits of the device with this UUID and CUDA ordinal. */
+VGPU_HIDDEN struct vgpu_limit vgpu_config_lookup(const struct vgpu_config *c, const char *uuid,
+                                                 int ordinal);
+/* "12g" -> bytes. 0 on success, -1 on anything but an integer with an optional k|m|g. */
+VGPU_HIDDEN int vgpu_parse_size(const char *s, uint64_t *out);
+
+/* --- per-device state (devices.c) ---------------------------------------------------------- */
+
+struct vgpu_pace_dev; /* pace.c */
+
+struct vgpu_dev {
+    int ready;                /* resolved (acquire/release) */
+    int ordinal;
+    int rdev;                 /* region device index; -1: not accounted */
+    int accounted;            /* allocations go through the region */
+    int fail_closed;          /* allocations are refused */
+    uint64_t limit;           /* bytes; UINT64_MAX when none */
+    int sm;                   /* 1..99: launches are paced */
+    struct vgpu_pace_dev *pace;
+    char uuid[VGPU_UUID_SIZE];
+};
+
+/* --- the process ----------------------------------------------------------------------------- */
+
+struct vgpu_state {
+    int ready;                /* load finished (acquire/release) */
+    int log_level;            /* 0 error .. 3 debug */
+    int limited;              /* any limit applies: hooks do real work */
+    int pace_any;             /* some device is paced */
+    void *cuda;               /* dlopen handles of the real libraries */
+    void *nvml;
+    int nvml_state;           /* 0 not tried, 1 usable, -1 unavailable */
+    struct vgpu_real real;
+    struct vgpu_config cfg;
+    struct vgpu_region *region;
+    int region_state;         /* 0 not tried, 1 open, -1 failed */
+    pthread_mutex_t mu;       /* device resolution, region and NVML loading */
+    struct vgpu_dev dev[VGPU_MAX_ORDINALS];      /* by CUDA ordinal */
+    struct vgpu_dev by_uuid[VGPU_MAX_DEVICES];   /* GPUs known only through NVML */
+};
+
+extern struct vgpu_state vgpu VGPU_HIDDEN;
+
+/* load.c: the first call into the shim loads the real libraries and reads the limits. */
+VGPU_HIDDEN void vgpu_load_slow(void);
+static inline void vgpu_ensure(void) {
+    if (UNLIKELY(!__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE))) vgpu_load_slow();
+}
+/* 1 while this thread is inside the load (lookups made then are passed through). */
+VGPU_HIDDEN int vgpu_loading_here(void);
+/* NVML's real entry points, loaded on demand (the NVML hooks). */
+VGPU_HIDDEN void vgpu_nvml_load(void);
+/* NVML initialised for the shim's own queries (views, context measurement). 1 usable. */
+VGPU_HIDDEN int vgpu_nvml_ready(void);
+VGPU_HIDDEN const struct vgpu_hook *vgpu_hook_by_name(const char *name);
+VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
+/* The real dlsym (dlsym.c), resolved on first use. */
+VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
+
+/* log.c */
+enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 1, VGPU_LOG_INFO = 2, VGPU_LOG_DEBUG = 3 };
+VGPU_HIDDEN int vgpu_log_level_from_env(void);
+VGPU_HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define VLOG(level, ...)                                                                       \
+    do {                                                                                       \
+        if (UNLIKELY((level) <= vgpu.log_level)) vgpu_log((level), __VA_ARGS__);               \
+    } while (0)
+
+/* devices.c */
+/* The state of CUDA device `ordinal`, resolved on first use; NULL when it cannot be. */
+VGPU_HIDDEN struct vgpu_dev *vgpu_dev(int ordinal);
+/* The device of the calling thread's current context, or NULL. */
+VGPU_HIDDEN struct vgpu_dev *vgpu_current_dev(void);
+VGPU_HIDDEN void vgpu_format_uuid(const CUuuid *u, char out[VGPU_UUID_SIZE]);
+/* Charge `bytes` to d before an allocation: CUDA_SUCCESS (charged, or nothing to charge) or
+ * CUDA_ERROR_OUT_OF_MEMORY. */
+VGPU_HIDDEN CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes);
+VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
+VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
+VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
+VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
+/* Every GPU of the container with its limits, as the shared files record them. */
+VGPU_HIDDEN void vgpu_container_limits(struct vgpu_limits *lim);
+/* The region's device for a GPU UUID (NVML views); NULL if the GPU is not limited. */
+VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
+
+/* ptrtab.c: what each live allocation charged, so its free gives back exactly that. */
+enum { VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5 };
+struct vgpu_rec {
+    uint64_t key;
+    uint64_t bytes;
+    CUcontext ctx;  /* owner: its destruction frees the allocation */
+    int16_t ordinal;
+    uint8_t kind;
+    uint8_t used;
+    uint32_t refs;  /* VMM handles: retains */
+};
+VGPU_HIDDEN int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx);
+VGPU_HIDDEN int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out);
+/* A copy of the record, left in place; 1 if found. */
+VGPU_HIDDEN int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out);
+/* Add `delta` to a record's refs; returns the new count, or -1 if absent. Takes the record
+ * out (into *out) when the count reaches 0. */
+VGPU_HIDDEN int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out);
+/* Remove every record owned by ctx, releasing its charge. */
+VGPU_HIDDEN void vgpu_tab_drop_ctx(CUcontext ctx);
+
+/* ctx.c: contexts, their devices and the memory they take. */
+/* The device of context ctx (NULL: the current one); *ctx_out gets the context. */
+VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out);
+/* The device of a stream (NULL and the special handles: the current context's). */
+VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
+
+/* pace.c / launch.c */
+/* The shared budget of GPU `uuid` (vgpu.mu held); may lower *percent to the file's. */
+VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent);
+VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_pace_dev *p, int percent);
+VGPU_HIDDEN void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns);
+/* Drop this process's pending timings in ctx (destroying their events if it still exists). */
+VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
+
+#endif

@@ -1,0 +1,121 @@
+/* Views: what the container sees of a GPU's memory. total = min(limit, physical), used = the
+ * container's charge (all its processes, contexts included), free = what it may still take
+ * and the GPU still has. Clamped, never negative, and never an error the driver did not
+ * give: on any problem on the shim's side the real answer passes through. */
+#include <string.h>
+
+#include "shim.h"
+
+static void clamp(struct vgpu_dev *d, uint64_t *free_b, uint64_t *total) {
+    uint64_t limit = d->limit, used = vgpu_used(d);
+    uint64_t room = used < limit ? limit - used : 0;
+    if (*total > limit) *total = limit;
+    if (*free_b > room) *free_b = room;
+    if (*free_b > *total) *free_b = *total;
+}
+
+static struct vgpu_dev *viewed(void) {
+    CUcontext ctx;
+    struct vgpu_dev *d = vgpu.limited ? vgpu_ctx_dev(NULL, &ctx) : NULL;
+    return d && d->accounted ? d : NULL;
+}
+
+VGPU_API CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    vgpu_ensure();
+    if (UNLIKELY(!vgpu.real.cuMemGetInfo_v2)) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = vgpu.real.cuMemGetInfo_v2(free_bytes, total);
+    struct vgpu_dev *d = rc == CUDA_SUCCESS && free_bytes && total ? viewed() : NULL;
+    if (d) {
+        uint64_t f = *free_bytes, t = *total;
+        clamp(d, &f, &t);
+        *free_bytes = (size_t)f;
+        *total = (size_t)t;
+    }
+    return rc;
+}
+
+VGPU_API CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total) {
+    vgpu_ensure();
+    if (UNLIKELY(!vgpu.real.cuMemGetInfo)) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = vgpu.real.cuMemGetInfo(free_bytes, total);
+    struct vgpu_dev *d = rc == CUDA_SUCCESS && free_bytes && total ? viewed() : NULL;
+    if (d) {
+        uint64_t f = *free_bytes, t = *total;
+        clamp(d, &f, &t);
+        *free_bytes = (unsigned int)f;
+        *total = (unsigned int)t;
+    }
+    return rc;
+}
+
+static struct vgpu_dev *viewed_device(CUdevice dev) {
+    struct vgpu_dev *d = vgpu.limited ? vgpu_dev((int)dev) : NULL;
+    return d && d->accounted ? d : NULL;
+}
+
+VGPU_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    vgpu_ensure();
+    if (UNLIKELY(!vgpu.real.cuDeviceTotalMem_v2)) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = vgpu.real.cuDeviceTotalMem_v2(bytes, dev);
+    struct vgpu_dev *d = rc == CUDA_SUCCESS && bytes ? viewed_device(dev) : NULL;
+    if (d && *bytes > d->limit) *bytes = (size_t)d->limit;
+    return rc;
+}
+
+VGPU_API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    vgpu_ensure();
+    if (UNLIKELY(!vgpu.real.cuDeviceTotalMem)) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult rc = vgpu.real.cuDeviceTotalMem(bytes, dev);
+    struct vgpu_dev *d = rc == CUDA_SUCCESS && bytes ? viewed_device(dev) : NULL;
+    if (d && *bytes > d->limit) *bytes = (unsigned int)d->limit;
+    return rc;
+}
+
+/* --- NVML: the GPU by its UUID ------------------------------------------------------------- */
+
+static struct vgpu_dev *nvml_viewed(nvmlDevice_t device) {
+    char uuid[VGPU_UUID_SIZE];
+    vgpu_ensure();
+    if (!vgpu.limited || !vgpu.real.nvmlDeviceGetUUID ||
+        vgpu.real.nvmlDeviceGetUUID(device, uuid, sizeof uuid) != NVML_SUCCESS)
+        return NULL;
+    struct vgpu_dev *d = vgpu_dev_by_uuid(uuid);
+    return d && d->accounted ? d : NULL;
+}
+
+/* used is the container's; free is what it may still take (NVML's own free counts reserved
+ * memory out, so the v2 form keeps total = reserved + used + free). */
+static void nvml_clamp(struct vgpu_dev *d, unsigned long long *total, unsigned long long *used,
+                       unsigned long long *free_b, unsigned long long reserved) {
+    uint64_t t = *total, f = *free_b;
+    clamp(d, &f, &t);
+    uint64_t u = vgpu_used(d);
+    if (u > t) u = t;
+    if (reserved > t - u) reserved = t - u;
+    if (f > t - u - reserved) f = t - u - reserved;
+    *total = t;
+    *used = u;
+    *free_b = f;
+}
+
+VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    vgpu_nvml_load();
+    if (UNLIKELY(!vgpu.real.nvmlDeviceGetMemoryInfo)) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t rc = vgpu.real.nvmlDeviceGetMemoryInfo(device, memory);
+    struct vgpu_dev *d = rc == NVML_SUCCESS && memory ? nvml_viewed(device) : NULL;
+    if (d) nvml_clamp(d, &memory->total, &memory->used, &memory->free, 0);
+    return rc;
+}
+
+VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    vgpu_nvml_load();
+    if (UNLIKELY(!vgpu.real.nvmlDeviceGetMemoryInfo_v2)) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t rc = vgpu.real.nvmlDeviceGetMemoryInfo_v2(device, memory);
+    struct vgpu_dev *d = rc == NVML_SUCCESS && memory ? nvml_viewed(device) : NULL;
+    if (d) {
+        unsigned long long reserved = memory->reserved;
+        nvml_clamp(d, &memory->total, &memory->used, &memory->free, reserved);
+        memory->reserved = reserved > memory->total - memory->used ? memory->total - memory->used : reserved;
+    }
+    return rc;
+}

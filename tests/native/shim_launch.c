@@ -1,0 +1,92 @@
+/* A steady stream of kernels of a known duration, through one launch API, for `seconds`;
+ * reports the GPU time its kernels took per one-second window, as a percentage.
+ *
+ *   shim_launch <mode> <ordinal> <api> <kernel-us> <seconds> [in-flight]
+ *
+ * api: kernel ptsz ex ex_ptsz coop coop_ptsz graph graph_ptsz (the _ptsz forms use the
+ * per-thread default stream, NULL). Up to `in-flight` (default 4) kernels are queued; each
+ * completion is attributed to the window in which the program saw it. Prints launched=<n>,
+ * window_<i>=<percent> for each whole window and mean=<percent> over windows 1.. (window 0
+ * is the warm-up). */
+#include "shim_test.h"
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: %s <mode> <ordinal> <api> <kernel-us> <seconds> [in-flight]\n", argv[0]);
+        return 2;
+    }
+    const char *api = argv[3];
+    unsigned us = (unsigned)atoi(argv[4]);
+    int seconds = atoi(argv[5]);
+    int depth = argc > 6 ? atoi(argv[6]) : 4;
+    int ptsz = strstr(api, "_ptsz") || !strcmp(api, "ptsz");
+    shim_start(argv[1], atoi(argv[2]));
+    char image[128];
+    snprintf(image, sizeof image, "simgpu-module 1\nkernel busy %uus\n", us);
+    CUmodule mod;
+    CUfunction f;
+    CK(C(module_load, cuModuleLoadData)(&mod, image));
+    CK(C(get_function, cuModuleGetFunction)(&f, mod, "busy"));
+    CUstream s = NULL;
+    if (!ptsz) CK(C(stream_create, cuStreamCreate)(&s, CU_STREAM_NON_BLOCKING));
+    CUgraphExec exec = NULL;
+    if (!strncmp(api, "graph", 5)) {
+        CUgraph g;
+        CUgraphNode node;
+        CUDA_KERNEL_NODE_PARAMS kp;
+        memset(&kp, 0, sizeof kp);
+        kp.func = f;
+        kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1;
+        kp.blockDimX = 32;
+        kp.blockDimY = kp.blockDimZ = 1;
+        CK(C(graph_create, cuGraphCreate)(&g, 0));
+        CK(C(graph_add_kernel, cuGraphAddKernelNode)(&node, g, NULL, 0, &kp));
+        CK(C(graph_instantiate, cuGraphInstantiateWithFlags)(&exec, g, 0));
+    }
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = 32;
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.hStream = s;
+    CUevent *ev = calloc((size_t)depth, sizeof *ev);
+    for (int i = 0; i < depth; i++) CK(C(event_create, cuEventCreate)(&ev[i], 0));
+    double busy_us[64] = {0};
+    double start = shim_now_ms(), deadline = start + seconds * 1e3;
+    long launched = 0, done = 0;
+    while (shim_now_ms() < deadline) {
+        CUresult rc;
+        if (!strcmp(api, "kernel")) rc = C(launch, cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, NULL, NULL);
+        else if (!strcmp(api, "ptsz")) rc = C(launch_ptsz, cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+        else if (!strcmp(api, "ex")) rc = C(launch_ex, cuLaunchKernelEx)(&cfg, f, NULL, NULL);
+        else if (!strcmp(api, "ex_ptsz")) rc = C(launch_ex_ptsz, cuLaunchKernelEx)(&cfg, f, NULL, NULL);
+        else if (!strcmp(api, "coop")) rc = C(launch_coop, cuLaunchCooperativeKernel)(f, 1, 1, 1, 32, 1, 1, 0, s, NULL);
+        else if (!strcmp(api, "coop_ptsz"))
+            rc = C(launch_coop_ptsz, cuLaunchCooperativeKernel)(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL);
+        else if (!strcmp(api, "graph")) rc = C(graph_launch, cuGraphLaunch)(exec, s);
+        else if (!strcmp(api, "graph_ptsz")) rc = C(graph_launch_ptsz, cuGraphLaunch)(exec, NULL);
+        else {
+            fprintf(stderr, "unknown api %s\n", api);
+            return 2;
+        }
+        CK(rc);
+        if (ptsz) CK(C(event_record_ptsz, cuEventRecord)(ev[launched % depth], NULL));
+        else CK(C(event_record, cuEventRecord)(ev[launched % depth], s));
+        launched++;
+        if (launched >= depth) {
+            CK(C(event_sync, cuEventSynchronize)(ev[launched % depth]));
+            double t = shim_now_ms();
+            int w = (int)((t - start) / 1e3);
+            if (t < deadline && w < 64) busy_us[w] += us;
+            done++;
+        }
+    }
+    printf("launched=%ld\ncompleted=%ld\n", launched, done);
+    double sum = 0;
+    for (int w = 0; w < seconds && w < 64; w++) {
+        printf("window_%d=%.1f\n", w, busy_us[w] / 1e4);
+        if (w > 0) sum += busy_us[w] / 1e4;
+    }
+    printf("mean=%.1f\n", seconds > 1 ? sum / (seconds - 1) : 0.0);
+    return 0;
+}

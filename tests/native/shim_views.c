@@ -1,0 +1,111 @@
+/* What a process sees of GPU memory through the shim: cuMemGetInfo, cuDeviceTotalMem and
+ * NVML's memory info, around an allocation and a second context.
+ *
+ *   shim_views <mode> <ordinal> <alloc-bytes> [ctx] [hold]
+ *   shim_views nvml <count>          NVML only (no CUDA call at all): devices 0..count-1
+ *
+ * Prints start_free/start_total (after the primary context), total_mem, then after the
+ * allocation free/total and nvml_{total,used,free} (v1) and nvml2_{total,used,free,reserved};
+ * with ctx, ctx_free after a second context and ctx_gone_free after destroying it; with hold,
+ * "holding" and waits for stdin to close. NVML is reached through dlopen + dlsym, as pynvml
+ * does. */
+#include <nvml.h>
+
+#include "shim_test.h"
+
+static struct {
+    __typeof__(nvmlInit_v2) *init;
+    __typeof__(nvmlDeviceGetHandleByUUID) *by_uuid;
+    __typeof__(nvmlDeviceGetHandleByIndex_v2) *by_index;
+    __typeof__(nvmlDeviceGetMemoryInfo) *info;
+    __typeof__(nvmlDeviceGetMemoryInfo_v2) *info2;
+} nv;
+
+static void nvml_load(void) {
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "dlopen libnvidia-ml.so.1: %s\n", dlerror());
+        exit(3);
+    }
+    nv.init = (__typeof__(nv.init))dlsym(h, "nvmlInit_v2");
+    nv.by_uuid = (__typeof__(nv.by_uuid))dlsym(h, "nvmlDeviceGetHandleByUUID");
+    nv.by_index = (__typeof__(nv.by_index))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    nv.info = (__typeof__(nv.info))dlsym(h, "nvmlDeviceGetMemoryInfo");
+    nv.info2 = (__typeof__(nv.info2))dlsym(h, "nvmlDeviceGetMemoryInfo_v2");
+    if (!nv.init || nv.init() != NVML_SUCCESS) exit(3);
+}
+
+static void nvml_print(const char *prefix, nvmlDevice_t d) {
+    nvmlMemory_t m;
+    nvmlMemory_v2_t m2;
+    memset(&m2, 0, sizeof m2);
+    m2.version = nvmlMemory_v2;
+    if (nv.info(d, &m) != NVML_SUCCESS || nv.info2(d, &m2) != NVML_SUCCESS) exit(11);
+    printf("%snvml_total=%llu\n%snvml_used=%llu\n%snvml_free=%llu\n", prefix, m.total, prefix, m.used, prefix, m.free);
+    printf("%snvml2_total=%llu\n%snvml2_used=%llu\n%snvml2_free=%llu\n%snvml2_reserved=%llu\n", prefix, m2.total,
+           prefix, m2.used, prefix, m2.free, prefix, m2.reserved);
+}
+
+static void cuda_view(const char *prefix) {
+    size_t f, t;
+    CK(C(mem_info, cuMemGetInfo)(&f, &t));
+    printf("%sfree=%zu\n%stotal=%zu\n", prefix, f, prefix, t);
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 3 && !strcmp(argv[1], "nvml")) {
+        nvml_load();
+        for (unsigned i = 0; i < (unsigned)atoi(argv[2]); i++) {
+            nvmlDevice_t d;
+            char prefix[16];
+            if (nv.by_index(i, &d) != NVML_SUCCESS) return 12;
+            snprintf(prefix, sizeof prefix, "gpu%u_", i);
+            nvml_print(prefix, d);
+        }
+        return 0;
+    }
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s <mode> <ordinal> <alloc-bytes> [ctx] [hold]\n", argv[0]);
+        return 2;
+    }
+    CUdevice dev = shim_start(argv[1], atoi(argv[2]));
+    int ctx = 0, hold = 0;
+    for (int i = 4; i < argc; i++) {
+        ctx |= !strcmp(argv[i], "ctx");
+        hold |= !strcmp(argv[i], "hold");
+    }
+    cuda_view("start_");
+    size_t total = 0;
+    CK(C(total_mem, cuDeviceTotalMem)(&total, dev));
+    printf("total_mem=%zu\n", total);
+    size_t bytes = strtoull(argv[3], NULL, 0);
+    CUdeviceptr p = 0;
+    if (bytes) CK(C(alloc, cuMemAlloc)(&p, bytes));
+    cuda_view("");
+    CUuuid u;
+    CK(C(device_uuid, cuDeviceGetUuid)(&u, dev));
+    const unsigned char *b = (const unsigned char *)u.bytes;
+    char uuid[96];
+    snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    nvml_load();
+    nvmlDevice_t nd;
+    if (nv.by_uuid(uuid, &nd) != NVML_SUCCESS) return 12;
+    nvml_print("", nd);
+    if (ctx) {
+        CUcontext c2;
+        CK(C(ctx_create, cuCtxCreate_v4)(&c2, NULL, 0, dev));
+        cuda_view("ctx_");
+        CK(C(ctx_destroy, cuCtxDestroy)(c2));
+        cuda_view("ctx_gone_");
+    }
+    fflush(stdout);
+    if (hold) {
+        printf("holding\n");
+        fflush(stdout);
+        while (getchar() != EOF) {
+        }
+    }
+    if (p) CK(C(free, cuMemFree)(p));
+    return 0;
+}

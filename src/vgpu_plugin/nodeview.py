@@ -150,6 +150,18 @@ def read_regions(
     return {i: read_one_region(host_root, i, reader) for i in allocation_ids}
 
 
+def live_processes(
+    host_root: Path, allocation_id: str, read_region: ReadRegion | None = None
+) -> int:
+    """Processes of the allocation's container alive now (0 when its region gives no view).
+    Liveness is the kernel lock each process holds on its slot, so pids are never compared:
+    for cleanup's ``still_running``."""
+    read = read_one_region(host_root, allocation_id, read_region or default_read_region())
+    if isinstance(read, RegionProblem):
+        return 0
+    return sum(1 for p in read.processes if p.alive)
+
+
 # --- the pure part --------------------------------------------------------------------------
 
 

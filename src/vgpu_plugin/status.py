@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,8 @@ from vgpu_plugin.podresources import (
 )
 from vgpu_plugin.sizes import format_mib
 from vgpu_plugin.state import STATE_FILE_NAME, AllocationRecord, StateFileError, decode
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HOST_ROOT = "/usr/local/vgpu"
 DEFAULT_STATE_DIR = "/var/lib/vgpu-plugin"
@@ -82,6 +85,21 @@ def nvml_facts() -> list[GpuFacts]:
                 continue
             out.append(GpuFacts(uuid, index, name, int(memory.total), None, int(memory.used), True))
     return out
+
+
+def nvml_memory_used() -> dict[str, int]:
+    """NVML's used memory per GPU UUID, for the plugin's metrics at each scrape; empty when
+    NVML does not answer (the scrape goes on without these figures)."""
+    import pynvml
+
+    from vgpu_plugin.nvml import NvmlUnavailable
+
+    try:
+        facts = nvml_facts()
+    except (NvmlUnavailable, pynvml.NVMLError) as exc:
+        log.debug("NVML used memory unavailable: %s", exc)
+        return {}
+    return {f.uuid: f.memory_used_nvml for f in facts if f.memory_used_nvml is not None}
 
 
 def _text(value: Any) -> str:

@@ -12,10 +12,10 @@ from typing import Any
 
 import grpc
 import pytest
-from kubelet import short_tmp_dir
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.kubelet_emulator import short_tmp_dir
 from vgpu_plugin.nodeview import GpuFacts, NodeView, build_view, region_path
 from vgpu_plugin.podresources import PodRef
 from vgpu_plugin.state import STATE_FILE_NAME, AllocationRecord, AllocationStore, GpuLimit
@@ -332,6 +332,7 @@ def test_real_region_and_simulated_nvml(
     import subprocess
     import sys
 
+    from vgpu_plugin.nodeview import live_processes
     from vgpu_plugin.nodeview import region_path as path_of
 
     root, state = tmp_path / "host", tmp_path / "state"
@@ -377,10 +378,20 @@ def test_real_region_and_simulated_nvml(
         assert live["gpus"][0]["memory_used"] == 100 * MIB
         assert live["gpus"][0]["processes"] == 1
         assert not any("NVML" in n for n in doc["notes"])
+        assert live_processes(root, "live") == 1
     finally:
         holder.kill()
         holder.wait(timeout=10)
+    assert live_processes(root, "live") == 0
+    assert live_processes(root, "never-allocated") == 0
     # The process is gone: the host sees no live process, without needing its pid.
     after = collect_view(root, state, tmp_path / "no.sock", nvml=False)
     assert after.allocations[0].processes_alive == 0
     assert after.allocations[0].region_state == "ok"
+
+
+def test_nvml_memory_used_is_empty_without_nvml() -> None:
+    from vgpu_plugin.status import nvml_memory_used
+
+    # This test process has no libnvidia-ml on its library path (no driver here).
+    assert nvml_memory_used() == {}

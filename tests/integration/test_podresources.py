@@ -13,10 +13,10 @@ from typing import Any
 
 import grpc
 import pytest
-from kubelet import short_tmp_dir
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.kubelet_emulator import short_tmp_dir
 from vgpu_plugin.podresources import (
     PodRef,
     PodResourcesUnavailable,

@@ -1,13 +1,14 @@
 /* What a process sees of GPU memory through the shim: cuMemGetInfo, cuDeviceTotalMem and
  * NVML's memory info, around an allocation and a second context.
  *
- *   shim_views <mode> <ordinal> <alloc-bytes> [ctx] [hold]
+ *   shim_views <mode> <ordinal> <alloc-bytes> [ctx] [reset] [hold]
  *   shim_views nvml <count>          NVML only (no CUDA call at all): devices 0..count-1
  *
  * Prints start_free/start_total (after the primary context), total_mem, then after the
  * allocation free/total and nvml_{total,used,free} (v1) and nvml2_{total,used,free,reserved};
  * with ctx, ctx_free after a second context and ctx_gone_free after destroying it; with hold,
- * "holding" and waits for stdin to close. NVML is reached through dlopen + dlsym, as pynvml
+ * "holding" and waits for stdin to close; with reset, releases the primary context (its
+ * memory goes with it), retains it again and prints reset_free/reset_total. NVML is reached through dlopen + dlsym, as pynvml
  * does. */
 #include <nvml.h>
 
@@ -69,10 +70,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     CUdevice dev = shim_start(argv[1], atoi(argv[2]));
-    int ctx = 0, hold = 0;
+    int ctx = 0, hold = 0, reset = 0;
     for (int i = 4; i < argc; i++) {
         ctx |= !strcmp(argv[i], "ctx");
         hold |= !strcmp(argv[i], "hold");
+        reset |= !strcmp(argv[i], "reset");
     }
     cuda_view("start_");
     size_t total = 0;
@@ -105,6 +107,14 @@ int main(int argc, char **argv) {
         fflush(stdout);
         while (getchar() != EOF) {
         }
+    }
+    if (reset) {
+        CUcontext primary;
+        CK(C(release, cuDevicePrimaryCtxRelease)(dev)); /* the last reference: p goes too */
+        CK(C(retain, cuDevicePrimaryCtxRetain)(&primary, dev));
+        CK(C(set_current, cuCtxSetCurrent)(primary));
+        cuda_view("reset_");
+        p = 0;
     }
     if (p) CK(C(free, cuMemFree)(p));
     return 0;

@@ -1,0 +1,87 @@
+"""What a container sees of GPU memory, and what contexts cost it.
+
+cuMemGetInfo, cuDeviceTotalMem and NVML's memory info report the container's view: total is
+the limit (or the GPU, if smaller), used is the container's charge, free what it may still take
+and the GPU still has. Program: tests/native/shim_views.c (NVML through dlopen + dlsym, as
+pynvml does). Contexts take 300 MiB on the simulated GPUs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until
+
+from vgpu_plugin.simgpu import Node
+
+
+@pytest.fixture
+def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
+    return Shim(native_tree, simgpu_node, tmp_path)
+
+
+def test_every_view_reports_the_containers_share(shim: Shim) -> None:
+    limit, alloc = 2 * GIB, 512 * MIB
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "2g"})
+    r = shim.run("shim_views", "handle", 0, alloc, env=env)
+    assert r.rc == 0, r.stderr
+    used = CONTEXT + alloc
+    assert (r.int("start_total"), r.int("start_free")) == (limit, limit - CONTEXT)
+    assert r.int("total_mem") == limit
+    assert (r.int("total"), r.int("free")) == (limit, limit - used)
+    for v in ("nvml", "nvml2"):
+        assert r.int(f"{v}_total") == limit
+        assert r.int(f"{v}_used") == used
+        assert r.int(f"{v}_free") == limit - used
+    assert r.int("nvml2_reserved") == 0
+
+
+def test_free_never_exceeds_what_the_gpu_still_has(shim: Shim) -> None:
+    # Another tenant, not limited, holds 12 GiB of the 16 GiB GPU.
+    other = shim.start("shim_views", "handle", 0, 12 * GIB, "hold", env=shim.env(shim=False))
+    read_until(other, "holding")
+    r = shim.run("shim_views", "handle", 0, 0, env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "8g"}))
+    finish(other)
+    physical_free = 16 * GIB - 12 * GIB - 2 * CONTEXT
+    assert r.int("total") == 8 * GIB
+    assert r.int("free") == physical_free
+    assert r.int("nvml_free") == physical_free
+    assert r.int("nvml_used") == CONTEXT  # the container's, not the other tenant's
+
+
+def test_without_limits_views_are_the_drivers(shim: Shim) -> None:
+    r = shim.run("shim_views", "handle", 0, 512 * MIB)
+    assert r.int("total") == r.int("nvml_total") == r.int("total_mem") == 16 * GIB
+    assert r.int("free") == 16 * GIB - CONTEXT - 512 * MIB
+
+
+def test_an_nvml_only_process_sees_the_whole_containers_usage(shim: Shim) -> None:
+    g0, g1 = shim.node.gpus()
+    shim.write_limits([(g0.uuid, 2 * GIB, 0), (g1.uuid, 3 * GIB, 0)])
+    holder = shim.start("shim_views", "handle", 0, GIB, "hold")
+    read_until(holder, "holding")
+    r = shim.run("shim_views", "nvml", 2)
+    finish(holder)
+    assert r.rc == 0, r.stderr
+    assert (r.int("gpu0_nvml_total"), r.int("gpu0_nvml_used")) == (2 * GIB, CONTEXT + GIB)
+    assert r.int("gpu0_nvml_free") == 2 * GIB - CONTEXT - GIB
+    assert (r.int("gpu1_nvml_total"), r.int("gpu1_nvml_used")) == (3 * GIB, 0)
+    assert r.int("gpu1_nvml2_free") == 3 * GIB
+
+
+def test_contexts_are_charged_and_given_back(shim: Shim) -> None:
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "2g"})
+    r = shim.run("shim_views", "handle", 0, 256 * MIB, "ctx", "reset", env=env)
+    assert r.rc == 0, r.stderr
+    assert r.int("start_free") == 2 * GIB - CONTEXT  # the primary context
+    assert r.int("ctx_free") == r.int("free") - CONTEXT  # a second one
+    assert r.int("ctx_gone_free") == r.int("free")  # destroyed: given back
+    # The primary context's last release frees its allocations: their charge goes too.
+    assert r.int("reset_free") == 2 * GIB - CONTEXT
+
+
+def test_a_context_the_limit_cannot_hold_is_refused(shim: Shim) -> None:
+    r = shim.run("shim_views", "handle", 0, 0, env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "200m"}))
+    assert r.rc == 10 and "-> 2" in r.stderr  # CUDA_ERROR_OUT_OF_MEMORY
+    assert shim.node.gpu(0).used_memory == 0  # and nothing stays on the GPU

@@ -91,6 +91,11 @@ class VgpuBackend:
     def plan(self) -> NodePlan:
         return self._plan
 
+    @property
+    def unhealthy(self) -> dict[str, str]:
+        """GPU UUID -> why, for the GPUs now advertised as unhealthy."""
+        return dict(self._unhealthy)
+
     def options(self) -> pb.DevicePluginOptions:
         return default_options()
 

@@ -15,15 +15,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
+from vgpu_plugin import status
 from vgpu_plugin.backend import ListTooLargeError
+from vgpu_plugin.cleanup import Cleaner, store_relabeler
 from vgpu_plugin.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.core.config import Config, ConfigError, default_config
-from vgpu_plugin.health import HealthTracker
+from vgpu_plugin.health import HealthChange, HealthTracker
 from vgpu_plugin.install import ShimNotInstalled, installed_shim_version
 from vgpu_plugin.logs import setup_logging
+from vgpu_plugin.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
+from vgpu_plugin.nodeview import gpu_facts_from_plan, live_processes, view_provider
 from vgpu_plugin.nvml import HealthWatcher, NvmlUnavailable, discover, nvml_session
 from vgpu_plugin.plugin import VgpuBackend
-from vgpu_plugin.server import DevicePluginServer
+from vgpu_plugin.podresources import list_assignments
+from vgpu_plugin.server import DevicePluginServer, ServerHooks
 from vgpu_plugin.settings import ServeSettings
 from vgpu_plugin.state import AllocationStore
 
@@ -74,6 +79,9 @@ class Plugin:
         self._health: HealthWatcher | None = None
         self._watcher = ConfigWatcher(settings.config, settings.node_labels_file, self._on_config)
         self.backend: VgpuBackend | None = None
+        self._metrics: PluginMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._cleaner: Cleaner | None = None
 
     def start(self) -> None:
         s = self.settings
@@ -113,11 +121,77 @@ class Plugin:
             ignored_xids=frozenset(config.health.ignored_xids),
             recovery_seconds=config.health.recovery_seconds,
         )
-        self._health = HealthWatcher(tracker, [g.uuid for g in gpus], self.backend.apply_health)
+        self._start_metrics(store)
+        self._health = HealthWatcher(tracker, [g.uuid for g in gpus], self._on_health)
         self._health.start()
-        self._server = DevicePluginServer(self.backend, config.resource_name, s.device_plugin_dir)
+        self._server = self._new_server(config.resource_name)
         self._server.start()
         self._watcher.start()
+        self._cleaner = Cleaner(
+            Path(config.host_root),
+            store.all,
+            store.remove,
+            lambda: list_assignments(s.pod_resources_socket, self._resource_name(), timeout=2.0),
+            relabel=store_relabeler(store),
+            still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
+            grace=s.cleanup_grace,
+        )
+        self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
+
+    def _resource_name(self) -> str:
+        assert self.backend is not None
+        return self.backend.config.resource_name
+
+    def _host_root(self) -> str:
+        assert self.backend is not None
+        return self.backend.config.host_root
+
+    def _start_metrics(self, store: AllocationStore) -> None:
+        backend = self.backend
+        assert backend is not None
+        provider = view_provider(
+            Path(backend.config.host_root),
+            lambda: status.read_records(self.settings.state_dir)[0],
+            lambda: gpu_facts_from_plan(backend.plan, backend.unhealthy, status.nvml_memory_used()),
+        )
+        self._metrics = new_registry(provider)
+        try:
+            self._metrics_server, port = serve_metrics(
+                self.settings.metrics_address, self._metrics.registry
+            )
+        except (OSError, ValueError) as exc:
+            raise StartupError(
+                f"cannot serve metrics on {self.settings.metrics_address}: {exc}", EXIT_NODE
+            ) from exc
+        log.info("metrics on %s (port %d)", self.settings.metrics_address, port)
+
+    def _new_server(self, resource_name: str) -> DevicePluginServer:
+        assert self.backend is not None
+        metrics = self._metrics
+
+        def on_register(endpoint: str) -> None:
+            if metrics is not None:
+                metrics.registrations.inc()
+
+        def on_rpc(method: str, seconds: float, code: str | None) -> None:
+            if metrics is not None and method == "Allocate":
+                metrics.allocate_seconds.observe(seconds)
+                if code is not None:
+                    metrics.allocate_errors.inc()
+
+        return DevicePluginServer(
+            self.backend,
+            resource_name,
+            self.settings.device_plugin_dir,
+            hooks=ServerHooks(on_register=on_register, on_rpc=on_rpc),
+        )
+
+    def _on_health(self, changes: list[HealthChange]) -> None:
+        assert self.backend is not None
+        self.backend.apply_health(changes)
+        if self._metrics is not None:
+            for c in changes:
+                self._metrics.health_changed(c.healthy)
 
     def _on_config(self, config: Config, labels: Mapping[str, str]) -> None:
         backend = self.backend
@@ -129,16 +203,18 @@ class Plugin:
             backend.apply_config(config, labels)
         except (ValueError, ListTooLargeError) as exc:
             log.error("config refused, keeping the running one: %s", exc)
+            if self._metrics is not None:
+                self._metrics.config_reloaded(False)
             return
+        if self._metrics is not None:
+            self._metrics.config_reloaded(True)
         if config.resource_name != old_resource and self._server is not None:
             # The kubelet knows a plugin by its resource name: serve and register anew.
             log.info(
                 "resource name %s -> %s: registering again", old_resource, config.resource_name
             )
             self._server.stop()
-            self._server = DevicePluginServer(
-                backend, config.resource_name, self.settings.device_plugin_dir
-            )
+            self._server = self._new_server(config.resource_name)
             self._server.start()
 
     def wait(self) -> None:
@@ -149,6 +225,10 @@ class Plugin:
 
     def stop(self) -> None:
         self._watcher.stop()
+        if self._cleaner is not None:
+            self._cleaner.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         if self._server is not None:
             self._server.stop()
         if self._health is not None:

@@ -49,6 +49,12 @@ FLAGS: tuple[Flag, ...] = (
         "node labels as key=value lines, for config overrides",
     ),
     Flag("metrics-address", "VGPU_METRICS_ADDRESS", ":9400", "Prometheus metrics address"),
+    Flag(
+        "cleanup-grace",
+        "VGPU_CLEANUP_GRACE",
+        "60",
+        "seconds an allocation no pod holds is kept before its files are removed",
+    ),
     Flag("log-format", "VGPU_LOG_FORMAT", "text", "text or json"),
     Flag("log-level", "VGPU_LOG_LEVEL", "info", "error, warning, info or debug"),
 )
@@ -65,6 +71,7 @@ class ServeSettings:
     node_name: str
     node_labels_file: Path | None
     metrics_address: str
+    cleanup_grace: float
     log_format: str
     log_level: str
 
@@ -95,6 +102,17 @@ def settings_from(
         node_name=values["node-name"] or socket.gethostname(),
         node_labels_file=Path(labels) if labels else None,
         metrics_address=str(values["metrics-address"]),
+        cleanup_grace=_seconds(str(values["cleanup-grace"]), "--cleanup-grace"),
         log_format=str(values["log-format"]),
         log_level=str(values["log-level"]),
     )
+
+
+def _seconds(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise SystemExit(f"{what}: expected a number of seconds >= 0, got {text!r}")
+    return value

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
+from vgpu_plugin.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
 from vgpu_plugin.simgpu import Node
 from vgpu_plugin.state import AllocationStore
 
@@ -31,6 +33,7 @@ class Served:
     config: Path
     log: Path
     argv: list[str]
+    podres: PodResourcesEmulator
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -81,17 +84,13 @@ def served(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Ser
         "--host-root", str(host_root), "--state-dir", str(state_dir),
         "--lock-dir", str(tmp_path / "locks"), "--node-name", "node-1",
         "--metrics-address", "127.0.0.1:0", "--log-level", "debug",
+        "--pod-resources-socket", str(plugin_dir / "podres.sock"), "--cleanup-grace", "1",
     ]  # fmt: skip
+    podres = PodResourcesEmulator(plugin_dir / "podres.sock")
     s = Served(
-        simgpu_node,
-        KubeletEmulator(plugin_dir),
-        plugin_dir,
-        host_root,
-        state_dir,
-        config,
-        log,
-        argv,
-    )
+        simgpu_node, KubeletEmulator(plugin_dir), plugin_dir, host_root, state_dir, config, log,
+        argv, podres,
+    )  # fmt: skip
     s.kubelet.start()
     s.start()
     try:
@@ -237,3 +236,56 @@ def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> N
     )
     assert proc.returncode == 2
     assert "version" in proc.stderr
+
+
+def scrape(served: Served) -> str:
+    logs = served.wait_log("metrics on")
+    port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -> None:
+    a, _ = served.uuids()
+    resp = served.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])
+    aid = resp.container_responses[0].envs["VGPU_ALLOCATION_ID"]
+    text = scrape(served)
+    limit = sample(text, "vgpu_container_memory_limit_bytes", allocation_id=aid, gpu_uuid=a)
+    assert limit == 2 * (16384 // 4) * 2**20
+    assert sample(text, "vgpu_container_memory_used_bytes", allocation_id=aid) == 0
+    assert sample(text, "vgpu_container_compute_limit_percent", allocation_id=aid) == 50
+    assert sample(text, "vgpu_gpu_slices_total", gpu_uuid=a) == 4
+    assert sample(text, "vgpu_registrations_total") == 1
+    assert sample(text, "vgpu_allocate_seconds_count") == 1
+
+
+def test_ended_pods_are_cleaned_up_and_nothing_without_the_kubelet(served: Served) -> None:
+    a, b = served.uuids()
+    kept = served.kubelet.allocate(RES, [f"{a}-0"]).container_responses[0]
+    gone = served.kubelet.allocate(RES, [f"{b}-0"]).container_responses[0]
+    kept_id, gone_id = kept.envs["VGPU_ALLOCATION_ID"], gone.envs["VGPU_ALLOCATION_ID"]
+    # pod-resources unreachable: nothing is deleted however long we wait, said once
+    time.sleep(2.5)
+    assert {r.allocation_id for r in AllocationStore(served.state_dir).all()} == {kept_id, gone_id}
+    assert served.logs().count("nothing is cleaned up") == 1
+    served.podres.assign("ns", "web", "main", RES, [f"{a}-0"])
+    served.podres.start()
+    try:
+        deadline = time.monotonic() + 15
+        while (served.host_root / "limits" / gone_id).exists():
+            assert time.monotonic() < deadline, served.logs()
+            time.sleep(0.1)
+        assert not (served.host_root / "containers" / gone_id).exists()
+        records = AllocationStore(served.state_dir).all()
+        assert [(r.allocation_id, r.pod, r.namespace) for r in records] == [(kept_id, "web", "ns")]
+        assert (served.host_root / "limits" / kept_id).exists()
+    finally:
+        served.podres.stop()

@@ -16,24 +16,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vgpu_plugin import native
-from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.install import install_shim
-from vgpu_plugin.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
-from vgpu_plugin.oci import BindMount, ContainerConfig, RuncRuntime, runc_unavailable_reason
-from vgpu_plugin.simgpu import GpuSpec, Node
+from vgpu_plugin.demo.node import MIB, WORKLOAD, Admitted, EmulatedNode
+from vgpu_plugin.oci import runc_unavailable_reason
+from vgpu_plugin.simgpu import GpuSpec
 
-RES = "nvidia.com/gpu"
-MIB = 1 << 20
 GPU_MEMORY_MIB = 16384
 CONTEXT_MIB = 256
 SPLIT = 4
-SLICE_MIB = GPU_MEMORY_MIB // SPLIT
+CONFIG = f"version: v1\nsharing:\n  splitCount: {SPLIT}\n  compute: proportional\n"
 
 
 @dataclass
@@ -42,201 +38,114 @@ class Pod:
     slices: int
     workload: list[str]
     what: str
-    response: pb.ContainerAllocateResponse | None = None
-    device_ids: list[str] = field(default_factory=list)
+    admitted: Admitted | None = None
     result: dict[str, Any] = field(default_factory=dict)
     proc: subprocess.Popen[str] | None = None
+    verdict: str = ""
 
     @property
-    def memory_limit_mib(self) -> int:
-        assert self.response is not None
-        return int(self.response.envs["CUDA_DEVICE_MEMORY_LIMIT_0"].rstrip("m"))
+    def held(self) -> bool:
+        """The limit did what it promises."""
+        return bool(self.verdict) and not any(
+            bad in self.verdict for bad in ("failed", "not enforced", "OFF")
+        )
 
     @property
-    def compute_limit(self) -> int:
-        assert self.response is not None
-        return int(self.response.envs["CUDA_DEVICE_SM_LIMIT_0"])
-
-    @property
-    def gpu(self) -> str:
-        assert self.response is not None
-        return self.response.envs["NVIDIA_VISIBLE_DEVICES"]
+    def holds_memory(self) -> bool:
+        return "alloc" in self.workload
 
 
 def default_pods(seconds: float) -> list[Pod]:
-    w = [sys.executable, "-m", "vgpu_plugin.demo.workload"]
+    s = str(seconds)
     return [
-        Pod("batch-50", 2, [*w, "compute", "--seconds", str(seconds)], "runs kernels non-stop"),
-        Pod("batch-25", 1, [*w, "compute", "--seconds", str(seconds)], "runs kernels non-stop"),
-        Pod("steady", 1, [*w, "alloc", "--target-mib", "2048", "--hold", str(seconds)],
+        Pod("batch-50", 2, [*WORKLOAD, "compute", "--seconds", s], "runs kernels non-stop"),
+        Pod("batch-25", 1, [*WORKLOAD, "compute", "--seconds", s], "runs kernels non-stop"),
+        Pod("steady", 1, [*WORKLOAD, "alloc", "--target-mib", "2048", "--hold", s],
             "allocates 2048 MiB and holds it"),
-        Pod("greedy", 1, [*w, "alloc", "--target-mib", "8192", "--chunk-mib", "256",
-                          "--hold", str(seconds)], "tries to allocate 8192 MiB"),
+        Pod("greedy", 1, [*WORKLOAD, "alloc", "--target-mib", "8192", "--chunk-mib", "256",
+                          "--hold", s], "tries to allocate 8192 MiB"),
     ]  # fmt: skip
 
 
-class Demo:
-    def __init__(self, workdir: Path, say: Callable[[str], None], seconds: float) -> None:
-        self.work = workdir
-        self.say = say
-        self.seconds = seconds
-        self.host_root = workdir / "host"
-        self.state_dir = workdir / "state"
-        self.lock_dir = workdir / "locks"
-        self.plugin_dir = short_tmp_dir("vgpu-demo-dp-")
-        self.kubelet = KubeletEmulator(self.plugin_dir)
-        self.podres = PodResourcesEmulator(
-            workdir / "pod-resources" / "kubelet.sock",
-            lambda: [(RES, [d.ID for d in self.kubelet.devices(RES) or []])],
-        )
-        self.runtime = RuncRuntime(workdir / "containers")
-        self.plugin: subprocess.Popen[str] | None = None
-        self.node: Node | None = None
+def first_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The workload's result line; its error output when it gave none."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.startswith("{"):
+            parsed: dict[str, Any] = json.loads(line)
+            return parsed
+        if time.monotonic() > deadline:
+            break
+    err = proc.stderr.read() if proc.stderr else ""
+    return {"error": f"no result (exit {proc.poll()}): {err.strip()[-500:]}"}
 
-    # -- steps -----------------------------------------------------------------------------
 
-    def bring_up(self) -> None:
-        gpus = [GpuSpec(memory=GPU_MEMORY_MIB * MIB, context_overhead=CONTEXT_MIB * MIB,
-                        numa_node=i) for i in range(2)]  # fmt: skip
-        self.node = Node.create(self.work / "simgpu", gpus, seed="demo")
-        for g in self.node.gpus():
-            self.say(f"      GPU {g.index}: {g.name}, {g.total_memory // MIB} MiB, {g.uuid}")
-        install_shim(self.host_root)
-        config = self.work / "config.yaml"
-        config.write_text(
-            f"version: v1\nsharing:\n  splitCount: {SPLIT}\n  compute: proportional\n"
-            "  placement: binpack\n"
-        )
-        self.podres.start()
-        self.kubelet.start()
-        cmd = [
-            sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(config),
-            "--device-plugin-dir", str(self.plugin_dir), "--host-root", str(self.host_root),
-            "--state-dir", str(self.state_dir), "--lock-dir", str(self.lock_dir),
-            "--pod-resources-socket", str(self.podres.socket_path), "--node-name", "demo-node",
-            "--metrics-address", "127.0.0.1:0",
-        ]  # fmt: skip
-        log = open(self.work / "plugin.log", "w")  # noqa: SIM115 - lives as long as the plugin
-        self.plugin = subprocess.Popen(
-            cmd, env=self.node.env(), stdout=log, stderr=subprocess.STDOUT, text=True
-        )
-        self.kubelet.wait_registrations(1, timeout=30)
-        devices = self.kubelet.wait_devices(RES, lambda d: len(d) == 2 * SPLIT, timeout=30)
-        self.say(f"      registered {RES}: {len(devices)} slices of {SLICE_MIB} MiB "
-                 f"and {100 // SPLIT}% compute")  # fmt: skip
+def verdict(pod: Pod) -> str:
+    """One line on what the pod's limit did, saying plainly when it did not hold."""
+    r, a = pod.result, pod.admitted
+    if "error" in r or a is None:
+        return f"  {pod.name}: failed: {r.get('error', 'not admitted')}"
+    if "share_percent" in r:
+        share, limit = r["share_percent"], a.compute_limit()
+        judged = "on target" if abs(share - limit) <= 5 else "OFF its limit"
+        return (f"  {pod.name}: compute limit {limit}%: its kernels ran {share:.1f}% "
+                f"of the time, {judged}")  # fmt: skip
+    got, seen, limit = r["allocated_mib"], r["cuda_total"] // MIB, a.memory_limit_mib()
+    if got > limit:
+        judged = "MORE than its limit: not enforced"
+    elif r["out_of_memory"]:
+        judged = "then a clean CUDA_ERROR_OUT_OF_MEMORY at its limit"
+    else:
+        judged = "all it asked for, within its limit"
+    return (f"  {pod.name}: memory limit {limit} MiB: got {got} MiB (+ its context), "
+            f"{judged}; cuMemGetInfo shows a {seen} MiB GPU")  # fmt: skip
 
-    def admit(self, pods: Sequence[Pod]) -> None:
+
+def run_demo(work: Path, seconds: float, say: Callable[[str], None]) -> list[Pod]:
+    gpus = [GpuSpec(memory=GPU_MEMORY_MIB * MIB, context_overhead=CONTEXT_MIB * MIB,
+                    numa_node=i) for i in range(2)]  # fmt: skip
+    pods = default_pods(seconds)
+    node = EmulatedNode(work, gpus, CONFIG)
+    say(f"[1/5] simulated node in {work}")
+    for g in node.node.gpus():
+        say(f"      GPU {g.index}: {g.name}, {g.total_memory // MIB} MiB, {g.uuid}")
+    try:
+        node.start()
+        say(f"      plugin registered: {len(node.devices())} slices of "
+            f"{GPU_MEMORY_MIB // SPLIT} MiB and {100 // SPLIT}% compute")  # fmt: skip
+        say("[2/5] admitting pods (GetPreferredAllocation, then Allocate)")
+        index = {g.uuid: g.index for g in node.node.gpus()}
         for pod in pods:
-            devices = self.kubelet.devices(RES) or []
-            taken = {i for p in pods for i in p.device_ids}
-            free = [d.ID for d in devices if d.ID not in taken and d.health == "Healthy"]
-            chosen = self.kubelet.get_preferred_allocation(RES, free, size=pod.slices)
-            pod.response = self.kubelet.allocate(RES, chosen).container_responses[0]
-            pod.device_ids = chosen
-            self.podres.assign("demo", pod.name, "main", RES, chosen)
-            gpu_index = self._gpu_index(pod.gpu)
-            self.say(f"      {pod.name:<9} {pod.slices} slice{'s' if pod.slices > 1 else ' '} "
-                     f"-> GPU {gpu_index}: {pod.memory_limit_mib} MiB, "
-                     f"{pod.compute_limit}% compute")  # fmt: skip
-
-    def run_workloads(self, pods: Sequence[Pod]) -> None:
-        assert self.node is not None
+            a = pod.admitted = node.admit(pod.name, pod.slices)
+            say(f"      {pod.name:<9} {pod.slices} slice{'s' if pod.slices > 1 else ' '} -> "
+                f"GPU {index[a.gpus[0]]}: {a.memory_limit_mib()} MiB, "
+                f"{a.compute_limit()}% compute")  # fmt: skip
+        say(f"[3/5] running workloads in their containers for {seconds:g}s")
         for pod in pods:
-            assert pod.response is not None
-            envs = dict(pod.response.envs)
-            envs["LD_LIBRARY_PATH"] = str(native.simgpu_dir())
-            envs["SIMGPU_STATE"] = str(self.node.state_dir)
-            envs["PYTHONPATH"] = ":".join(p for p in sys.path if p)
-            envs["PYTHONDONTWRITEBYTECODE"] = "1"
-            mounts = [BindMount(m.container_path, m.host_path, m.read_only)
-                      for m in pod.response.mounts]  # fmt: skip
-            # The simulated GPUs' device state, as /dev/nvidia* would be for a real one.
-            mounts.append(BindMount(str(self.node.state_dir), str(self.node.state_dir), False))
-            config = ContainerConfig(name=f"demo-{pod.name}", args=pod.workload, envs=envs,
-                                     mounts=mounts)  # fmt: skip
-            pod.proc = self.runtime.start(config)
-            self.say(f"      {pod.name:<9} started: {pod.what}")
-
-    def collect(self, pods: Sequence[Pod]) -> None:
-        """Each pod's result line (memory pods print theirs while still holding memory)."""
-        for pod in pods:
+            assert pod.admitted is not None
+            pod.proc = node.start_container(pod.admitted, pod.workload)
+            say(f"      {pod.name:<9} started: {pod.what}")
+        # Memory pods report while still holding their memory: the status shows it.
+        for pod in [p for p in pods if p.holds_memory]:
             assert pod.proc is not None
-            pod.result = self._first_json(pod.proc)
-
-    def finish(self, pods: Sequence[Pod]) -> None:
+            pod.result = first_json(pod.proc, seconds + 60)
+        say("[4/5] node status while they run")
+        shown = node.status()
+        say(shown.stdout if shown.returncode == 0 else shown.stdout + shown.stderr)
+        for pod in [p for p in pods if not p.holds_memory]:
+            assert pod.proc is not None
+            pod.result = first_json(pod.proc, seconds + 60)
         for pod in pods:
             if pod.proc is not None:
-                try:
-                    pod.proc.wait(timeout=self.seconds + 30)
-                except subprocess.TimeoutExpired:
-                    self.runtime.kill(f"demo-{pod.name}")
-                self.runtime.remove(f"demo-{pod.name}")
-
-    def status(self) -> str:
-        assert self.node is not None
-        proc = subprocess.run(
-            [sys.executable, "-m", "vgpu_plugin", "status", "--host-root", str(self.host_root),
-             "--state-dir", str(self.state_dir),
-             "--pod-resources-socket", str(self.podres.socket_path)],
-            env=self.node.env(), capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        return proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr
-
-    def tear_down(self) -> None:
-        if self.plugin is not None and self.plugin.poll() is None:
-            self.plugin.terminate()
-            try:
-                self.plugin.wait(10)
-            except subprocess.TimeoutExpired:
-                self.plugin.kill()
-        self.kubelet.stop()
-        self.podres.stop()
-        shutil.rmtree(self.plugin_dir, ignore_errors=True)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _gpu_index(self, uuid: str) -> int:
-        assert self.node is not None
-        return next(g.index for g in self.node.gpus() if g.uuid == uuid)
-
-    def _first_json(self, proc: subprocess.Popen[str]) -> dict[str, Any]:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + self.seconds + 60
-        for line in proc.stdout:
-            line = line.strip()
-            if line.startswith("{"):
-                parsed: dict[str, Any] = json.loads(line)
-                return parsed
-            if time.monotonic() > deadline:
-                break
-        err = proc.stderr.read() if proc.stderr else ""
-        return {"error": f"no result (exit {proc.poll()}): {err.strip()[-500:]}"}
-
-
-def summary(pods: Sequence[Pod]) -> list[str]:
-    lines = []
-    for pod in pods:
-        r = pod.result
-        if "error" in r:
-            lines.append(f"  {pod.name}: failed: {r['error']}")
-        elif "share_percent" in r:
-            share, limit = r["share_percent"], pod.compute_limit
-            verdict = "on target" if abs(share - limit) <= 5 else "OFF its limit"
-            lines.append(f"  {pod.name}: compute limit {limit}%: its kernels ran "
-                         f"{share:.1f}% of the time, {verdict}")  # fmt: skip
-        else:
-            got, seen, limit = r["allocated_mib"], r["cuda_total"] // MIB, pod.memory_limit_mib
-            if got > limit:
-                verdict = "MORE than its limit: not enforced"
-            elif r["out_of_memory"]:
-                verdict = "then a clean CUDA_ERROR_OUT_OF_MEMORY at its limit"
-            else:
-                verdict = "all it asked for, within its limit"
-            lines.append(
-                f"  {pod.name}: memory limit {limit} MiB: got {got} MiB (+ its context), "
-                f"{verdict}; cuMemGetInfo shows a {seen} MiB GPU"
-            )
-    return lines
+                pod.proc.wait(timeout=seconds + 30)
+        say("[5/5] what each limit did")
+        for pod in pods:
+            pod.verdict = verdict(pod)
+            say(pod.verdict)
+    finally:
+        node.stop()
+    return pods
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -261,36 +170,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"vgpu-plugin demo: {exc}", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="vgpu-demo-"))
-    demo = Demo(work, say, args.seconds)
-    pods = default_pods(args.seconds)
+    say("vgpu-plugin demo: one simulated GPU node, the real plugin, containers under runc")
     rc = 0
     try:
-        say("vgpu-plugin demo: one simulated GPU node, the real plugin, containers under runc")
-        say(f"[1/5] simulated node in {work}")
-        demo.bring_up()
-        say("[2/5] admitting pods (GetPreferredAllocation, then Allocate)")
-        demo.admit(pods)
-        say(f"[3/5] running workloads in their containers for {args.seconds:g}s")
-        demo.run_workloads(pods)
-        holders = [p for p in pods if "alloc" in p.workload]
-        demo.collect(holders)
-        say("[4/5] node status while they run")
-        say(demo.status())
-        demo.collect([p for p in pods if p not in holders])
-        demo.finish(pods)
-        say("[5/5] what each limit did")
-        for line in summary(pods):
-            say(line)
-        if any("error" in p.result for p in pods):
-            rc = 1
+        pods = run_demo(work, args.seconds, say)
+        rc = 0 if all(p.held for p in pods) else 1
     except Exception as exc:
         print(f"vgpu-plugin demo failed: {exc} (logs in {work})", file=sys.stderr)
         args.keep = True
         rc = 1
-    finally:
-        demo.tear_down()
-        if args.keep:
-            say(f"work dir kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    if args.keep:
+        say(f"work dir kept: {work} (plugin.log has the plugin's log)")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return rc

@@ -7,6 +7,7 @@ region file, lock dir and limits-file path under its tmp dir, so tests never sha
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -47,6 +48,14 @@ def parse(stdout: str) -> dict[str, str]:
     return out
 
 
+@functools.cache
+def asan_runtime() -> str:
+    """The compiler's AddressSanitizer runtime, which must come first in a process."""
+    cc = os.environ.get("CC", "cc")
+    out = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
 @dataclass
 class Shim:
     """One test's view of the shim: its build tree, node and private paths."""
@@ -78,9 +87,14 @@ class Shim:
         env["VGPU_LOCK_DIR"] = str(self.tmp / "lock")
         env["VGPU_LIMITS_FILE"] = str(self.limits_path)
         if shim:
-            env["LD_PRELOAD"] = ":".join(str(p) for p in [*self.preload, self.lib])
+            env["LD_PRELOAD"] = self.preload_list([*self.preload, self.lib])
         env.update(limits or {})
         return env
+
+    def preload_list(self, libs: Sequence[Path]) -> str:
+        """LD_PRELOAD for `libs`; the sanitizer build's runtime must come first."""
+        first = [Path(asan_runtime())] if self.tree.name == "native-asan" else []
+        return ":".join(str(p) for p in [*first, *libs])
 
     def write_limits(
         self,

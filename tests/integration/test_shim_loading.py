@@ -50,13 +50,13 @@ def test_a_process_that_never_uses_the_gpu_gets_no_driver_no_thread_no_file(shim
 
 def next_answers(shim: Shim, preload: list[Path], *names: str) -> dict[str, str]:
     env = shim.env()
-    env["LD_PRELOAD"] = ":".join(map(str, preload))
+    env["LD_PRELOAD"] = shim.preload_list(preload)
     r = shim.run("shim_next", *names, env=env)
     assert r.rc == 0, r.stderr
     return r.out
 
 
-NAMES = ("vgpu_shim_version", "cuMemAlloc_v2", "cuInit", "dlsym", "puts")
+NAMES = ("vgpu_shim_version", "cuMemAlloc_v2", "cuInit", "dlsym", "getpid")
 
 
 def test_rtld_next_from_a_library_is_relative_to_that_library(shim: Shim) -> None:
@@ -66,7 +66,7 @@ def test_rtld_next_from_a_library_is_relative_to_that_library(shim: Shim) -> Non
     assert before["lib_next.vgpu_shim_version"] == "libvgpu.so"
     assert before["lib_next.cuMemAlloc_v2"] == "libvgpu.so"
     assert before["lib_next.cuInit"] == "libcuda.so.1"
-    assert before["lib_next.puts"] == "libc.so.6"
+    assert before["lib_next.getpid"] == "libc.so.6"
     # The library comes after the shim: it sees exactly what it sees without the shim.
     after = next_answers(shim, [shim.lib, nextlib], *NAMES)
     alone = next_answers(shim, [nextlib], *NAMES)
@@ -83,9 +83,9 @@ def test_rtld_next_and_rtld_default_from_the_program(shim: Shim) -> None:
     assert out["main_next.cuMemAlloc_v2"] == "libvgpu.so"  # the preloaded shim comes next
     assert out["main_next.cuInit"] == "libcuda.so.1"
     assert out["default.cuMemAlloc_v2"] == "libvgpu.so"
-    assert out["default.puts"] == "libc.so.6"
+    assert out["default.getpid"] == "libc.so.6"
     # A second lookup is answered the same: nothing remembers the first.
-    again = next_answers(shim, [shim.lib], "cuMemAlloc_v2", "cuMemAlloc_v2", "puts")
+    again = next_answers(shim, [shim.lib], "cuMemAlloc_v2", "cuMemAlloc_v2", "getpid")
     assert again["main_next.cuMemAlloc_v2"] == "libvgpu.so"
 
 

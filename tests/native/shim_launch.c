@@ -88,5 +88,6 @@ int main(int argc, char **argv) {
         if (w > 0) sum += busy_us[w] / 1e4;
     }
     printf("mean=%.1f\n", seconds > 1 ? sum / (seconds - 1) : 0.0);
+    free(ev);
     return 0;
 }

@@ -130,6 +130,7 @@ int main(int argc, char **argv) {
     }
     for (long i = 0; i < n; i++) free_one(path, &objs[i]);
     CK(C(sync, cuCtxSynchronize)());
+    free(objs);
     printf("freed=%ld\n", n);
     view("after_");
     return 0;

@@ -19,7 +19,11 @@
 /* The real dlsym; read by the assembly below. */
 VGPU_HIDDEN void *(*vgpu_dlsym_next)(void *, const char *);
 
-static void *(*resolve_real_dlsym(void))(void *, const char *) {
+/* Sanitizers off here and in the route: their runtimes look their own symbols up through
+ * dlsym while they initialise, before instrumented code may run. */
+#define VGPU_NO_SANITIZE __attribute__((no_sanitize("address", "undefined")))
+
+static VGPU_NO_SANITIZE void *(*resolve_real_dlsym(void))(void *, const char *) {
     void *(*p)(void *, const char *) = __atomic_load_n(&vgpu_dlsym_next, __ATOMIC_ACQUIRE);
     if (LIKELY(p != NULL)) return p;
     /* dlvsym(RTLD_NEXT) from here finds the definition after the shim: libc's (or libdl's
@@ -37,9 +41,8 @@ static void *(*resolve_real_dlsym(void))(void *, const char *) {
 
 void *vgpu_real_dlsym(void *handle, const char *name) { return resolve_real_dlsym()(handle, name); }
 
-/* Our answer to dlsym(handle, name), or NULL to let the real dlsym answer. Sanitizers off:
- * their runtimes look their own symbols up through dlsym before they are initialised. */
-VGPU_HIDDEN __attribute__((used, no_sanitize("address", "undefined"))) void *
+/* Our answer to dlsym(handle, name), or NULL to let the real dlsym answer. */
+VGPU_HIDDEN __attribute__((used)) VGPU_NO_SANITIZE void *
 vgpu_dlsym_route(void *handle, const char *name) {
     void *(*real)(void *, const char *) = resolve_real_dlsym();
     /* Only explicit handles: RTLD_DEFAULT already finds our exported hooks (we are preloaded)

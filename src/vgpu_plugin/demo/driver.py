@@ -55,10 +55,17 @@ class Driver:
         self.check("cuMemGetInfo_v2", self.lib.cuMemGetInfo_v2(byref(free), byref(total)))
         return free.value, total.value
 
-    def total_mem(self) -> int:
+    def total_mem(self, device: int | None = None) -> int:
         total = c_size_t()
-        self.check("cuDeviceTotalMem_v2", self.lib.cuDeviceTotalMem_v2(byref(total), self.dev))
+        dev = self.dev if device is None else c_int(device)
+        self.check("cuDeviceTotalMem_v2", self.lib.cuDeviceTotalMem_v2(byref(total), dev))
         return total.value
+
+    def uuid(self, device: int) -> str:
+        raw = (ctypes.c_ubyte * 16)()
+        self.check("cuDeviceGetUuid", self.lib.cuDeviceGetUuid(raw, c_int(device)))
+        h = bytes(raw).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
     def alloc(self, size: int) -> int | None:
         """A device pointer, or None when the driver (or the shim) says out of memory."""

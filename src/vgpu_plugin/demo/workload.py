@@ -2,6 +2,7 @@
 
 Each prints one JSON line that the demo reads back:
 - ``view``: what the container sees (CUDA memory info, device total, NVML memory).
+- ``devices``: each visible device's UUID and the memory CUDA reports for it.
 - ``alloc --target-mib N --chunk-mib C --hold S``: allocate up to N MiB in chunks, report how
   far it got and whether the driver said out of memory; hold it for S seconds.
 - ``compute --seconds S --kernel-ms K``: launch K ms kernels back to back for S seconds and
@@ -37,6 +38,15 @@ def view(drv: Driver) -> dict[str, Any]:
     return out
 
 
+def devices(drv: Driver) -> dict[str, Any]:
+    """Every device the container sees: its UUID and the memory CUDA says it has."""
+    return {
+        "devices": [
+            {"uuid": drv.uuid(i), "total": drv.total_mem(i)} for i in range(drv.device_count())
+        ]
+    }
+
+
 def alloc(drv: Driver, target_mib: int, chunk_mib: int, hold: float) -> dict[str, Any]:
     got, oom = 0, False
     while got + chunk_mib <= target_mib:
@@ -69,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vgpu_plugin.demo.workload")
     sub = ap.add_subparsers(dest="mode", required=True)
     sub.add_parser("view")
+    sub.add_parser("devices")
     a = sub.add_parser("alloc")
     a.add_argument("--target-mib", type=int, required=True)
     a.add_argument("--chunk-mib", type=int, default=256)
@@ -81,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         drv = Driver()
         if args.mode == "view":
             print(json.dumps(view(drv)), flush=True)
+        elif args.mode == "devices":
+            print(json.dumps(devices(drv)), flush=True)
         elif args.mode == "alloc":
             alloc(drv, args.target_mib, args.chunk_mib, args.hold)
         else:

@@ -199,7 +199,11 @@ def allocation_view(
             state = f"invalid: region accounts GPU {foreign[0]}, which this allocation lacks"
         else:
             for i, dev in enumerate(region.devices):
-                used[dev.uuid] = used.get(dev.uuid, 0) + int(dev.used)
+                # Only live processes count: a dead one's charge stays in the region's total
+                # until a tenant process reaps it, but it no longer holds GPU memory.
+                used[dev.uuid] = used.get(dev.uuid, 0) + sum(
+                    int(p.used[i]) for p in region.processes if p.alive and i < len(p.used)
+                )
                 procs[dev.uuid] = sum(
                     1 for p in region.processes if p.alive and i < len(p.used) and p.used[i] > 0
                 )

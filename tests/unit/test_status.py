@@ -388,6 +388,8 @@ def test_real_region_and_simulated_nvml(
     after = collect_view(root, state, tmp_path / "no.sock", nvml=False)
     assert after.allocations[0].processes_alive == 0
     assert after.allocations[0].region_state == "ok"
+    # ...and none of its memory: a dead process's charge is not usage, reaped or not.
+    assert after.allocations[0].gpus[0].memory_used == 0
 
 
 def test_nvml_memory_used_is_empty_without_nvml() -> None:

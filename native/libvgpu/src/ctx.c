@@ -35,7 +35,7 @@ static _Thread_local struct {
     CUcontext ctx;
     int ordinal;
     uint64_t gen;
-} t_last;
+} t_last VGPU_TLS;
 
 static void remember(CUcontext ctx, int ordinal) {
     pthread_mutex_lock(&g_ctx.mu);

@@ -196,79 +196,70 @@ static void pace_end(struct paced *pc, CUresult rc) {
 
 /* --- the hooks ---------------------------------------------------------------------------- */
 
-#define NEED(fn)                                                                               \
-    do {                                                                                       \
+/* Everything but the common case, out of line so that the common case (loaded, unpaced) is
+ * a plain tail call: load the shim if needed, then pace if the GPU has a compute limit. */
+#define PACED_FN(name, params, args, stream, ptsz, key)                                        \
+    static CUresult __attribute__((noinline)) slow_##name params {                              \
         vgpu_ensure();                                                                         \
-        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
-    } while (0)
-
-#define PACED(stream, ptsz, key, call)                                                         \
-    do {                                                                                       \
-        if (LIKELY(!vgpu.pace_any)) return (call);                                             \
-        struct paced pc_;                                                                      \
-        if (!pace_begin(&pc_, (stream), (ptsz), (key))) return (call);                         \
-        CUresult rc_ = (call);                                                                 \
-        pace_end(&pc_, rc_);                                                                   \
-        return rc_;                                                                            \
-    } while (0)
+        if (UNLIKELY(!vgpu.real.name)) return CUDA_ERROR_NOT_INITIALIZED;                      \
+        struct paced pc;                                                                       \
+        if (!vgpu.pace_any || !pace_begin(&pc, (stream), (ptsz), (key)))                        \
+            return vgpu.real.name args;                                                        \
+        CUresult rc = vgpu.real.name args;                                                     \
+        pace_end(&pc, rc);                                                                     \
+        return rc;                                                                             \
+    }
 
 #define GRID(x, y, z) ((uint64_t)(x) * (y) * (z))
+#define KARGS CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, \
+              unsigned int by, unsigned int bz, unsigned int sh, CUstream st, void **p
+#define KKEY key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz))
+#define EXKEY key_of(f, GRID(c->gridDimX, c->gridDimY, c->gridDimZ), \
+                     GRID(c->blockDimX, c->blockDimY, c->blockDimZ))
 
-VGPU_API CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
-                                 unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh,
-                                 CUstream st, void **p, void **x) {
-    NEED(cuLaunchKernel);
-    PACED(st, 0, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
-          vgpu.real.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sh, st, p, x));
+#define KCALL (f, gx, gy, gz, bx, by, bz, sh, st, p, x)
+#define CCALL (f, gx, gy, gz, bx, by, bz, sh, st, p)
+#define EXARGS (const CUlaunchConfig *c, CUfunction f, void **p, void **x)
+
+PACED_FN(cuLaunchKernel, (KARGS, void **x), KCALL, st, 0, KKEY)
+PACED_FN(cuLaunchKernel_ptsz, (KARGS, void **x), KCALL, st, 1, KKEY)
+PACED_FN(cuLaunchCooperativeKernel, (KARGS), CCALL, st, 0, KKEY)
+PACED_FN(cuLaunchCooperativeKernel_ptsz, (KARGS), CCALL, st, 1, KKEY)
+PACED_FN(cuLaunchKernelEx, EXARGS, (c, f, p, x), c ? c->hStream : NULL, 0, c ? EXKEY : 0)
+PACED_FN(cuLaunchKernelEx_ptsz, EXARGS, (c, f, p, x), c ? c->hStream : NULL, 1, c ? EXKEY : 0)
+PACED_FN(cuGraphLaunch, (CUgraphExec g, CUstream st), (g, st), st, 0, key_of(g, 0, 0))
+PACED_FN(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream st), (g, st), st, 1, key_of(g, 0, 0))
+
+/* The common case: loaded, no compute limit anywhere -> straight to the driver. */
+#define HOOK_BODY(name, args)                                                                  \
+    do {                                                                                       \
+        __typeof__(name) *real_ = vgpu.real.name;                                              \
+        if (LIKELY(__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE) && !vgpu.pace_any && real_))  \
+            return real_ args;                                                                 \
+        return slow_##name args;                                                               \
+    } while (0)
+
+VGPU_API CUresult cuLaunchKernel(KARGS, void **x) { HOOK_BODY(cuLaunchKernel, KCALL); }
+VGPU_API CUresult cuLaunchKernel_ptsz(KARGS, void **x) { HOOK_BODY(cuLaunchKernel_ptsz, KCALL); }
+VGPU_API CUresult cuLaunchCooperativeKernel(KARGS) { HOOK_BODY(cuLaunchCooperativeKernel, CCALL); }
+VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(KARGS) {
+    HOOK_BODY(cuLaunchCooperativeKernel_ptsz, CCALL);
 }
 
-VGPU_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
-                                      unsigned int bx, unsigned int by, unsigned int bz, unsigned int sh,
-                                      CUstream st, void **p, void **x) {
-    NEED(cuLaunchKernel_ptsz);
-    PACED(st, 1, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
-          vgpu.real.cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, sh, st, p, x));
-}
-
-VGPU_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
-                                            unsigned int bx, unsigned int by, unsigned int bz,
-                                            unsigned int sh, CUstream st, void **p) {
-    NEED(cuLaunchCooperativeKernel);
-    PACED(st, 0, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
-          vgpu.real.cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, sh, st, p));
-}
-
-VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy,
-                                                 unsigned int gz, unsigned int bx, unsigned int by,
-                                                 unsigned int bz, unsigned int sh, CUstream st, void **p) {
-    NEED(cuLaunchCooperativeKernel_ptsz);
-    PACED(st, 1, key_of(f, GRID(gx, gy, gz), GRID(bx, by, bz)),
-          vgpu.real.cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, sh, st, p));
-}
-
-#define EX_KEY(c, f) ((c) ? key_of((f), GRID((c)->gridDimX, (c)->gridDimY, (c)->gridDimZ), \
-                                   GRID((c)->blockDimX, (c)->blockDimY, (c)->blockDimZ))  \
-                          : 0)
-
-VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra) {
-    NEED(cuLaunchKernelEx);
-    if (!config) return vgpu.real.cuLaunchKernelEx(config, f, kernelParams, extra);
-    PACED(config->hStream, 0, EX_KEY(config, f), vgpu.real.cuLaunchKernelEx(config, f, kernelParams, extra));
+VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                   void **extra) {
+    HOOK_BODY(cuLaunchKernelEx, (config, f, kernelParams, extra));
 }
 
 VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
                                         void **extra) {
-    NEED(cuLaunchKernelEx_ptsz);
-    if (!config) return vgpu.real.cuLaunchKernelEx_ptsz(config, f, kernelParams, extra);
-    PACED(config->hStream, 1, EX_KEY(config, f), vgpu.real.cuLaunchKernelEx_ptsz(config, f, kernelParams, extra));
+    HOOK_BODY(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra));
 }
 
 VGPU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
-    NEED(cuGraphLaunch);
-    PACED(hStream, 0, key_of(hGraphExec, 0, 0), vgpu.real.cuGraphLaunch(hGraphExec, hStream));
+    HOOK_BODY(cuGraphLaunch, (hGraphExec, hStream));
 }
 
 VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
-    NEED(cuGraphLaunch_ptsz);
-    PACED(hStream, 1, key_of(hGraphExec, 0, 0), vgpu.real.cuGraphLaunch_ptsz(hGraphExec, hStream));
+    HOOK_BODY(cuGraphLaunch_ptsz, (hGraphExec, hStream));
 }

@@ -13,8 +13,9 @@
 
 #include "shim.h"
 
-/* The one process-wide state (see shim.h). Zero-initialised; `mu` is static. */
-struct vgpu_state vgpu = {.mu = PTHREAD_MUTEX_INITIALIZER, .log_level = VGPU_LOG_WARN};
+/* The one process-wide state (see shim.h). All zero (so in .bss: nothing to map or relocate
+ * in the many processes that never use it); the level of logging is set by the load. */
+struct vgpu_state vgpu = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* --- the hook table -------------------------------------------------------------------------
  * Sorted by name once, searched by name (dlsym) and by real pointer (cuGetProcAddress). */
@@ -55,7 +56,7 @@ void *vgpu_hook_for_real(void *real) {
 
 /* While this thread loads, libcuda's own constructors may look symbols up: those lookups must
  * not wait for the load they are part of. */
-static _Thread_local int t_loading;
+static _Thread_local int t_loading VGPU_TLS;
 
 static void resolve(void *handle, const char *name, void **slot, const void *hook) {
     void *p = vgpu_real_dlsym(handle, name);

@@ -3,9 +3,11 @@
  * A free must give back exactly what its allocation charged, whatever the API; the driver
  * does not tell us the size of what is freed. The table is 64 independently locked stripes,
  * each an open-addressing hash with linear probing and backward-shift deletion: a put or take
- * is one uncontended mutex and a probe or two, and threads allocating at once rarely meet on
- * a stripe. The stripes are this file's private part of the process state (the table is
- * process-wide by nature, and only this file touches it). */
+ * is one uncontended lock and a probe or two, and threads allocating at once rarely meet on
+ * a stripe. The lock is a spinlock (one atomic exchange to take, one store to drop): it is
+ * held for a probe only, never across a call out of this file, and process-private, so a
+ * dying process cannot leave it held for anyone else. The stripes are this file's private
+ * part of the process state (the table is process-wide by nature; only this file touches it). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,27 +16,33 @@
 enum { STRIPES = 64, MIN_CAP = 64 };
 
 struct stripe {
-    pthread_mutex_t mu;
-    struct vgpu_rec *slots;
+    int lock; /* 0 free, 1 held */
     uint32_t cap, n;
+    struct vgpu_rec *slots;
 } __attribute__((aligned(64)));
 
 static struct stripe g_tab[STRIPES];
-static pthread_once_t g_tab_once = PTHREAD_ONCE_INIT;
 
-static void tab_init(void) {
-    for (int i = 0; i < STRIPES; i++) pthread_mutex_init(&g_tab[i].mu, NULL);
+static inline void stripe_lock(struct stripe *s) {
+    while (__atomic_exchange_n(&s->lock, 1, __ATOMIC_ACQUIRE)) {
+        while (__atomic_load_n(&s->lock, __ATOMIC_RELAXED)) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#elif defined(__aarch64__)
+            __asm__ __volatile__("yield");
+#endif
+        }
+    }
 }
+
+static inline void stripe_unlock(struct stripe *s) { __atomic_store_n(&s->lock, 0, __ATOMIC_RELEASE); }
 
 static inline uint64_t hash(int kind, uint64_t key) {
     uint64_t h = (key ^ ((uint64_t)kind << 59)) * 0x9E3779B97F4A7C15ull;
     return h ^ (h >> 29);
 }
 
-static inline struct stripe *stripe_of(uint64_t h) {
-    pthread_once(&g_tab_once, tab_init);
-    return &g_tab[h & (STRIPES - 1)];
-}
+static inline struct stripe *stripe_of(uint64_t h) { return &g_tab[h & (STRIPES - 1)]; }
 
 static inline uint32_t home(const struct stripe *s, uint64_t h) { return (uint32_t)(h >> 6) & (s->cap - 1); }
 
@@ -95,7 +103,7 @@ int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext 
     struct vgpu_rec rec = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
                            .kind = (uint8_t)kind, .used = 1, .refs = 1};
     struct vgpu_rec stale = {0};
-    pthread_mutex_lock(&s->mu);
+    stripe_lock(s);
     long at = find(s, kind, key, h);
     if (at >= 0) {
         /* The driver handed out an address we still list: its free passed us by (say, with
@@ -103,12 +111,12 @@ int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext 
         stale = s->slots[at];
         s->slots[at] = rec;
     } else if ((uint64_t)(s->n + 1) * 10 > (uint64_t)s->cap * 7 && grow(s) != 0) {
-        pthread_mutex_unlock(&s->mu);
+        stripe_unlock(s);
         return -1;
     } else {
         place(s, &rec);
     }
-    pthread_mutex_unlock(&s->mu);
+    stripe_unlock(s);
     if (stale.used) release(&stale);
     return 0;
 }
@@ -116,23 +124,23 @@ int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext 
 int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out) {
     uint64_t h = hash(kind, key);
     struct stripe *s = stripe_of(h);
-    pthread_mutex_lock(&s->mu);
+    stripe_lock(s);
     long at = find(s, kind, key, h);
     if (at >= 0) {
         *out = s->slots[at];
         erase(s, (uint32_t)at);
     }
-    pthread_mutex_unlock(&s->mu);
+    stripe_unlock(s);
     return at >= 0;
 }
 
 int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out) {
     uint64_t h = hash(kind, key);
     struct stripe *s = stripe_of(h);
-    pthread_mutex_lock(&s->mu);
+    stripe_lock(s);
     long at = find(s, kind, key, h);
     if (at >= 0) *out = s->slots[at];
-    pthread_mutex_unlock(&s->mu);
+    stripe_unlock(s);
     return at >= 0;
 }
 
@@ -140,7 +148,7 @@ int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out) {
     uint64_t h = hash(kind, key);
     struct stripe *s = stripe_of(h);
     int refs = -1;
-    pthread_mutex_lock(&s->mu);
+    stripe_lock(s);
     long at = find(s, kind, key, h);
     if (at >= 0) {
         struct vgpu_rec *r = &s->slots[at];
@@ -152,25 +160,29 @@ int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out) {
             erase(s, (uint32_t)at);
         }
     }
-    pthread_mutex_unlock(&s->mu);
+    stripe_unlock(s);
     return refs;
 }
 
 void vgpu_tab_drop_ctx(CUcontext ctx) {
     if (!ctx) return;
-    pthread_once(&g_tab_once, tab_init);
     for (int k = 0; k < STRIPES; k++) {
         struct stripe *s = &g_tab[k];
-        pthread_mutex_lock(&s->mu);
-        for (uint32_t i = 0; i < s->cap;) {
-            struct vgpu_rec r = s->slots[i];
-            if (r.used && r.ctx == ctx) {
-                erase(s, i); /* slot i now holds a later record, or is empty: look again */
-                release(&r);
-            } else {
-                i++;
+        struct vgpu_rec batch[64];
+        int n;
+        do { /* take a batch out under the lock, give its charges back outside it */
+            n = 0;
+            stripe_lock(s);
+            for (uint32_t i = 0; i < s->cap && n < 64;) {
+                if (s->slots[i].used && s->slots[i].ctx == ctx) {
+                    batch[n++] = s->slots[i];
+                    erase(s, i); /* slot i now holds a later record, or is empty: look again */
+                } else {
+                    i++;
+                }
             }
-        }
-        pthread_mutex_unlock(&s->mu);
+            stripe_unlock(s);
+            for (int j = 0; j < n; j++) release(&batch[j]);
+        } while (n == 64);
     }
 }

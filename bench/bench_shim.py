@@ -1,0 +1,208 @@
+"""What the enforcement shim costs (DESIGN 7), against the same programs without it, on simgpu.
+
+    python bench/bench_shim.py [--repeat 5]
+
+Prints, in one run (with and without the shim interleaved; the best of --repeat runs, since a
+shared machine only ever adds time, except where a median is named):
+- ns added per cuLaunchKernel with no compute limit (target <= 20) and per cuMemAlloc +
+  cuMemFree pair under a memory limit (target <= 150): measured in one process under the
+  shim, alternating blocks of calls through the hook and straight to the driver's own entry
+  point (same process, same memory layout: a difference of a few ns is not lost in noise);
+- 8 processes of one container allocating at once vs one process: CPU ns per pair and the
+  ratio (target <= 2x), beside the same ratio without the shim (what the simulator itself costs);
+- /bin/true with the shim preloaded vs without (target <= 3 %), beside an empty preloaded
+  library (what any preload costs);
+- added latency of the first CUDA calls (cuInit .. first allocation; target <= 5 ms), and the
+  p99 of 64 processes starting at once (target <= 50 ms added).
+Programs: tests/native/shim_bench.c, built with the tests (``VGPU_NATIVE_DIR`` if it has them,
+else tests/native_build.py's release build). It asserts nothing: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def _tree() -> Path:
+    given = os.environ.get("VGPU_NATIVE_DIR")
+    if given and (Path(given) / "tests" / "shim_bench").exists():
+        return Path(given)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import native_build
+
+    tree = native_build.build("release")
+    os.environ["VGPU_NATIVE_DIR"] = str(tree)
+    return tree
+
+
+class Bench:
+    def __init__(self, tree: Path, tmp: Path) -> None:
+        from vgpu_plugin.simgpu import GpuSpec, Node
+
+        os.environ["VGPU_NATIVE_DIR"] = str(tree)
+        self.tree = tree
+        self.tmp = tmp
+        self.node = Node.create(tmp / "node", [GpuSpec(memory=80 << 30)], seed="bench")
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "LD_PRELOAD"))}
+        lib = str(tree / "lib" / "libvgpu.so")
+        self.shim = dict(
+            self.node.env(base),
+            LD_PRELOAD=lib,
+            CUDA_DEVICE_MEMORY_LIMIT="64g",
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp / "vgpu" / "bench.cache"),
+            VGPU_LOCK_DIR=str(tmp / "lock"),
+            VGPU_LIMITS_FILE=str(tmp / "no-limits-file"),
+        )
+        # The same environment, byte for byte as long, without the preload (the dynamic loader
+        # skips blanks): a different environment size moves the stack and changes timings.
+        self.plain = dict(self.shim, LD_PRELOAD=" " * len(lib))
+
+    def run(self, env: Mapping[str, str], *args: str | int) -> dict[str, float]:
+        prog = str(self.tree / "tests" / "shim_bench")
+        out = subprocess.run(
+            [prog, *map(str, args)], env=dict(env), capture_output=True, text=True, check=True
+        ).stdout
+        return {k: float(v) for k, _, v in (ln.partition("=") for ln in out.split())}
+
+    def paired(self, key: str, repeat: int, *args: str | int) -> tuple[float, float]:
+        plain, shim = [], []
+        for _ in range(repeat):
+            plain.append(self.run(self.plain, *args)[key])
+            shim.append(self.run(self.shim, *args)[key])
+        return min(plain), min(shim)
+
+    def concurrent_alloc(self, env: Mapping[str, str], procs: int, n: int) -> float:
+        prog = str(self.tree / "tests" / "shim_bench")
+        ps = [
+            subprocess.Popen(
+                [prog, "alloc", str(n), str(1 << 20), "gate"],
+                env=dict(env),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(procs)
+        ]
+        for p in ps:
+            assert p.stdout is not None
+            while p.stdout.readline().strip() != "ready":
+                pass
+        for p in ps:
+            assert p.stdin is not None
+            p.stdin.write("\n")
+            p.stdin.flush()
+        cpu = []
+        for p in ps:
+            out, _ = p.communicate()
+            cpu.append(float(dict(ln.split("=") for ln in out.split())["cpu_ns_per_pair"]))
+        return statistics.median(cpu)
+
+    def spawn_us(self, env: Mapping[str, str], n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            pid = os.posix_spawn("/bin/true", ["/bin/true"], dict(env))
+            os.waitpid(pid, 0)
+            times.append((time.perf_counter_ns() - t) / 1e3)
+        return times
+
+    def init_many(self, env: Mapping[str, str], procs: int) -> list[float]:
+        prog = str(self.tree / "tests" / "shim_bench")
+        ps = [
+            subprocess.Popen([prog, "init"], env=dict(env), stdout=subprocess.PIPE, text=True)
+            for _ in range(procs)
+        ]
+        return [float(p.communicate()[0].split("=")[1]) for p in ps]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    tree = _tree()
+    with tempfile.TemporaryDirectory() as tmp:
+        b = Bench(tree, Path(tmp))
+        print(f"shim bench on simgpu, {os.cpu_count()} CPUs, best of {args.repeat} runs")
+
+        ab = [b.run(b.shim, "ab-launch", 400000) for _ in range(args.repeat)]
+        real, hook = min(r["real_ns"] for r in ab), min(r["hook_ns"] for r in ab)
+        print(
+            f"cuLaunchKernel, no compute limit: {real:.1f} -> {hook:.1f} ns/call, "
+            f"added {hook - real:+.1f} ns (target <= 20)"
+        )
+
+        ab = [b.run(b.shim, "ab-alloc", 100000) for _ in range(args.repeat)]
+        real, hook = min(r["real_ns"] for r in ab), min(r["hook_ns"] for r in ab)
+        print(
+            f"cuMemAlloc+cuMemFree under a limit: {real:.0f} -> {hook:.0f} ns/pair, "
+            f"added {hook - real:+.0f} ns (target <= 150)"
+        )
+
+        n = 20000
+        one = [b.concurrent_alloc(b.shim, 1, n) for _ in range(args.repeat)]
+        eight = [b.concurrent_alloc(b.shim, 8, n) for _ in range(args.repeat)]
+        p1 = [b.concurrent_alloc(b.plain, 1, n) for _ in range(args.repeat)]
+        p8 = [b.concurrent_alloc(b.plain, 8, n) for _ in range(args.repeat)]
+        s1, s8, q1, q8 = min(one), min(eight), min(p1), min(p8)
+        print(
+            f"8 processes allocating at once vs 1, CPU ns/pair: with shim {s1:.0f} -> {s8:.0f} "
+            f"({s8 / s1:.2f}x, target <= 2x); without {q1:.0f} -> {q8:.0f} ({q8 / q1:.2f}x)"
+        )
+
+        empty = Path(tmp) / "libempty.so"
+        (Path(tmp) / "empty.c").write_text("int vgpu_bench_empty(void) { return 0; }\n")
+        have_cc = (
+            subprocess.run(
+                ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(Path(tmp) / "empty.c")],
+                capture_output=True,
+                check=False,
+            ).returncode
+            == 0
+        )
+        spawns = 500 * args.repeat
+        base_t, shim_t, empty_t = [], [], []
+        for _ in range(spawns // 50):
+            base_t += b.spawn_us(b.plain, 50)
+            shim_t += b.spawn_us(b.shim, 50)
+            if have_cc:
+                empty_t += b.spawn_us(dict(b.plain, LD_PRELOAD=str(empty)), 50)
+        mb, ms = statistics.median(base_t), statistics.median(shim_t)
+        line = (
+            f"/bin/true: {mb:.0f} -> {ms:.0f} us with the shim preloaded "
+            f"({(ms / mb - 1) * 100:+.1f} %, target <= 3 %)"
+        )
+        if empty_t:
+            me = statistics.median(empty_t)
+            line += f"; an empty preloaded library: {me:.0f} us ({(me / mb - 1) * 100:+.1f} %)"
+        print(line)
+
+        plain, shim = b.paired("init_us", max(args.repeat, 9), "init")
+        print(
+            f"first CUDA calls (cuInit .. first cuMemAlloc): {plain / 1e3:.2f} -> "
+            f"{shim / 1e3:.2f} ms, added {(shim - plain) / 1e3:+.2f} ms (target <= 5 ms)"
+        )
+
+        many_plain = sorted(b.init_many(b.plain, 64))
+        many_shim = sorted(b.init_many(b.shim, 64))
+        p99p = many_plain[int(0.99 * 63)] / 1e3
+        p99s = many_shim[int(0.99 * 63)] / 1e3
+        print(
+            f"64 processes starting at once, p99 of the first CUDA calls: {p99p:.2f} -> "
+            f"{p99s:.2f} ms, added {p99s - p99p:+.2f} ms (target <= 50 ms)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -157,3 +157,50 @@ def test_a_python_program_using_ctypes_is_held_to_the_limit(shim: Shim) -> None:
     assert py.returncode == 0, py.stderr
     n, rc = map(int, py.stdout.split())
     assert n * 64 * MIB == (GIB - 300 * MIB) // (64 * MIB) * (64 * MIB) and rc == OOM
+
+
+NATIVE = Path(__file__).resolve().parents[2] / "native" / "libvgpu"
+
+
+def _hooked() -> list[str]:
+    """The hooked entry points, from the shim's one list of them (src/shim.h)."""
+    import re
+
+    header = (NATIVE / "src" / "shim.h").read_text()
+    names: list[str] = []
+    for macro in ("VGPU_CUDA_HOOKS", "VGPU_NVML_HOOKS"):
+        body = re.search(rf"#define {macro}\(H\)(.*?)\n\n", header, re.S)
+        assert body is not None
+        names += re.findall(r"\bH\((\w+)\)", body.group(1))
+    return names
+
+
+def test_every_hook_is_exported_and_nothing_else_of_ours(shim: Shim) -> None:
+    hooked = set(_hooked())
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(shim.lib)], capture_output=True, text=True, check=True
+    ).stdout
+    exported = {line.split()[-1] for line in out.splitlines()}
+    ours = {n for n in exported if n.startswith(("cu", "nvml"))}
+    assert ours == hooked
+    assert "dlsym" in exported
+    # The rest of the shim's own names stay inside: only the region's API and the version.
+    own = {n for n in exported if n.startswith("vgpu_")}
+    assert all(n.startswith("vgpu_region_") or n == "vgpu_shim_version" for n in own), own
+
+
+def test_get_proc_address_variants_match_nvidias_typedefs() -> None:
+    """Each hooked variant is named by the (base, version, flag) NVIDIA's cudaTypedefs.h gives."""
+    import re
+
+    source = (NATIVE / "src" / "procaddr.c").read_text()
+    rows = re.findall(r'\{"(\w+)", (\d+), ([01]), "(\w+)"\}', source)
+    cuda_hooks = {n for n in _hooked() if n.startswith("cu")}
+    assert {name for *_, name in rows} == cuda_hooks
+    typedefs = Path("/usr/local/cuda/include/cudaTypedefs.h")
+    if not typedefs.exists():
+        pytest.skip("the CUDA toolkit's cudaTypedefs.h is not installed")
+    text = typedefs.read_text()
+    for base, version, ptds, _ in rows:
+        pfn = f"PFN_{base}_v{version}{'_ptsz' if ptds == '1' else ''}"
+        assert re.search(rf"\b{pfn}\b", text), pfn

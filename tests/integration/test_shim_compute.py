@@ -15,16 +15,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from conftest import make_node
 from test_shim_helpers import Result, Shim, finish
 
-from vgpu_plugin.simgpu import GpuSpec
+from vgpu_plugin.simgpu import GpuSpec, Node
 
 TOLERANCE = 5.0  # points of share, in every window
 
 
 def shim_on(native_tree: Path, tmp_path: Path, gpus: int) -> Shim:
-    node = make_node(tmp_path, [GpuSpec(memory=16 << 30) for _ in range(gpus)])
+    gpus_ = [GpuSpec(memory=16 << 30) for _ in range(gpus)]
+    node = Node.create(tmp_path / "simgpu", gpus_, seed=tmp_path.name)
     return Shim(native_tree, node, tmp_path)
 
 

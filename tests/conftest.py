@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_build
 
 from vgpu_plugin import native
+from vgpu_plugin.demo.node import EmulatedNode
 from vgpu_plugin.simgpu import GpuSpec, Node
 
 
@@ -47,3 +48,30 @@ def require_root() -> None:
     """Skip, with the reason, where the test needs root and namespaces and has neither."""
     if os.geteuid() != 0:
         pytest.skip("needs root (mount/pid namespaces); run the tests as root to include it")
+
+
+@pytest.fixture
+def make_emulated_node(native_tree: Path, tmp_path: Path) -> Iterator[Callable[..., EmulatedNode]]:
+    """Whole emulated nodes (simgpu, the plugin process, kubelet, runc containers); the
+    factory's arguments shape the node, and every node made is stopped afterwards."""
+    nodes: list[EmulatedNode] = []
+
+    def make(
+        gpus: int = 1,
+        memory_mib: int = 16384,
+        context_mib: int = 256,
+        config: str = "version: v1\nsharing: {splitCount: 4, compute: proportional}\n",
+        cleanup_grace: float | None = None,
+    ) -> EmulatedNode:
+        specs = [
+            GpuSpec(memory=memory_mib << 20, context_overhead=context_mib << 20, numa_node=i)
+            for i in range(gpus)
+        ]
+        node = EmulatedNode(tmp_path / f"node{len(nodes)}", specs, config, cleanup_grace)
+        nodes.append(node)
+        node.start()
+        return node
+
+    yield make
+    for node in nodes:
+        node.stop()

@@ -2,7 +2,9 @@
 
 The layout and the reading protocol live in C (``native/libvgpu/include/vgpu/region.h``,
 ``libvgpu.so``); this module binds that same header, so there is no second definition. Reading
-never takes the region's lock: the tenants never wait on the host.
+never takes the region's lock (the tenants never wait on the host) and never maps the file (it
+is copied with pread): a tenant that shrinks or replaces its region file gets a RegionError for
+it, and cannot make the host fault, block or follow a symlink.
 
     snap = read_region("/usr/local/vgpu/containers/<id>/<id>.cache")
     for dev in snap.devices:
@@ -23,7 +25,8 @@ from vgpu_plugin import native
 
 class RegionError(RuntimeError):
     """A region file could not be read: missing, refused (corrupt, truncated, foreign,
-    another layout version) or unusable. The message names the file and what is wrong."""
+    another layout version, not a regular file), changed while being read (shrunk or rewritten
+    by its tenant) or unusable. The message names the file and what is wrong."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         super().__init__(reason)

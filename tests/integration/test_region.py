@@ -12,8 +12,10 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -399,3 +401,168 @@ def test_killed_writers_under_asan_ubsan(asan_tools: Tools, tmp_path: Path) -> N
 def test_stress_under_tsan(tsan_tools: Tools, tmp_path: Path) -> None:
     stats = _stress(tsan_tools, tmp_path / "t.cache", "--seconds", 4, "--kill-ms", 200)
     assert stats["snapshots"] > 20
+
+
+# --- a tenant attacking the host's reader ---------------------------------------------------------
+# The region file lives in the container's writable dir: its tenant may shrink it, or put a
+# symlink or a FIFO in its place, while the host reads it. The host must answer each read
+# with a snapshot or a RegionError, never die of a signal (SIGBUS past the end of a mapping)
+# nor block, nor follow a symlink out of the dir. The readers run in subprocesses so that a
+# signal shows as their death.
+
+PY_READER = """
+import sys, time
+from vgpu_plugin.region import RegionError, read_region
+path, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2]) / 1000
+ok, failed, reasons, views = 0, 0, set(), set()
+while time.monotonic() < deadline:
+    try:
+        snap = read_region(path)
+    except RegionError as e:
+        failed += 1
+        reasons.add(e.reason)
+        continue
+    ok += 1
+    views.add((snap.devices[0].memory_limit, snap.devices[0].used))
+print(f"snap-loop ok={ok} failed={failed}")
+for r in sorted(reasons)[:16]:
+    print(f"reason: 3 {r}")
+for limit, used in sorted(views)[:16]:
+    print(f"view: limit={limit} used={used}")
+"""
+
+
+def _reader(tools: Tools, reader: str, path: Path, ms: int) -> subprocess.Popen[str]:
+    if reader == "c":
+        cmd = [str(tools.tree / "tests" / "region_tool"), "snap-loop", str(path), str(ms)]
+    else:
+        cmd = [sys.executable, "-c", PY_READER, str(path), str(ms)]
+    return subprocess.Popen(
+        cmd, env=tools.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _reader_result(proc: subprocess.Popen[str], timeout: float) -> tuple[int, int, list[str]]:
+    """The reader's counts and reasons; it must have exited by itself, not by a signal."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the host reader blocked: {out}{err}")
+    assert proc.returncode == 0, f"the host reader died: {_status(proc.returncode)}\n{out}{err}"
+    assert "Sanitizer" not in err and "runtime error" not in err, err
+    m = re.search(r"snap-loop ok=(\d+) failed=(\d+)", out)
+    assert m, out + err
+    return int(m.group(1)), int(m.group(2)), out.splitlines()
+
+
+def _status(rc: int) -> str:
+    return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+
+
+def _reasons(lines: list[str]) -> list[str]:
+    return [line.split(" ", 2)[2] for line in lines if line.startswith("reason: ")]
+
+
+def _limits(lines: list[str]) -> set[int]:
+    """The device limits of the snapshots the reader got."""
+    return {int(m.group(1)) for line in lines if (m := re.match(r"view: limit=(\d+)", line))}
+
+
+def _until(stop: threading.Event, step: Callable[[int], None]) -> threading.Thread:
+    def loop() -> None:
+        i = 0
+        while not stop.is_set():
+            step(i)
+            i += 1
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_tenant_truncating_its_region_cannot_crash_the_host_reader(
+    tools: Tools, region: Path, killer: list[subprocess.Popen[str]], reader: str
+) -> None:
+    _truncate_while_reading(tools, region, killer, reader)
+
+
+@pytest.mark.slow
+def test_tenant_truncating_its_region_under_asan_ubsan(
+    asan_tools: Tools, tmp_path: Path, killer: list[subprocess.Popen[str]]
+) -> None:
+    region = tmp_path / "alloc.cache"
+    asan_tools.run("region_tool", "create", region, 1, "1g")
+    _truncate_while_reading(asan_tools, region, killer, "c")
+
+
+def _truncate_while_reading(
+    tools: Tools, region: Path, killer: list[subprocess.Popen[str]], reader: str
+) -> None:
+    killer.append(tools.start("hold", region, "300m", "committed"))
+    intact = region.read_bytes()
+    fd = os.open(region, os.O_RDWR)
+    stop = threading.Event()
+
+    def shrink_and_restore(i: int) -> None:
+        # To nothing, to mid-file (past the header: the slots are gone), then back.
+        os.ftruncate(fd, (0, 4096, 3000)[i % 3])
+        os.ftruncate(fd, len(intact))
+        os.pwrite(fd, intact, 0)
+
+    proc = _reader(tools, reader, region, 1500)
+    truncater = _until(stop, shrink_and_restore)
+    try:
+        _, failed, lines = _reader_result(proc, timeout=30)
+    finally:
+        stop.set()
+        truncater.join()
+        os.close(fd)
+    assert failed > 0, lines  # the reader did meet shrunk files
+    assert _limits(lines) <= {GIB}, lines
+    for reason in _reasons(lines):
+        assert str(region) in reason, reason
+        assert re.search(r"truncated|changed|not a vgpu region|wrong size|corrupt", reason), reason
+    snap = read_region(region)  # the region itself is unharmed, and reads again
+    assert [p.used for p in snap.processes] == [(300 * MIB,)]
+
+
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_tenant_replacing_its_region_by_a_symlink_or_fifo_cannot_stall_the_host(
+    tools: Tools, region: Path, tmp_path: Path, reader: str
+) -> None:
+    # A valid region outside the tenant's dir, with another limit: reading it would mean a
+    # symlink was followed.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    elsewhere = outside / "host.cache"
+    tools.run("region_tool", "create", elsewhere, 1, "2g")
+    intact = region.read_bytes()
+    good, fifo, link = (region.with_name(n) for n in ("good.tmp", "fifo.tmp", "link.tmp"))
+    stop = threading.Event()
+
+    def replace(i: int) -> None:
+        kind = i % 3
+        if kind == 0:
+            good.write_bytes(intact)
+            os.rename(good, region)
+        elif kind == 1:
+            os.mkfifo(fifo)  # no writer: an open without O_NONBLOCK would hang
+            os.rename(fifo, region)
+        else:
+            link.symlink_to(elsewhere)
+            os.rename(link, region)
+
+    proc = _reader(tools, reader, region, 1500)
+    replacer = _until(stop, replace)
+    try:
+        ok, failed, lines = _reader_result(proc, timeout=30)
+    finally:
+        stop.set()
+        replacer.join()
+    assert ok > 0 and failed > 0, lines
+    assert _limits(lines) == {GIB}, lines  # never the region the symlink points to
+    for reason in _reasons(lines):
+        assert re.search(r"cannot open region|not a regular file", reason), reason

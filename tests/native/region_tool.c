@@ -240,6 +240,46 @@ static int cmd_snapshot(void) {
     return 0;
 }
 
+/* The host's loop: snapshot for `ms` milliseconds as fast as it can, whatever the tenant does
+ * to the file meanwhile. Prints the counts, each distinct reason given and each distinct view
+ * of device 0 (limit, used) read (up to 16 each); a signal (SIGBUS from a shrunk mapping)
+ * kills it instead. */
+static int cmd_snap_loop(uint64_t ms) {
+    enum { MAX_REASONS = 16 };
+    static char reasons[MAX_REASONS][VGPU_REGION_ERRLEN + 16];
+    uint64_t views[MAX_REASONS][2];
+    int nreasons = 0, nviews = 0;
+    uint64_t ok = 0, failed = 0, deadline = now_ns() + ms * 1000000u;
+    struct vgpu_region_snapshot *s = malloc(sizeof *s);
+    while (now_ns() < deadline) {
+        char err[VGPU_REGION_ERRLEN];
+        int rc = R.snapshot(path, s, err, sizeof err);
+        if (rc == VGPU_REGION_OK) {
+            ok++;
+            uint64_t view[2] = {s->devices[0].memory_limit, s->devices[0].used};
+            int seen = 0;
+            for (int i = 0; i < nviews && !seen; i++)
+                seen = views[i][0] == view[0] && views[i][1] == view[1];
+            if (!seen && nviews < MAX_REASONS) memcpy(views[nviews++], view, sizeof view);
+            continue;
+        }
+        failed++;
+        char reason[VGPU_REGION_ERRLEN + 16];
+        snprintf(reason, sizeof reason, "%d %s", rc, err);
+        int seen = 0;
+        for (int i = 0; i < nreasons && !seen; i++) seen = strcmp(reasons[i], reason) == 0;
+        if (!seen && nreasons < MAX_REASONS)
+            snprintf(reasons[nreasons++], sizeof reasons[0], "%s", reason);
+    }
+    printf("snap-loop ok=%llu failed=%llu\n", (unsigned long long)ok, (unsigned long long)failed);
+    for (int i = 0; i < nreasons; i++) printf("reason: %s\n", reasons[i]);
+    for (int i = 0; i < nviews; i++)
+        printf("view: limit=%llu used=%llu\n", (unsigned long long)views[i][0],
+               (unsigned long long)views[i][1]);
+    free(s);
+    return 0;
+}
+
 static int cmd_open(void) {
     char err[VGPU_REGION_ERRLEN];
     struct vgpu_region *r = NULL;
@@ -394,6 +434,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "lock-and") == 0) return cmd_lock_and(a3);
     if (strcmp(cmd, "snapshot") == 0) return cmd_snapshot();
     if (strcmp(cmd, "open") == 0) return cmd_open();
+    if (strcmp(cmd, "snap-loop") == 0) return cmd_snap_loop(parse_size(a3));
     if (strcmp(cmd, "pid-reuse") == 0) return cmd_pid_reuse();
     if (strcmp(cmd, "forge") == 0) return cmd_forge(parse_size(a3), (int32_t)atoi(a4));
     if (strcmp(cmd, "fork") == 0) return cmd_fork(parse_size(a3), parse_size(a4));

@@ -92,8 +92,8 @@ int vgpu_slot_lock(int fd, int slot, int type) {
 
 /* --- validation --------------------------------------------------------------------------- */
 
-static int validate(const struct vgpu_region_file *f, uint64_t size, const char *path, char *err,
-                    size_t errlen) {
+int vgpu_region_validate(const struct vgpu_region_file *f, uint64_t size, const char *path,
+                         char *err, size_t errlen) {
     if (memcmp(f->magic, k_magic, sizeof k_magic) != 0) {
         vgpu_region_seterr(err, errlen, "%s is not a vgpu region: bad magic (expected \"%s\")",
                            path, k_magic);
@@ -131,10 +131,11 @@ static int validate(const struct vgpu_region_file *f, uint64_t size, const char 
     return 0;
 }
 
-struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd_out,
-                                         int *writable_out, char *err, size_t errlen) {
+int vgpu_region_open_file(const char *path, int writable, int *writable_out,
+                          uint64_t *size_out, char *err, size_t errlen) {
     /* O_NOFOLLOW | O_NONBLOCK: the directory belongs to the tenant, so the host must not
-     * follow a planted symlink or hang on a FIFO put in the region's place. */
+     * follow a planted symlink or hang on a FIFO (or a leased file) put in the region's
+     * place. */
     int flags = O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
     int fd = open(path, flags | (writable ? O_RDWR : O_RDONLY));
     if (fd < 0 && writable < 0 && (errno == EACCES || errno == EROFS || errno == EPERM)) {
@@ -143,16 +144,16 @@ struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd
     }
     if (fd < 0) {
         vgpu_region_seterr(err, errlen, "cannot open region %s: %s", path, strerror(errno));
-        return NULL;
+        return -1;
     }
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         vgpu_region_seterr(err, errlen, "%s is not a vgpu region: not a regular file", path);
         close(fd);
-        return NULL;
+        return -1;
     }
     if ((uint64_t)st.st_size < sizeof(struct vgpu_region_file)) {
-        /* Checked before mapping: touching a page past the end would be a SIGBUS. */
+        /* Refused before anyone maps it: touching a page past the end would be a SIGBUS. */
         char head[8] = {0};
         ssize_t n = pread(fd, head, sizeof head, 0);
         if (n == (ssize_t)sizeof head && memcmp(head, k_magic, sizeof k_magic) == 0)
@@ -163,8 +164,18 @@ struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd
                                "%s is not a vgpu region: bad magic, %lld bytes", path,
                                (long long)st.st_size);
         close(fd);
-        return NULL;
+        return -1;
     }
+    if (writable_out) *writable_out = writable != 0;
+    if (size_out) *size_out = (uint64_t)st.st_size;
+    return fd;
+}
+
+struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd_out,
+                                         int *writable_out, char *err, size_t errlen) {
+    uint64_t size = 0;
+    int fd = vgpu_region_open_file(path, writable, &writable, &size, err, errlen);
+    if (fd < 0) return NULL;
     int prot = PROT_READ | (writable ? PROT_WRITE : 0);
     struct vgpu_region_file *f = mmap(NULL, sizeof *f, prot, MAP_SHARED, fd, 0);
     if (f == MAP_FAILED) {
@@ -172,13 +183,15 @@ struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd
         close(fd);
         return NULL;
     }
-    if (validate(f, (uint64_t)st.st_size, path, err, errlen) != 0) {
+    /* A mapping is for the tenants only (a tenant that shrinks its own file harms itself):
+     * the host reads with pread (region_snapshot.c) and no tenant can make it fault. */
+    if (vgpu_region_validate(f, size, path, err, errlen) != 0) {
         munmap(f, sizeof *f);
         close(fd);
         return NULL;
     }
     *fd_out = fd;
-    if (writable_out) *writable_out = writable != 0;
+    if (writable_out) *writable_out = writable;
     return f;
 }
 

@@ -48,9 +48,19 @@ void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...)
 /* A "[vgpu] region: ..." warning on stderr unless LIBVGPU_LOG_LEVEL=error. */
 void vgpu_region_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
-/* Open and map the region file at `path` and validate its identity and tables. `writable`:
- * 1 read-write (tenants), 0 read-only, -1 read-write if permitted else read-only (host).
- * On success returns the mapping, sets *fd_out and *writable_out. NULL with err set. */
+/* Open the region file at `path` without following a symlink or blocking (the directory is
+ * the tenant's), and refuse anything but a regular file of at least a region's size.
+ * `writable`: 1 read-write, 0 read-only, -1 read-write if permitted else read-only. Returns
+ * the descriptor and sets *writable_out and *size_out (either may be NULL); -1 with err set. */
+int vgpu_region_open_file(const char *path, int writable, int *writable_out,
+                          uint64_t *size_out, char *err, size_t errlen);
+/* Check a region's identity and tables (`size`: the file's size on disk). 0, or -1 with err
+ * set. `f` is a mapping (tenants) or the host's private copy of the file's first bytes. */
+int vgpu_region_validate(const struct vgpu_region_file *f, uint64_t size, const char *path,
+                         char *err, size_t errlen);
+/* Open (as above), map and validate the region file at `path`: the tenants' attachment; the
+ * host never maps a region (a tenant could shrink the file under the mapping: SIGBUS). On
+ * success returns the mapping, sets *fd_out and *writable_out. NULL with err set. */
 struct vgpu_region_file *vgpu_region_map(const char *path, int writable, int *fd_out,
                                          int *writable_out, char *err, size_t errlen);
 void vgpu_region_unmap(struct vgpu_region_file *f, int fd);

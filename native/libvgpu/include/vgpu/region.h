@@ -1,7 +1,8 @@
 /* The shared region: one file per container that accounts its GPU memory.
  *
  * Every CUDA-using process of the container maps the file (/tmp/vgpu/<allocation-id>.cache)
- * and owns one slot in it; the host plugin maps the same file read-mostly to report usage.
+ * and owns one slot in it; the host plugin reads the same file (with pread, never a mapping
+ * that a tenant could shrink under it) to report usage.
  * This header is the one definition of the file's layout: C includes it, and Python binds it
  * with cffi (src/vgpu_plugin/region.py), which feeds it to ffi.cdef() after dropping comments
  * and preprocessor lines. Keep it plain declarations: constants in enums, literal array
@@ -204,9 +205,11 @@ uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev);
 int vgpu_region_reap(struct vgpu_region *r);
 
 /* Host side: validate the file at `path` and copy a consistent view of it into `out`
- * without taking the region's lock (the tenants never wait on the reader). Returns
- * VGPU_REGION_OK, VGPU_REGION_EFAIL (missing, refused: the reason is in err) or
- * VGPU_REGION_EBUSY (a live process has been stalled inside an update for too long). */
+ * without taking the region's lock (the tenants never wait on the reader) and without
+ * mapping it (a file its tenant shrinks, replaces or rewrites meanwhile is an error, never a
+ * signal). Returns VGPU_REGION_OK, VGPU_REGION_EFAIL (missing, refused, changed while being
+ * read: the reason is in err) or VGPU_REGION_EBUSY (a live process has been stalled inside
+ * an update for too long). */
 int vgpu_region_snapshot(const char *path, struct vgpu_region_snapshot *out, char *err,
                          size_t errlen);
 

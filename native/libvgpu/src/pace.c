@@ -6,7 +6,8 @@
  * adds each interval), launches take their estimated cost, and launch.c corrects each
  * estimate with the time the GPU really spent (events). A launch waits while the bucket is in
  * debt. The bucket holds at most CAP_NS x percent, so an idle container cannot save up a
- * burst that would skew a one-second window.
+ * burst that would skew a one-second window by more than a few points, yet a launcher the
+ * scheduler starved for a few tens of milliseconds catches up.
  *
  * Crash safety: there is no lock. Every update is one atomic instruction on the shared file;
  * a process killed between two of them loses at most one refill interval of credit. */
@@ -24,7 +25,7 @@
 
 #define PACE_MAGIC "VGPUPAC"
 #define PACE_VERSION 1u
-#define CAP_NS 20000000ll          /* 20 ms of wall time's worth of credit at most */
+#define CAP_NS 40000000ll          /* 40 ms of wall time's worth of credit at most */
 #define MIN_SLEEP_NS 20000ll
 #define MAX_SLEEP_NS 20000000ll
 

@@ -85,3 +85,15 @@ def test_a_context_the_limit_cannot_hold_is_refused(shim: Shim) -> None:
     r = shim.run("shim_views", "handle", 0, 0, env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "200m"}))
     assert r.rc == 10 and "-> 2" in r.stderr  # CUDA_ERROR_OUT_OF_MEMORY
     assert shim.node.gpu(0).used_memory == 0  # and nothing stays on the GPU
+
+
+@pytest.mark.parametrize(
+    "level,shown",
+    [("", {"warn"}), ("error", set()), ("info", {"warn"}), ("debug", {"warn", "debug"})],
+)
+def test_log_lines_follow_libvgpu_log_level(shim: Shim, level: str, shown: set[str]) -> None:
+    # A context the limit refuses (a warning) and the device's limits (debug).
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "200m", "LIBVGPU_LOG_LEVEL": level})
+    r = shim.run("shim_views", "handle", 0, 0, env=env)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[vgpu] ")]
+    assert {ln.split()[1].rstrip(":") for ln in lines} == shown, lines

@@ -165,7 +165,7 @@ static int measure_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
     if (delta > MAX_CONTEXT_CHARGE) delta = 0;
     int rc = 0;
     if (vgpu_charge(d, delta) != CUDA_SUCCESS) {
-        vgpu_log(VGPU_LOG_WARN, "a new context on GPU %s takes %llu bytes, over the container's "
+        VLOG(VGPU_LOG_WARN, "a new context on GPU %s takes %llu bytes, over the container's "
                  "memory limit: refused", d->uuid, (unsigned long long)delta);
         rc = -1;
     } else {

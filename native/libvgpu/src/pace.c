@@ -123,7 +123,7 @@ struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent) {
         return p;
     }
     /* No shared budget: pace this process alone rather than not at all. */
-    vgpu_log(VGPU_LOG_WARN, "no shared compute budget for GPU %s in %s: this process is "
+    VLOG(VGPU_LOG_WARN, "no shared compute budget for GPU %s in %s: this process is "
              "paced on its own", uuid, vgpu.cfg.pace_path);
     struct vgpu_pace_dev *own = calloc(1, sizeof *own);
     if (own) snprintf(own->uuid, sizeof own->uuid, "%s", uuid);

@@ -89,10 +89,16 @@ def test_a_context_the_limit_cannot_hold_is_refused(shim: Shim) -> None:
 
 @pytest.mark.parametrize(
     "level,shown",
-    [("", {"warn"}), ("error", set()), ("info", {"warn"}), ("debug", {"warn", "debug"})],
+    [
+        ("", {"warn"}),
+        ("error", set()),
+        ("info", {"warn", "info"}),
+        ("debug", {"warn", "info", "debug"}),
+    ],
 )
 def test_log_lines_follow_libvgpu_log_level(shim: Shim, level: str, shown: set[str]) -> None:
-    # A context the limit refuses (a warning) and the device's limits (debug).
+    # A context the limit refuses: the refused charge (info), the refusal (warn), and the
+    # device's limits (debug).
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "200m", "LIBVGPU_LOG_LEVEL": level})
     r = shim.run("shim_views", "handle", 0, 0, env=env)
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[vgpu] ")]

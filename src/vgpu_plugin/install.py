@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import hashlib
 import os
-import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin import __version__, native
+from vgpu_plugin.atomicfile import TMP_MARK, write_atomically
 from vgpu_plugin.core.allocation import SHIM_PATH
 
 LIB_DIR = "lib"
@@ -34,7 +34,6 @@ CONTAINERS_DIR = "containers"
 # What the container's /etc/ld.so.preload says: the shim's path inside the container.
 PRELOAD_TEXT = f"{SHIM_PATH}\n"
 _HASH_CHARS = 12
-_TMP_PREFIX = ".tmp-"
 
 
 class ShimNotInstalled(RuntimeError):
@@ -78,33 +77,6 @@ def _shim_file(host_root: Path, version: str) -> Path:
     return host_root / LIB_DIR / f"{SHIM_PREFIX}{version}"
 
 
-def write_file_atomically(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` by a new inode holding ``data``; the old inode is never written, so a
-    process that has it mapped keeps exactly what it mapped."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _same_content(path: Path, data: bytes) -> bool:
     try:
         if path.stat().st_size != len(data):
@@ -146,7 +118,7 @@ def install_shim(
     shim = _shim_file(host_root, version)
     shim_written = not _same_content(shim, data)
     if shim_written:
-        write_file_atomically(shim, data, 0o755)
+        write_atomically(shim, data, 0o755)
     elif any(p.stat().st_mtime > shim.stat().st_mtime for p in _installed_versions(lib)):
         # An older build reinstalled: the newest mtime must mark the version handed out now,
         # which is what pruning orders by. Metadata only; the mapped content is untouched.
@@ -155,10 +127,10 @@ def install_shim(
     preload = host_root / PRELOAD_FILE
     preload_written = not _same_content(preload, PRELOAD_TEXT.encode())
     if preload_written:
-        write_file_atomically(preload, PRELOAD_TEXT.encode(), 0o644)
+        write_atomically(preload, PRELOAD_TEXT.encode(), 0o644)
     current = lib / CURRENT_FILE
     if not _same_content(current, f"{version}\n".encode()):
-        write_file_atomically(current, f"{version}\n".encode(), 0o644)
+        write_atomically(current, f"{version}\n".encode(), 0o644)
         changed = True
 
     others = [(p, p.stat().st_mtime) for p in _installed_versions(lib) if p != shim]
@@ -184,7 +156,12 @@ def install_shim(
 def _installed_versions(lib: Path) -> list[Path]:
     if not lib.is_dir():
         return []
-    return [p for p in lib.iterdir() if p.name.startswith(SHIM_PREFIX) and p.is_file()]
+    # A writer's leftover tmp file (named after its target) is not an installed version.
+    return [
+        p
+        for p in lib.iterdir()
+        if p.name.startswith(SHIM_PREFIX) and TMP_MARK not in p.name and p.is_file()
+    ]
 
 
 def prunable_versions(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.atomicfile import write_atomically
 from vgpu_plugin.backend import BackendError, check_list_size, default_options
 from vgpu_plugin.core.allocation import ContainerSpec, container_spec
 from vgpu_plugin.core.config import Config
@@ -27,16 +28,6 @@ from vgpu_plugin.health import HealthChange
 from vgpu_plugin.state import AllocationRecord, AllocationStore, GpuLimit
 
 log = logging.getLogger(__name__)
-
-
-def _write_atomic(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def advertised_devices(plan: NodePlan, unhealthy: Mapping[str, str]) -> list[pb.Device]:
@@ -231,7 +222,7 @@ class VgpuBackend:
         os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
         limits = Path(spec.limits_path)
         limits.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(limits, spec.limits_text, 0o644)
+        write_atomically(limits, spec.limits_text.encode(), 0o644)
         self._store.add(
             AllocationRecord(
                 allocation_id=g.allocation_id,

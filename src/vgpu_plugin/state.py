@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from typing import Any, NamedTuple
 import filelock
 import msgpack
 
+from vgpu_plugin.atomicfile import tmp_pattern, write_atomically
+
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path("/var/lib/vgpu-plugin")
@@ -32,7 +33,6 @@ LOCK_FILE_NAME = "allocations.lock"
 # Marks the file as ours; a file without it is foreign and is refused.
 FORMAT_NAME = "vgpu-plugin/allocations"
 FORMAT_VERSION = 1
-_TMP_MARK = ".tmp-"
 
 
 class StateFileError(Exception):
@@ -183,28 +183,6 @@ def decode(path: Path, data: bytes) -> dict[str, AllocationRecord]:
     return records
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replaces ``path`` with ``data`` so that a crash at any point leaves old or new, whole."""
-    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    # The rename is durable only once the directory entry is on disk.
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 class AllocationStore:
     """The allocation records of this node, shared safely by every plugin process."""
 
@@ -296,7 +274,7 @@ class AllocationStore:
     def _remove_stale_tmp(self) -> None:
         # Writers hold the lock while their tmp file exists, so under the lock any tmp file
         # is left over from a crash and safe to delete.
-        for tmp in self.state_dir.glob(f"{STATE_FILE_NAME}{_TMP_MARK}*"):
+        for tmp in self.state_dir.glob(tmp_pattern(self.path)):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
                 log.info("removed %s, left by a writer that died mid-write", tmp)

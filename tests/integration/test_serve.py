@@ -180,60 +180,26 @@ def test_sigterm_stops_cleanly_and_removes_the_socket(served: Served) -> None:
     assert not ours[0].exists()
 
 
-def test_missing_shim_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+def serve_once(node: Node, tmp_path: Path, config_text: str) -> subprocess.CompletedProcess[str]:
+    """Run serve on a host root with no shim installed; it must exit rather than serve."""
     config = tmp_path / "config.yaml"
-    config.write_text("version: v1\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vgpu_plugin",
-            "serve",
-            "--config",
-            str(config),
-            "--device-plugin-dir",
-            str(tmp_path / "dp"),
-            "--host-root",
-            str(tmp_path / "empty"),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--metrics-address",
-            "127.0.0.1:0",
-        ],
-        env=simgpu_node.env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode != 0
-    assert "install-shim" in proc.stderr
+    config.write_text(config_text)
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(config),
+         "--device-plugin-dir", str(tmp_path / "dp"), "--host-root", str(tmp_path / "empty"),
+         "--state-dir", str(tmp_path / "state"), "--metrics-address", "127.0.0.1:0"],
+        env=node.env(), capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_missing_shim_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+    proc = serve_once(simgpu_node, tmp_path, "version: v1\n")
+    assert proc.returncode == 3
+    assert "install-shim" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
-    config = tmp_path / "config.yaml"
-    config.write_text("version: v2\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vgpu_plugin",
-            "serve",
-            "--config",
-            str(config),
-            "--device-plugin-dir",
-            str(tmp_path / "dp"),
-            "--host-root",
-            str(tmp_path / "h"),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--metrics-address",
-            "127.0.0.1:0",
-        ],
-        env={**simgpu_node.env(), "PYTHONUNBUFFERED": "1"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    proc = serve_once(simgpu_node, tmp_path, "version: v2\n")
     assert proc.returncode == 2
     assert "version" in proc.stderr
 

@@ -18,14 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vgpu_plugin.core.allocation import Mount
+
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-@dataclass(frozen=True)
-class BindMount:
-    container_path: str
-    host_path: str
-    read_only: bool
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,7 @@ class ContainerConfig:
     name: str
     args: Sequence[str]
     envs: Mapping[str, str] = field(default_factory=dict)
-    mounts: Sequence[BindMount] = ()
+    mounts: Sequence[Mount] = ()
     cwd: str = "/"
 
 
@@ -48,7 +43,7 @@ def runc_unavailable_reason() -> str | None:
     return None
 
 
-def _mount_entry(m: BindMount) -> dict[str, object]:
+def _mount_entry(m: Mount) -> dict[str, object]:
     return {
         "destination": m.container_path,
         "type": "bind",

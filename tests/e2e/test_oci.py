@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_plugin.oci import BindMount, ContainerConfig, RuncRuntime, runc_unavailable_reason
+from vgpu_plugin.core.allocation import Mount
+from vgpu_plugin.oci import ContainerConfig, RuncRuntime, runc_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     runc_unavailable_reason() is not None, reason=str(runc_unavailable_reason())
@@ -33,10 +34,10 @@ def test_preload_envs_and_mount_modes(native_tree: Path, tmp_path: Path) -> None
         args=["sh", "-c", script],
         envs={"VGPU_ALLOCATION_ID": "abc123"},
         mounts=[
-            BindMount("/usr/local/vgpu/libvgpu.so", str(shim), True),
-            BindMount("/etc/ld.so.preload", str(preload), True),
-            BindMount("/etc/vgpu/limits", str(limits), True),
-            BindMount("/tmp/vgpu", str(rw), False),
+            Mount("/usr/local/vgpu/libvgpu.so", str(shim), True),
+            Mount("/etc/ld.so.preload", str(preload), True),
+            Mount("/etc/vgpu/limits", str(limits), True),
+            Mount("/tmp/vgpu", str(rw), False),
         ],
     )
     result = RuncRuntime(tmp_path / "runtime").run(config, timeout=30)

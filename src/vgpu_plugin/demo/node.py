@@ -18,9 +18,10 @@ from typing import IO
 from vgpu_plugin import native
 from vgpu_plugin.api.constants import HEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.install import install_shim
 from vgpu_plugin.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
-from vgpu_plugin.oci import BindMount, ContainerConfig, RuncRuntime
+from vgpu_plugin.oci import ContainerConfig, RuncRuntime
 from vgpu_plugin.simgpu import GpuSpec, Node
 
 RES = "nvidia.com/gpu"
@@ -187,10 +188,10 @@ class EmulatedNode:
         envs["PYTHONPATH"] = ":".join(p for p in sys.path if p)
         envs["PYTHONDONTWRITEBYTECODE"] = "1"
         mounts = [
-            BindMount(m.container_path, m.host_path, m.read_only) for m in admitted.response.mounts
+            Mount(m.container_path, m.host_path, m.read_only) for m in admitted.response.mounts
         ]
         # The simulated GPUs' device state, as /dev/nvidia* would be for a real GPU.
-        mounts.append(BindMount(str(self.node.state_dir), str(self.node.state_dir), False))
+        mounts.append(Mount(str(self.node.state_dir), str(self.node.state_dir), False))
         return ContainerConfig(name=name, args=list(args), envs=envs, mounts=mounts)
 
     def start_container(

@@ -225,6 +225,18 @@ def test_the_quickstart_pod_is_valid_and_asks_for_the_default_resource() -> None
     assert limits == {default_values()["resourceName"]: 1}
 
 
+def test_kubernetes_objects_in_the_docs_are_valid() -> None:
+    objects = [
+        d
+        for path in DOC_FILES
+        for block in code_blocks(path, "yaml")
+        if (d := yaml.safe_load(block)) and isinstance(d, dict) and "apiVersion" in d
+    ]
+    assert {o["kind"] for o in objects} >= {"Pod", "ResourceQuota"}
+    for obj in objects:
+        k8s.validate(obj)
+
+
 def test_the_documented_defaults_are_the_charts() -> None:
     text = (DOCS / "quickstart.md").read_text() + (DOCS / "operations.md").read_text()
     ds = render().one("DaemonSet")

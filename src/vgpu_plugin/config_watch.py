@@ -68,10 +68,12 @@ class ConfigWatcher:
         labels_path: Path | None,
         on_change: Callable[[Config, Mapping[str, str]], None],
         interval: float = 1.0,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self.config_path = config_path
         self.labels_path = labels_path
         self._on_change = on_change
+        self._on_error = on_error
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -101,6 +103,8 @@ class ConfigWatcher:
         except (ConfigError, NodeLabelsError, OSError) as exc:
             self.failures += 1
             log.error("config reload refused, keeping the running config: %s", exc)
+            if self._on_error is not None:
+                self._on_error(exc)
             return False
         self.current = (config, labels)
         self.reloads += 1

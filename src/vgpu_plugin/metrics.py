@@ -120,7 +120,7 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
 
 
 def _gpu_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
-    total = _gauge("vgpu_gpu_slices_total", "slices advertised for this GPU", GPU_LABELS)
+    total = _gauge("vgpu_gpu_slices", "slices advertised for this GPU", GPU_LABELS)
     allocated = _gauge("vgpu_gpu_slices_allocated", "slices allocated to containers", GPU_LABELS)
     nvml = _gauge("vgpu_gpu_memory_used_bytes", "GPU memory in use as NVML reports it", GPU_LABELS)
     containers = _gauge(

@@ -54,12 +54,13 @@ def _with_host_root(config: Config, host_root: str | None) -> Config:
 def _load_config(
     settings: ServeSettings, watcher: ConfigWatcher
 ) -> tuple[Config, Mapping[str, str]]:
+    try:
+        labels = read_node_labels(settings.node_labels_file)
+    except (OSError, NodeLabelsError) as exc:
+        raise StartupError(f"node labels file: {exc}", EXIT_CONFIG) from exc
     if not settings.config.exists():
         log.warning("config %s does not exist: running with the defaults", settings.config)
-        try:
-            return default_config(), read_node_labels(settings.node_labels_file)
-        except (OSError, NodeLabelsError) as exc:
-            raise StartupError(f"node labels: {exc}", EXIT_CONFIG) from exc
+        return default_config(), labels
     try:
         return watcher.load_initial()
     except (ConfigError, NodeLabelsError, OSError) as exc:
@@ -77,7 +78,13 @@ class Plugin:
         self._stop = threading.Event()
         self._server: DevicePluginServer | None = None
         self._health: HealthWatcher | None = None
-        self._watcher = ConfigWatcher(settings.config, settings.node_labels_file, self._on_config)
+        self._watcher = ConfigWatcher(
+            settings.config,
+            settings.node_labels_file,
+            self._on_config,
+            on_error=self._reload_failed,
+        )
+        self._tracker: HealthTracker | None = None
         self.backend: VgpuBackend | None = None
         self._metrics: PluginMetrics | None = None
         self._metrics_server: MetricsServer | None = None
@@ -116,7 +123,7 @@ class Plugin:
                 g.slice_compute_percent,
             )
         log.info("%d allocation records on file in %s", len(store.all()), s.state_dir)
-        tracker = HealthTracker(
+        tracker = self._tracker = HealthTracker(
             [g.uuid for g in gpus],
             ignored_xids=frozenset(config.health.ignored_xids),
             recovery_seconds=config.health.recovery_seconds,
@@ -193,21 +200,39 @@ class Plugin:
             for c in changes:
                 self._metrics.health_changed(c.healthy)
 
+    def _reload_failed(self, _: Exception) -> None:
+        if self._metrics is not None:
+            self._metrics.config_reloaded(False)
+
     def _on_config(self, config: Config, labels: Mapping[str, str]) -> None:
         backend = self.backend
         if backend is None:
             return
         config = _with_host_root(config, self.settings.host_root)
         old_resource = backend.config.resource_name
+        if config.host_root != backend.config.host_root:
+            # Running containers mount the old root; new ones would get a root where no shim
+            # was installed (the init container installs it at start).
+            log.error(
+                "config refused, keeping the running one: hostRoot %s -> %s needs a restart "
+                "of the plugin (its init container installs the shim there)",
+                backend.config.host_root,
+                config.host_root,
+            )
+            self._reload_failed(ValueError("hostRoot changed"))
+            return
         try:
             backend.apply_config(config, labels)
         except (ValueError, ListTooLargeError) as exc:
             log.error("config refused, keeping the running one: %s", exc)
-            if self._metrics is not None:
-                self._metrics.config_reloaded(False)
+            self._reload_failed(exc)
             return
         if self._metrics is not None:
             self._metrics.config_reloaded(True)
+        if self._tracker is not None:
+            # Health settings apply from the next event on.
+            self._tracker.ignored_xids = frozenset(config.health.ignored_xids)
+            self._tracker.recovery_seconds = config.health.recovery_seconds
         if config.resource_name != old_resource and self._server is not None:
             # The kubelet knows a plugin by its resource name: serve and register anew.
             log.info(

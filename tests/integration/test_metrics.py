@@ -171,7 +171,7 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
 
     gpu_a = {"gpu_uuid": GPU_A, "gpu_index": "0", "model": "NVIDIA A100-SXM4-80GB"}
     gpu_b = {**gpu_a, "gpu_uuid": GPU_B, "gpu_index": "1"}
-    assert value(got, "vgpu_gpu_slices_total", **gpu_a) == 4
+    assert value(got, "vgpu_gpu_slices", **gpu_a) == 4
     assert value(got, "vgpu_gpu_slices_allocated", **gpu_a) == 2
     assert value(got, "vgpu_gpu_slices_allocated", **gpu_b) == 1
     assert value(got, "vgpu_gpu_memory_used_bytes", **gpu_a) == 30 << 30

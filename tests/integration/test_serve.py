@@ -71,9 +71,10 @@ def served(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Ser
     host_root = tmp_path / "host"
     install_shim(host_root, native_tree)
     config = tmp_path / "config.yaml"
+    # hostRoot from the config (no --host-root flag), as a ConfigMap-only install has it
     config.write_text(
         "version: v1\nsharing: {splitCount: 4, compute: proportional}\n"
-        "health: {recoverySeconds: 1}\n"
+        f"health: {{recoverySeconds: 1}}\nhostRoot: {host_root}\n"
     )
     plugin_dir = short_tmp_dir()
     log = tmp_path / "plugin.log"
@@ -81,7 +82,7 @@ def served(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Ser
     argv = [
         sys.executable, "-m", "vgpu_plugin", "serve",
         "--config", str(config), "--device-plugin-dir", str(plugin_dir),
-        "--host-root", str(host_root), "--state-dir", str(state_dir),
+        "--state-dir", str(state_dir),
         "--lock-dir", str(tmp_path / "locks"), "--node-name", "node-1",
         "--metrics-address", "127.0.0.1:0", "--log-level", "debug",
         "--pod-resources-socket", str(plugin_dir / "podres.sock"), "--cleanup-grace", "1",
@@ -163,12 +164,19 @@ def test_lost_gpu_is_unhealthy_and_comes_back(served: Served) -> None:
 
 
 def test_config_reload_valid_and_invalid(served: Served) -> None:
-    served.config.write_text("version: v1\nsharing: {splitCount: 8}\n")
+    root = f"hostRoot: {served.host_root}\n"
+    served.config.write_text("version: v1\nsharing: {splitCount: 8}\n" + root)
     served.wait_for(lambda d: len(d) == 16, timeout=10)
-    served.config.write_text("version: v1\nsharing: {splitCount: -3}\n")
+    served.config.write_text("version: v1\nsharing: {splitCount: -3}\n" + root)
     logs = served.wait_log("sharing.splitCount")
     assert "keeping the running config" in logs
+    # hostRoot cannot move under running containers: refused, said why
+    served.config.write_text("version: v1\nsharing: {splitCount: 2}\nhostRoot: /elsewhere\n")
+    served.wait_log("needs a restart")
     assert len(served.kubelet.devices(RES) or []) == 16
+    text = scrape(served)
+    assert sample(text, "vgpu_config_reloads_total", result="ok") == 1
+    assert sample(text, "vgpu_config_reloads_total", result="error") == 2
 
 
 def test_sigterm_stops_cleanly_and_removes_the_socket(served: Served) -> None:
@@ -228,7 +236,7 @@ def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -
     assert limit == 2 * (16384 // 4) * 2**20
     assert sample(text, "vgpu_container_memory_used_bytes", allocation_id=aid) == 0
     assert sample(text, "vgpu_container_compute_limit_percent", allocation_id=aid) == 50
-    assert sample(text, "vgpu_gpu_slices_total", gpu_uuid=a) == 4
+    assert sample(text, "vgpu_gpu_slices", gpu_uuid=a) == 4
     assert sample(text, "vgpu_registrations_total") == 1
     assert sample(text, "vgpu_allocate_seconds_count") == 1
 

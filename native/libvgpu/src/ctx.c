@@ -13,11 +13,13 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shim.h"
 
 #define MAX_CONTEXT_CHARGE (8ull << 30) /* a delta above this was not our context alone */
+#define GPU_LOCK_WAIT_MS 2000            /* longest wait for another creator's measurement */
 
 /* --- context -> device ---------------------------------------------------------------------
  * Learned once per context (creation hooks, or a lookup), kept in a small table; a thread
@@ -129,7 +131,26 @@ static int lock_gpu(const char *uuid) {
              strerror(errno));
         return -1;
     }
-    while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {
+    /* Bounded wait: the lock dir is shared by every container on the node, so a tenant
+     * that holds a GPU's lock forever must not stall everyone else's CUDA start-up. Past
+     * the deadline we measure unlocked; an overlap can only misattribute a context's
+     * memory between the overlapping creators, and MAX_CONTEXT_CHARGE bounds it. */
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    long pause_ns = 1000000; /* 1 ms, doubling up to 32 ms */
+    while (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno != EWOULDBLOCK && errno != EINTR) break;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long waited_ms = (now.tv_sec - start.tv_sec) * 1000 + (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (waited_ms >= GPU_LOCK_WAIT_MS) {
+            VLOG(VGPU_LOG_WARN, "the GPU lock %s is held for over %d ms; measuring without it",
+                 path, GPU_LOCK_WAIT_MS);
+            close(fd);
+            return -1;
+        }
+        struct timespec ts = {0, pause_ns};
+        nanosleep(&ts, NULL);
+        if (pause_ns < 32000000) pause_ns *= 2;
     }
     return fd;
 }

@@ -320,9 +320,13 @@ static int snapshot(struct reader *r, struct vgpu_region_snapshot *out) {
         out->devices[d].sm_percent = dv->sm_percent;
     }
     int rc = take_copy(r, out);
-    unsigned char ident[IDENT_LEN]; /* a published copy was not bounded by line 0 reads */
-    if (rc == 0 && fetch_at(r, 0, ident, IDENT_LEN) != 0) rc = -1;
-    if (rc == 0 && memcmp(ident, r->ident, IDENT_LEN) != 0) {
+    /* The identity and the devices again: the first read of them may have raced a rewrite of
+     * the file (it validates a mix), and a published copy was not bounded by line 0 reads. */
+    unsigned char head[HEAD_LEN];
+    const size_t devs = offsetof(struct vgpu_region_file, devices);
+    if (rc == 0 && fetch_at(r, 0, head, HEAD_LEN) != 0) rc = -1;
+    if (rc == 0 && (memcmp(head, r->ident, IDENT_LEN) != 0 ||
+                    memcmp(head + devs, (const char *)r->c + devs, HEAD_LEN - devs) != 0)) {
         changed(r, "its header was rewritten");
         rc = -1;
     }

@@ -246,6 +246,18 @@ def test_events_time_kernels_and_queries_see_them_pending(
     assert (codes["wait_event_query"], codes["wait_event_query_after"]) == (NOT_READY, SUCCESS)
 
 
+def test_an_event_waits_for_the_gpu_to_turn_to_its_context(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    """Contexts time-share a GPU: an event recorded while another context's 50 ms kernel runs
+    is written when that kernel ends, so a bracket around 10 ms of work measures 10 ms."""
+    out = run(native_bin, simgpu_node.env(), "cuda_streams", "contexts")
+    assert int(out["start_query"]) == NOT_READY
+    assert 45 <= float(out["start_wall_ms"]) <= 150
+    assert float(out["bracket_ms"]) == pytest.approx(10.0, abs=0.05)
+    assert int(out["own_stream_query"]) == SUCCESS
+
+
 def test_per_thread_streams_are_independent_and_the_legacy_stream_serialises(
     simgpu_node: Node, native_bin: Path
 ) -> None:

@@ -2,7 +2,7 @@
  * "key=value" lines: result codes, and times in milliseconds (simulated, from events, or wall
  * clock as the caller would see it).
  *
- *   cuda_streams events|ptds|graph|bound
+ *   cuda_streams events|ptds|graph|bound|contexts
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -234,6 +234,46 @@ static void bound(void) {
     printf("time_bound_sync_ms=%.2f\n", now_ms() - t0);
 }
 
+/* --- contexts time-share the GPU ----------------------------------------------------------- */
+
+/* Another context's 50 ms kernel is running when this one records an event, launches 10 ms
+ * and records another: the first event is written only when the GPU turns to this context. */
+static void contexts(void) {
+    CUdevice dev;
+    CUcontext other;
+    CUmodule mod;
+    CUfunction k50;
+    CK(cuCtxGetDevice(&dev));
+    CK(cuCtxCreate(&other, NULL, 0, dev)); /* current now */
+    CK(cuModuleLoadData(&mod, "simgpu-module 1\nkernel k50ms 50ms\n"));
+    CK(cuModuleGetFunction(&k50, mod, "k50ms"));
+    launch(k50, NULL);
+    CK(cuCtxSetCurrent(g_ctx));
+    CUstream s;
+    CUevent a, b, c;
+    CK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    CK(cuEventCreate(&a, 0));
+    CK(cuEventCreate(&b, 0));
+    CK(cuEventCreate(&c, 0));
+    double t0 = now_ms();
+    CK(cuEventRecord(a, s));
+    printf("start_query=%d\n", (int)cuEventQuery(a));
+    launch(kernel("k10ms"), s);
+    CK(cuEventRecord(b, s));
+    CK(cuEventSynchronize(a));
+    printf("start_wall_ms=%.2f\n", now_ms() - t0);
+    CK(cuEventSynchronize(b));
+    printf("bracket_ms=%.3f\n", elapsed(a, b));
+    /* The same context's other streams do not hold an event back (a GPU runs them at once). */
+    CUstream s2;
+    CK(cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING));
+    launch(kernel("k100ms"), s);
+    CK(cuEventRecord(c, s2));
+    printf("own_stream_query=%d\n", (int)cuEventQuery(c));
+    CK(cuCtxSynchronize());
+    CK(cuCtxDestroy(other));
+}
+
 int main(int argc, char **argv) {
     const char *what = argc > 1 ? argv[1] : "events";
     CK(cuInit(0));
@@ -248,6 +288,7 @@ int main(int argc, char **argv) {
     else if (strcmp(what, "ptds") == 0) ptds();
     else if (strcmp(what, "graph") == 0) graph();
     else if (strcmp(what, "bound") == 0) bound();
+    else if (strcmp(what, "contexts") == 0) contexts();
     else return 2;
     printf("done=1\n");
     return 0;

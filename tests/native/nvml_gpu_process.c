@@ -20,10 +20,11 @@
 /* Like a stream with launches queued ahead: the next kernel is submitted before the previous
  * one ends, so the GPU never idles between them. */
 static void keep_busy(uint32_t gpu, uint64_t ms) {
+    uint64_t owner = simgpu_timeline_owner(); /* one context of this process */
     uint64_t stop = simgpu_now_ns() + ms * 1000000ull;
-    uint64_t end = simgpu_timeline_submit(gpu, simgpu_now_ns(), KERNEL_NS);
+    uint64_t end = simgpu_timeline_submit(gpu, owner, simgpu_now_ns(), KERNEL_NS);
     while (end < stop) {
-        uint64_t next = simgpu_timeline_submit(gpu, simgpu_now_ns(), KERNEL_NS);
+        uint64_t next = simgpu_timeline_submit(gpu, owner, simgpu_now_ns(), KERNEL_NS);
         simgpu_sleep_until(end);
         end = next;
     }

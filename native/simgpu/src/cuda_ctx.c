@@ -57,6 +57,7 @@ static struct CUctx_st *ctx_new_locked(CUdevice dev, unsigned int flags, int pri
     c->primary = primary;
     c->flags = flags;
     c->id = sim_next_id();
+    c->owner = simgpu_timeline_owner(); /* the timeline tells contexts apart node-wide */
     sim_stream_init(&c->legacy, c, SIM_STREAM_LEGACY, 0, 0);
     if (!c->legacy.ring) {
         free(c);

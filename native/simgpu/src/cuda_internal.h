@@ -76,6 +76,7 @@ struct CUctx_st {
     unsigned int refs; /* primary context: retain count */
     unsigned int flags;
     unsigned long long id;
+    uint64_t owner;            /* its name on the node's GPU timelines */
     struct CUstream_st legacy; /* the legacy default stream (NULL / CU_STREAM_LEGACY) */
     uint64_t blocking_end;     /* latest completion queued on any blocking stream */
     uint64_t all_end;          /* latest completion queued on any stream */

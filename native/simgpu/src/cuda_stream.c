@@ -132,7 +132,7 @@ CUresult sim_submit_kernel_locked(struct CUctx_st *ctx, struct CUstream_st *s, u
         sim_lock();
         if (s->magic != SIM_STREAM_MAGIC || !ctx->active) return CUDA_ERROR_INVALID_HANDLE;
     }
-    uint64_t end = simgpu_timeline_submit(ctx->phys, sim_max64(now, deps), dur_ns);
+    uint64_t end = simgpu_timeline_submit(ctx->phys, ctx->owner, sim_max64(now, deps), dur_ns);
     s->ring[(s->ring_head + s->ring_len) % SIM_QUEUE_MAX_LAUNCHES] = end;
     s->ring_len++;
     stream_extend(ctx, s, end);
@@ -360,8 +360,13 @@ static CUresult event_record(CUevent e, CUstream h, unsigned int flags, int ptds
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
     if (rc == CUDA_SUCCESS) rc = event_check(e);
     if (rc == CUDA_SUCCESS && !s->capture) { /* recorded in a capture: not modelled */
-        /* The GPU reaches the record once everything before it on the stream is done. */
-        e->t_ns = sim_max64(simgpu_now_ns(), sim_stream_deps(c, s));
+        /* The GPU reaches the record once everything before it on the stream is done and the
+         * context has the GPU: contexts time-share it, and a context's commands, timestamps
+         * included, run only while it holds it. Here that is after the work other contexts
+         * queued before the record (kernels run in submission order); the context's own other
+         * streams do not delay it (a GPU runs them concurrently). */
+        uint64_t t = sim_max64(simgpu_now_ns(), sim_stream_deps(c, s));
+        e->t_ns = sim_max64(t, simgpu_timeline_others_end(c->phys, c->owner));
         e->recorded = 1;
     }
     sim_unlock();

@@ -306,13 +306,19 @@ void simgpu_sleep_until(uint64_t t_ns) {
     }
 }
 
-uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t ready_ns, uint64_t duration_ns) {
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns) {
     struct simgpu_node *node = simgpu_node();
     if (!node || gpu >= node->gpu_count) return ready_ns;
     simgpu_lock(node);
     struct simgpu_gpu_shared *g = &node->gpus[gpu];
     uint64_t start = ready_ns > g->timeline_end_ns ? ready_ns : g->timeline_end_ns;
     uint64_t end = start + duration_ns;
+    /* Work ends in submission order, so the latest work of "anyone but the last owner" is the
+     * previous owner's latest once the owner changes. */
+    if (owner != g->last_owner) {
+        g->others_end_ns = g->timeline_end_ns;
+        g->last_owner = owner;
+    }
     g->timeline_end_ns = end;
     if (duration_ns > 0) {
         struct simgpu_busy_span *last =
@@ -328,6 +334,25 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t ready_ns, uint64_t durati
     }
     simgpu_unlock(node);
     return end;
+}
+
+uint64_t simgpu_timeline_owner(void) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node) return 1;
+    simgpu_lock(node);
+    uint64_t id = ++node->owners;
+    simgpu_unlock(node);
+    return id;
+}
+
+uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    simgpu_lock(node);
+    const struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    uint64_t t = owner == g->last_owner ? g->others_end_ns : g->timeline_end_ns;
+    simgpu_unlock(node);
+    return t;
 }
 
 uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns) {

@@ -18,7 +18,7 @@
 
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
-#define SIMGPU_STATE_VERSION 1u
+#define SIMGPU_STATE_VERSION 2u
 #define SIMGPU_BUSY_RING 2048
 #define SIMGPU_XID_RING 64
 
@@ -40,6 +40,10 @@ struct simgpu_gpu_shared {
     uint64_t timeline_end_ns; /* node lock */
     uint64_t busy_count;      /* spans ever recorded; ring slot = count % RING; node lock */
     struct simgpu_busy_span busy[SIMGPU_BUSY_RING];
+    /* Whose work is queued last, and when the latest work of any other context ends: enough to
+     * tell any context when the work others queued before now is done (node lock). */
+    uint64_t last_owner;
+    uint64_t others_end_ns;
     _Atomic int32_t lost;
     /* XID ring: the record is written before xid_count is bumped (release), so a reader that
      * sees count n can read records n-RING..n-1. */
@@ -62,6 +66,7 @@ struct simgpu_node {
     uint64_t file_size;
     uint64_t lock_base; /* file offset of the per-slot liveness bytes */
     pthread_mutex_t lock;
+    uint64_t owners;    /* timeline owner names handed out (node lock) */
     struct simgpu_gpu_shared gpus[SIMGPU_MAX_GPUS];
     struct simgpu_proc_shared procs[SIMGPU_MAX_PROCS];
 };
@@ -95,9 +100,15 @@ void simgpu_mem_info(uint32_t gpu, uint64_t *free_bytes, uint64_t *total_bytes);
 
 uint64_t simgpu_now_ns(void); /* CLOCK_MONOTONIC, shared by all processes */
 void simgpu_sleep_until(uint64_t t_ns);
-/* Queue `duration_ns` of work on GPU `gpu`, ready no earlier than `ready_ns`; work of all
- * processes runs one piece at a time. Returns the time it completes. */
-uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t ready_ns, uint64_t duration_ns);
+/* Queue `duration_ns` of work of context `owner` (node-wide unique, not 0) on GPU `gpu`, ready
+ * no earlier than `ready_ns`; work of all processes runs one piece at a time. Returns the time
+ * it completes. */
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns);
+/* A new name for a context on the timelines, unique on the node (pids are not: containers
+ * have their own pid namespaces). */
+uint64_t simgpu_timeline_owner(void);
+/* When the work queued so far on GPU `gpu` by contexts other than `owner` completes (0: none). */
+uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner);
 /* Percent of the last `window_ns` during which GPU `gpu` was busy. */
 uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns);
 /* The same for a GPU whose node lock the caller holds, at time `now`. */

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,9 +35,19 @@ def container(shim: Shim, name: str, **limits: str) -> dict[str, str]:
 
 
 def launch(
-    shim: Shim, env: Mapping[str, str], ordinal: int, api: str, seconds: int, us: int = 1000
+    shim: Shim,
+    env: Mapping[str, str],
+    ordinal: int,
+    api: str,
+    seconds: int,
+    us: int | Sequence[int] = 1000,
+    streams: int = 1,
 ) -> subprocess.Popen[str]:
-    return shim.start("shim_launch", "handle", ordinal, api, us, seconds, env=env)
+    """`us`: the kernels' duration, or durations cycled through launch by launch; `streams`:
+    how many streams of the context the launches go round-robin over."""
+    durations = str(us) if isinstance(us, int) else ",".join(map(str, us))
+    args = ("shim_launch", "handle", ordinal, api, durations, seconds, 4, streams)
+    return shim.start(*args, env=env)
 
 
 def windows(r: Result, seconds: int) -> list[float]:
@@ -73,6 +83,41 @@ def test_two_containers_on_one_gpu_each_get_their_share(native_tree: Path, tmp_p
     b = launch(shim, container(shim, "b", CUDA_DEVICE_SM_LIMIT="50"), 0, "kernel", seconds)
     assert_share(finish(a, timeout=60), seconds, 25)
     assert_share(finish(b, timeout=60), seconds, 50)
+
+
+def test_short_kernels_beside_long_ones_get_their_share(native_tree: Path, tmp_path: Path) -> None:
+    """200 µs kernels at 25 % beside 2 ms kernels at 50 %: the short kernels queue behind the
+    long ones, and that wait is not GPU time of theirs."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    seconds = 5
+    a = launch(shim, container(shim, "a", CUDA_DEVICE_SM_LIMIT="25"), 0, "kernel", seconds, 200)
+    b = launch(shim, container(shim, "b", CUDA_DEVICE_SM_LIMIT="50"), 0, "kernel", seconds, 2000)
+    ra, rb = finish(a, timeout=60), finish(b, timeout=60)
+    assert_share(ra, seconds, 25)
+    assert_share(rb, seconds, 50)
+
+
+def test_kernels_of_varying_duration_get_their_share(native_tree: Path, tmp_path: Path) -> None:
+    """One function and grid whose launches alternate between 100 µs and 5 ms: no per-kernel
+    estimate fits it, each launch must be charged what it took."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    seconds = 5
+    env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="30")
+    assert_share(
+        finish(launch(shim, env, 0, "kernel", seconds, (100, 5000)), timeout=60), seconds, 30
+    )
+
+
+def test_streams_of_one_context_are_not_charged_twice(native_tree: Path, tmp_path: Path) -> None:
+    """Kernels of two streams of a context: a bracket on one stream can cover the other's
+    kernel (a GPU runs them concurrently; simgpu queues one behind the other), and that time
+    is charged once."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    seconds = 4
+    env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="80")
+    assert_share(
+        finish(launch(shim, env, 0, "kernel", seconds, streams=2), timeout=60), seconds, 80
+    )
 
 
 APIS = ["kernel", "ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "graph", "graph_ptsz"]

@@ -7,17 +7,21 @@
  * have completed (checked, oldest first, at later launches) the estimate is replaced by the
  * GPU time the launch really took.
  *
- * What a bracket measures includes time spent queued behind other containers' work on the
- * same GPU. Charged as is, that would hold a container below its share whenever another one
- * is busy, so each launch's charge is settled against a per-kernel estimate (same function or
- * graph, same grid): a measurement within 10 % of the estimate is charged as measured; a much
- * longer one is taken to include waiting and charged the estimate, but never less than half
- * of what was measured. Estimates follow decreases at once and increases by 1/8 per launch. */
+ * What a bracket measures: a GPU writes an event's timestamp when it reaches the record in the
+ * stream *while this context holds the GPU* (contexts time-share it; simgpu models that), so
+ * the start event is written when the GPU turns to our work, not when we queued it: time spent
+ * behind other containers' work is not in the bracket. What can be in it is this process's own
+ * work on other streams of the context, which a GPU runs concurrently: brackets that overlap
+ * would count the same wall time twice, so each bracket is charged only for the part of it
+ * that the previous one (the one ending latest so far, per context) does not cover. Every
+ * bracket is charged as measured: a kernel's run time may vary from one launch to the next, and
+ * no per-kernel guess can tell a slow launch from waiting. The per-kernel estimate (same
+ * function or graph, same grid and block; a running mean) is only the cost taken up front. */
 #include <string.h>
 
 #include "shim.h"
 
-enum { RING = 64, POOL = 128, EST = 512 };
+enum { RING = 64, POOL = 128, EST = 512, PREV = 8 };
 
 struct pending {
     CUevent start, end;
@@ -37,6 +41,11 @@ static struct {
     int npool;
     struct { uint64_t key; int64_t ns; } est[EST];
     int64_t last_ns; /* the last settled charge: the estimate of a kernel never seen */
+    /* Per context, the settled bracket that ends latest: its start event (held out of the
+     * pool) and length. Only times within a bracket's reach are compared, so the float
+     * milliseconds of cuEventElapsedTime stay precise. */
+    struct { CUcontext ctx; CUevent start; float ms; } prev[PREV];
+    unsigned prev_next; /* the slot to reuse when all are taken */
 } g = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static uint64_t key_of(const void *fn, uint64_t grid, uint64_t block) {
@@ -67,20 +76,41 @@ static void event_put(CUevent e, CUcontext ctx) {
 
 /* --- settling ------------------------------------------------------------------------------ */
 
-static int64_t settle_charge(uint64_t key, int64_t measured) {
+/* The GPU time to charge for a completed bracket of `ms` milliseconds: the part of it that
+ * the context's previous bracket does not cover. Keeps the bracket as the new previous one
+ * when it ends later. 1 if `start` is now held by g.prev (not to be pooled). g.mu held. */
+static int overlap_trim(CUcontext ctx, CUevent start, float *ms) {
+    __typeof__(g.prev[0]) *pv = NULL;
+    for (int i = 0; i < PREV && !pv; i++)
+        if (g.prev[i].ctx == ctx) pv = &g.prev[i];
+    float a = 0, len = *ms;
+    if (pv && pv->start && vgpu.real.cuEventElapsedTime(&a, pv->start, start) == CUDA_SUCCESS) {
+        float b = a + *ms; /* this bracket is [a, b] on the previous one's clock, [0, pv->ms] */
+        float overlap = (b < pv->ms ? b : pv->ms) - (a > 0 ? a : 0);
+        if (overlap > 0) *ms -= overlap;
+        if (b <= pv->ms) return 0; /* the previous one reaches further: it stays */
+    }
+    if (!pv) {
+        pv = &g.prev[g.prev_next++ % PREV];
+        event_put(pv->start, pv->ctx);
+    } else {
+        event_put(pv->start, ctx);
+    }
+    *pv = (__typeof__(*pv)){ctx, start, len};
+    return 1;
+}
+
+/* Settle a launch measured at `ns`: that is its charge; the estimate follows it. */
+static int64_t settle_charge(uint64_t key, int64_t ns) {
     __typeof__(g.est[0]) *e = &g.est[key % EST];
-    int64_t charge = measured;
     if (e->key != key) {
         e->key = key;
-        e->ns = measured;
-    } else if (measured <= e->ns) {
-        e->ns = measured;
+        e->ns = ns;
     } else {
-        if (measured * 10 > e->ns * 11) charge = e->ns > measured / 2 ? e->ns : measured / 2;
-        e->ns += (measured - e->ns) / 8;
+        e->ns += (ns - e->ns) / 4;
     }
-    g.last_ns = charge;
-    return charge;
+    g.last_ns = ns;
+    return ns;
 }
 
 static int64_t estimate(uint64_t key) {
@@ -96,11 +126,14 @@ static void reap(int wait) {
         CUresult q = wait ? vgpu.real.cuEventSynchronize(p->end) : vgpu.real.cuEventQuery(p->end);
         if (q == CUDA_ERROR_NOT_READY) return;
         float ms = 0;
+        int held = 0;
         if (q == CUDA_SUCCESS && vgpu.real.cuEventElapsedTime(&ms, p->start, p->end) == CUDA_SUCCESS) {
+            if (ms < 0) ms = 0;
+            held = overlap_trim(p->ctx, p->start, &ms);
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
             vgpu_pace_add(p->d->pace, p->charged - settle_charge(p->key, measured));
         }
-        event_put(p->start, p->ctx);
+        if (!held) event_put(p->start, p->ctx);
         event_put(p->end, p->ctx);
         g.head = (g.head + 1) % RING;
         g.len--;
@@ -124,6 +157,11 @@ void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events) {
     memcpy(g.ring, keep, n * sizeof keep[0]);
     g.head = 0;
     g.len = n;
+    for (int i = 0; i < PREV; i++) {
+        if (g.prev[i].ctx != ctx) continue;
+        if (destroy_events && g.prev[i].start) vgpu.real.cuEventDestroy_v2(g.prev[i].start);
+        g.prev[i] = (__typeof__(g.prev[0])){0};
+    }
     for (int i = g.npool - 1; i >= 0; i--) {
         if (g.pool[i].ctx != ctx) continue;
         if (destroy_events) vgpu.real.cuEventDestroy_v2(g.pool[i].e);

@@ -148,5 +148,7 @@ def test_the_processes_of_a_container_share_one_budget(native_tree: Path, tmp_pa
 def test_0_and_100_percent_do_not_pace(native_tree: Path, tmp_path: Path, value: str) -> None:
     shim = shim_on(native_tree, tmp_path, 1)
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT=value, CUDA_DEVICE_MEMORY_LIMIT="4g")
-    r = finish(launch(shim, env, 0, "kernel", 2), timeout=60)
+    # Two measured windows, so one scheduler stall of this small host (~60 ms seen) cannot
+    # pass for pacing by itself.
+    r = finish(launch(shim, env, 0, "kernel", 3), timeout=60)
     assert r.float("mean") >= 95  # all the GPU (less the kernels in flight at the end)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -279,7 +280,11 @@ def _installed_shim_version(host_root: str) -> str:
 
 
 def run(settings: ServeSettings) -> int:
-    setup_logging(settings.log_format, settings.log_level)
+    try:
+        setup_logging(settings.log_format, settings.log_level)
+    except ValueError as exc:
+        print(f"vgpu-plugin serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     logging.getLogger("filelock").setLevel(logging.WARNING)  # one line per lock is noise
     plugin = Plugin(settings)
 

@@ -1,4 +1,4 @@
-"""`vgpu-plugin check-config`: the plan for a valid file, every error for an invalid one."""
+"""The CLI: `check-config` plans and errors, and `serve` refusing bad settings cleanly."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def test_invalid_config_lists_every_error_with_its_path(
 def test_missing_file_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check-config", str(tmp_path / "nope.yaml"), "--no-nvml"]) == 1
     assert "nope.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"), [("--log-format=xml", "log format"), ("--log-level=loud", "log level")]
+)
+def test_serve_refuses_bad_log_settings_with_one_line(
+    flag: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", flag]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err

@@ -78,22 +78,19 @@ VGPU_API CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize) {
 
 /* Pitch: the driver picks the pitch. Charge a bound first (rows rounded to 512 bytes, as
  * drivers do), then settle on the real pitch x height; usage never passes the limit. */
-static CUresult settle_pitch(struct vgpu_dev *d, uint64_t bound, uint64_t actual, CUresult rc) {
+static CUresult settle_pitch(struct vgpu_dev *d, CUcontext ctx, uint64_t bound, CUresult rc,
+                             uint64_t ptr, uint64_t actual) {
     if (rc != CUDA_SUCCESS) {
         vgpu_rollback(d, bound);
         return rc;
     }
-    if (actual <= bound) {
-        vgpu_commit(d, actual);
-        if (bound > actual) vgpu_rollback(d, bound - actual);
-        return CUDA_SUCCESS;
-    }
-    if (vgpu_charge(d, actual - bound) != CUDA_SUCCESS) {
+    if (actual < bound) {
+        vgpu_rollback(d, bound - actual);
+    } else if (actual > bound && vgpu_charge(d, actual - bound) != CUDA_SUCCESS) {
         vgpu_rollback(d, bound);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return CUDA_ERROR_OUT_OF_MEMORY; /* the caller frees what the driver gave */
     }
-    vgpu_commit(d, actual);
-    return CUDA_SUCCESS;
+    return finish(d, CUDA_SUCCESS, VGPU_OBJ_PTR, ptr, actual, ctx);
 }
 
 static uint64_t pitch_bound(size_t width, size_t height) {
@@ -116,13 +113,8 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t W
     if (rc != CUDA_SUCCESS) return rc;
     rc = vgpu.real.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t actual = rc == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0;
-    rc = settle_pitch(d, bound, actual, rc);
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) {
-        vgpu.real.cuMemFree_v2(*dptr);
-        return rc;
-    }
-    if (rc == CUDA_SUCCESS && d->accounted && vgpu_tab_put(VGPU_OBJ_PTR, *dptr, d->ordinal, actual, ctx))
-        VLOG(VGPU_LOG_ERROR, "out of memory recording an allocation");
+    rc = settle_pitch(d, ctx, bound, rc, rc == CUDA_SUCCESS ? *dptr : 0, actual);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) vgpu.real.cuMemFree_v2(*dptr);
     return rc;
 }
 
@@ -141,13 +133,8 @@ VGPU_API CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, un
     if (rc != CUDA_SUCCESS) return rc;
     rc = vgpu.real.cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
     uint64_t actual = rc == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0;
-    rc = settle_pitch(d, bound, actual, rc);
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) {
-        vgpu.real.cuMemFree(*dptr);
-        return rc;
-    }
-    if (rc == CUDA_SUCCESS && d->accounted && vgpu_tab_put(VGPU_OBJ_PTR, *dptr, d->ordinal, actual, ctx))
-        VLOG(VGPU_LOG_ERROR, "out of memory recording an allocation");
+    rc = settle_pitch(d, ctx, bound, rc, rc == CUDA_SUCCESS ? *dptr : 0, actual);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) vgpu.real.cuMemFree(*dptr);
     return rc;
 }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from synthetic_regions import Dev, Proc, Snap
 
 from vgpu_plugin import metrics
 from vgpu_plugin.nodeview import GpuFacts, NodeView, region_path, view_provider
@@ -20,26 +21,6 @@ from vgpu_plugin.state import AllocationRecord, AllocationStore, GpuLimit
 MIB = 1 << 20
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
-
-
-@dataclass(frozen=True)
-class Dev:
-    uuid: str
-    memory_limit: int
-    used: int
-    sm_percent: int = 0
-
-
-@dataclass(frozen=True)
-class Proc:
-    alive: bool
-    used: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Snap:
-    devices: tuple[Dev, ...]
-    processes: tuple[Proc, ...]
 
 
 class Regions:
@@ -144,7 +125,7 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
         node.root,
         "a1",
         Snap(
-            (Dev(GPU_A, 20389 * MIB, 3 * MIB), Dev(GPU_B, 40778 * MIB, 5 * MIB)),
+            (Dev(GPU_A, 3 * MIB), Dev(GPU_B, 5 * MIB)),
             (Proc(True, (1 * MIB, 5 * MIB)), Proc(True, (2 * MIB, 0)), Proc(False, (0, 0))),
         ),
     )
@@ -203,7 +184,7 @@ def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:
     node.store.add(record("bad", 1, GpuLimit(GPU_A, 1000, 0)))
     node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000, 0)))
     node.regions.put(node.root, "bad", ValueError("bad magic"))
-    node.regions.put(node.root, "foreign", Snap((Dev(GPU_B, 1, 1 << 40),), ()))
+    node.regions.put(node.root, "foreign", Snap((Dev(GPU_B, 1 << 40),), ()))
     got = node.scrape()
     for alloc in ("bad", "foreign"):
         assert value(got, "vgpu_container_memory_limit_bytes", allocation_id=alloc) == 1000 * MIB

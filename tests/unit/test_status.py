@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from synthetic_regions import Dev, Proc, Snap
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
@@ -25,24 +26,6 @@ MIB = 1 << 20
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 RES = "nvidia.com/gpu"
-
-
-@dataclass(frozen=True)
-class Dev:
-    uuid: str
-    used: int
-
-
-@dataclass(frozen=True)
-class Proc:
-    alive: bool
-    used: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Snap:
-    devices: tuple[Dev, ...]
-    processes: tuple[Proc, ...]
 
 
 def rec(

@@ -1,0 +1,23 @@
+"""Region snapshots made up by tests: just what the node view reads (nodeview's Protocols)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dev:
+    uuid: str
+    used: int  # bytes the region's total says the container uses on this GPU
+
+
+@dataclass(frozen=True)
+class Proc:
+    alive: bool
+    used: tuple[int, ...]  # bytes per device, in the order of Snap.devices
+
+
+@dataclass(frozen=True)
+class Snap:
+    devices: tuple[Dev, ...]
+    processes: tuple[Proc, ...]

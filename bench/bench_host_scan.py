@@ -35,15 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tree() -> Path:
-    given = os.environ.get("VGPU_NATIVE_DIR")
-    if given and (Path(given) / "tests" / "region_bench").exists():
-        return Path(given)
     sys.path.insert(0, str(ROOT / "tests"))
     import native_build
 
-    tree = native_build.build("release")
-    os.environ["VGPU_NATIVE_DIR"] = str(tree)  # vgpu_plugin.region loads this build's shim
-    return tree
+    return native_build.tree_with("region_bench")
 
 
 @dataclass

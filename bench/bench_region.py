@@ -30,13 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tree() -> Path:
-    given = os.environ.get("VGPU_NATIVE_DIR")
-    if given and (Path(given) / "tests" / "region_bench").exists():
-        return Path(given)
     sys.path.insert(0, str(ROOT / "tests"))
     import native_build
 
-    return native_build.build("release")
+    return native_build.tree_with("region_bench")
 
 
 def _run(tree: Path, procs: int, iters: int, gap: int, baseline: bool) -> dict[str, float]:

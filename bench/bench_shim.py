@@ -35,15 +35,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def _tree() -> Path:
-    given = os.environ.get("VGPU_NATIVE_DIR")
-    if given and (Path(given) / "tests" / "shim_bench").exists():
-        return Path(given)
     sys.path.insert(0, str(ROOT / "tests"))
     import native_build
 
-    tree = native_build.build("release")
-    os.environ["VGPU_NATIVE_DIR"] = str(tree)
-    return tree
+    return native_build.tree_with("shim_bench")
 
 
 class Bench:

@@ -55,6 +55,18 @@ def build(variant: str = "release") -> Path:
     return out
 
 
+def tree_with(program: str) -> Path:
+    """A native tree holding the test program ``tests/<program>``: ``VGPU_NATIVE_DIR``'s when
+    it has one, else the release build (built now). Exported as ``VGPU_NATIVE_DIR`` so the
+    package's own code (e.g. the region reader) loads the same build. For the benchmarks."""
+    given = os.environ.get("VGPU_NATIVE_DIR")
+    if given and (Path(given) / "tests" / program).exists():
+        return Path(given)
+    tree = build("release")
+    os.environ["VGPU_NATIVE_DIR"] = str(tree)
+    return tree
+
+
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

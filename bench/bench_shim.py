@@ -11,7 +11,9 @@ shared machine only ever adds time, except where a median is named):
 - 8 processes of one container allocating at once vs one process: CPU ns per pair and the
   ratio (target <= 2x), beside the same ratio without the shim (what the simulator itself costs);
 - /bin/true with the shim preloaded vs without (target <= 3 %), beside an empty preloaded
-  library (what any preload costs);
+  library (what any preload costs), by LD_PRELOAD and, where root may make a mount namespace,
+  by /etc/ld.so.preload as pods get it (the loader then also reads that file; median of
+  1000 x --repeat spawns per variant, variants taking turns: tests/native/spawn_bench.c);
 - added latency of the first CUDA calls (cuInit .. first allocation; target <= 5 ms), and the
   p99 of 64 processes starting at once (target <= 50 ms added).
 Programs: tests/native/shim_bench.c, built with the tests (``VGPU_NATIVE_DIR`` if it has them,
@@ -26,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -103,14 +104,26 @@ class Bench:
             cpu.append(float(dict(ln.split("=") for ln in out.split())["cpu_ns_per_pair"]))
         return statistics.median(cpu)
 
-    def spawn_us(self, env: Mapping[str, str], n: int) -> list[float]:
-        times = []
-        for _ in range(n):
-            t = time.perf_counter_ns()
-            pid = os.posix_spawn("/bin/true", ["/bin/true"], dict(env))
-            os.waitpid(pid, 0)
-            times.append((time.perf_counter_ns() - t) / 1e3)
-        return times
+    def spawn_medians(
+        self, rounds: int, variants: list[str], etc_overlay: bool = False
+    ) -> dict[str, float]:
+        """Median us of /bin/true per variant (tests/native/spawn_bench.c); with etc_overlay,
+        in a mount namespace whose /etc is a writable overlay ({} where that is impossible)."""
+        cmd = [str(self.tree / "tests" / "spawn_bench"), str(rounds), "/bin/true", *variants]
+        if etc_overlay:
+            if os.geteuid() != 0:
+                return {}
+            up, work = self.tmp / "etc-upper", self.tmp / "etc-work"
+            up.mkdir(exist_ok=True)
+            work.mkdir(exist_ok=True)
+            mount = f"mount -t overlay overlay -o lowerdir=/etc,upperdir={up},workdir={work} /etc"
+            cmd = ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *cmd]
+        r = subprocess.run(cmd, env=self.plain, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            if etc_overlay:
+                return {}
+            raise RuntimeError(f"spawn_bench failed: {r.stderr.strip()}")
+        return {v: float(us) for v, _, us in (ln.rpartition(" ") for ln in r.stdout.splitlines())}
 
     def init_many(self, env: Mapping[str, str], procs: int) -> list[float]:
         prog = str(self.tree / "tests" / "shim_bench")
@@ -119,6 +132,17 @@ class Bench:
             for _ in range(procs)
         ]
         return [float(p.communicate()[0].split("=")[1]) for p in ps]
+
+
+def _preload_line(how: str, t: dict[str, float], shim: str, empty: str, note: str) -> str:
+    base, with_shim = t["none"], t[shim]
+    line = (
+        f"/bin/true via {how}: {base:.0f} -> {with_shim:.0f} us with the shim "
+        f"({(with_shim / base - 1) * 100:+.1f} %, {note})"
+    )
+    if empty in t:
+        line += f"; an empty library: {t[empty]:.0f} us ({(t[empty] / base - 1) * 100:+.1f} %)"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,30 +181,25 @@ def main(argv: list[str] | None = None) -> int:
 
         empty = Path(tmp) / "libempty.so"
         (Path(tmp) / "empty.c").write_text("int vgpu_bench_empty(void) { return 0; }\n")
-        have_cc = (
-            subprocess.run(
-                ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(Path(tmp) / "empty.c")],
-                capture_output=True,
-                check=False,
-            ).returncode
-            == 0
-        )
-        spawns = 500 * args.repeat
-        base_t, shim_t, empty_t = [], [], []
-        for _ in range(spawns // 50):
-            base_t += b.spawn_us(b.plain, 50)
-            shim_t += b.spawn_us(b.shim, 50)
-            if have_cc:
-                empty_t += b.spawn_us(dict(b.plain, LD_PRELOAD=str(empty)), 50)
-        mb, ms = statistics.median(base_t), statistics.median(shim_t)
-        line = (
-            f"/bin/true: {mb:.0f} -> {ms:.0f} us with the shim preloaded "
-            f"({(ms / mb - 1) * 100:+.1f} %, target <= 3 %)"
-        )
-        if empty_t:
-            me = statistics.median(empty_t)
-            line += f"; an empty preloaded library: {me:.0f} us ({(me / mb - 1) * 100:+.1f} %)"
-        print(line)
+        cc = ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(Path(tmp) / "empty.c")]
+        have_empty = subprocess.run(cc, capture_output=True, check=False).returncode == 0
+        lib = b.shim["LD_PRELOAD"]
+        rounds = 1000 * args.repeat
+        variants = ["none", f"env:{lib}"] + ([f"env:{empty}"] if have_empty else [])
+        t = b.spawn_medians(rounds, variants)
+        print(_preload_line("LD_PRELOAD", t, variants[1], f"env:{empty}", "target <= 3 %"))
+        file_variants = ["none", f"file:{lib}"] + ([f"file:{empty}"] if have_empty else [])
+        tf = b.spawn_medians(rounds, file_variants, etc_overlay=True)
+        if tf:
+            print(
+                _preload_line(
+                    "/etc/ld.so.preload", tf, file_variants[1], f"file:{empty}", "how pods get it"
+                )
+            )
+        else:
+            print(
+                "/bin/true via /etc/ld.so.preload: not measured (needs root and mount namespaces)"
+            )
 
         plain, shim = b.paired("init_us", max(args.repeat, 9), "init")
         print(

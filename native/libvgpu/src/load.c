@@ -20,20 +20,29 @@ struct vgpu_state vgpu = {.mu = PTHREAD_MUTEX_INITIALIZER};
 /* --- the hook table -------------------------------------------------------------------------
  * Sorted by name once, searched by name (dlsym) and by real pointer (cuGetProcAddress). */
 
-#define VGPU_HOOK_CUDA(n) {#n, (void *)&n, (void **)&vgpu.real.n, 0},
-#define VGPU_HOOK_NVML(n) {#n, (void *)&n, (void **)&vgpu.real.n, 1},
-static struct vgpu_hook g_hooks[] = {VGPU_CUDA_HOOKS(VGPU_HOOK_CUDA) VGPU_NVML_HOOKS(VGPU_HOOK_NVML)};
-enum { N_HOOKS = sizeof g_hooks / sizeof g_hooks[0] };
+/* Filled by code at the first lookup rather than initialised statically: a static table of
+ * pointers would cost every process ~150 load-time relocations and a copied page, and most
+ * processes never look anything up. */
+#define VGPU_HOOK_ONE(n) +1
+enum { N_HOOKS = 0 VGPU_CUDA_HOOKS(VGPU_HOOK_ONE) VGPU_NVML_HOOKS(VGPU_HOOK_ONE) };
+static struct vgpu_hook g_hooks[N_HOOKS];
 
 static int cmp_hook(const void *a, const void *b) {
     return strcmp(((const struct vgpu_hook *)a)->name, ((const struct vgpu_hook *)b)->name);
 }
 
-static pthread_once_t g_sort_once = PTHREAD_ONCE_INIT;
-static void sort_hooks(void) { qsort(g_hooks, N_HOOKS, sizeof g_hooks[0], cmp_hook); }
+#define VGPU_HOOK_CUDA(n) g_hooks[i++] = (struct vgpu_hook){#n, (void *)&n, (void **)&vgpu.real.n, 0};
+#define VGPU_HOOK_NVML(n) g_hooks[i++] = (struct vgpu_hook){#n, (void *)&n, (void **)&vgpu.real.n, 1};
+static pthread_once_t g_hooks_once = PTHREAD_ONCE_INIT;
+static void build_hooks(void) {
+    size_t i = 0;
+    VGPU_CUDA_HOOKS(VGPU_HOOK_CUDA)
+    VGPU_NVML_HOOKS(VGPU_HOOK_NVML)
+    qsort(g_hooks, N_HOOKS, sizeof g_hooks[0], cmp_hook);
+}
 
 const struct vgpu_hook *vgpu_hook_by_name(const char *name) {
-    pthread_once(&g_sort_once, sort_hooks);
+    pthread_once(&g_hooks_once, build_hooks);
     size_t lo = 0, hi = N_HOOKS;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
@@ -47,6 +56,7 @@ const struct vgpu_hook *vgpu_hook_by_name(const char *name) {
 
 void *vgpu_hook_for_real(void *real) {
     if (!real) return NULL;
+    pthread_once(&g_hooks_once, build_hooks);
     for (size_t i = 0; i < N_HOOKS; i++)
         if (__atomic_load_n(g_hooks[i].real, __ATOMIC_ACQUIRE) == real) return g_hooks[i].hook;
     return NULL;

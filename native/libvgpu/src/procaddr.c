@@ -10,11 +10,13 @@
  * (PFN_<base>_v<version>[_ptsz]), and remembers those addresses too. */
 #include "shim.h"
 
+/* Names held inline, not as pointers: a table of pointers is relocated at load time in
+ * every process, and most processes never ask. */
 struct variant {
-    const char *base;
+    char base[32];
     int version;
     int ptds;
-    const char *name; /* the hooked entry point the driver returns for that query */
+    char name[32]; /* the hooked entry point the driver returns for that query */
 };
 
 /* From cudaTypedefs.h; tests/integration/test_shim_loading.py checks them against it. */

@@ -90,6 +90,16 @@ def test_nvml_only_view(asan: Shim) -> None:
     views.test_an_nvml_only_process_sees_the_whole_containers_usage(asan)
 
 
+@pytest.mark.parametrize("source", ["file", "env-uuids"])
+def test_nvml_only_without_libcuda(asan: Shim, source: str) -> None:
+    views.test_an_nvml_only_process_is_limited_without_loading_libcuda(asan, source)
+
+
+@pytest.mark.parametrize("source", ["file", "env-uuids"])
+def test_nvml_then_cuda(asan: Shim, source: str) -> None:
+    views.test_a_gpu_seen_through_nvml_then_cuda_is_accounted_once(asan, source)
+
+
 def test_contexts(asan: Shim) -> None:
     views.test_contexts_are_charged_and_given_back(asan)
 

@@ -68,6 +68,7 @@ def test_an_nvml_only_process_sees_the_whole_containers_usage(shim: Shim) -> Non
     assert r.int("gpu0_nvml_free") == 2 * GIB - CONTEXT - GIB
     assert (r.int("gpu1_nvml_total"), r.int("gpu1_nvml_used")) == (3 * GIB, 0)
     assert r.int("gpu1_nvml2_free") == 3 * GIB
+    assert r.int("libcuda_mapped") == 0
 
 
 def test_contexts_are_charged_and_given_back(shim: Shim) -> None:
@@ -103,3 +104,55 @@ def test_log_lines_follow_libvgpu_log_level(shim: Shim, level: str, shown: set[s
     r = shim.run("shim_views", "handle", 0, 0, env=env)
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[vgpu] ")]
     assert {ln.split()[1].rstrip(":") for ln in lines} == shown, lines
+
+
+# --- NVML-only processes: the limits, never libcuda --------------------------------------------
+#
+# nvidia-smi or a monitoring agent in a limited container calls NVML alone. The shim then reads
+# the limits but does not load libcuda (nor initialise CUDA: a process that forks after cuInit
+# leaves its children unable to use CUDA).
+
+
+def nvml_limits(shim: Shim, source: str) -> dict[str, str]:
+    """GPU 0 limited to 2 GiB and GPU 1 to 3 GiB, by the limits file or envs naming UUIDs."""
+    g0, g1 = shim.node.gpus()
+    if source == "file":
+        shim.write_limits([(g0.uuid, 2 * GIB, 0), (g1.uuid, 3 * GIB, 0)])
+        return shim.env()
+    return shim.env(
+        {
+            "NVIDIA_VISIBLE_DEVICES": f"{g0.uuid},{g1.uuid}",
+            "CUDA_DEVICE_MEMORY_LIMIT_0": "2g",
+            "CUDA_DEVICE_MEMORY_LIMIT_1": "3g",
+        }
+    )
+
+
+@pytest.mark.parametrize("source", ["file", "env-uuids"])
+def test_an_nvml_only_process_is_limited_without_loading_libcuda(shim: Shim, source: str) -> None:
+    r = shim.run("shim_views", "nvml", 2, env=nvml_limits(shim, source))
+    assert r.rc == 0, r.stderr
+    for gpu, limit in (("gpu0", 2 * GIB), ("gpu1", 3 * GIB)):
+        for v in ("nvml", "nvml2"):
+            assert r.int(f"{gpu}_{v}_total") == limit
+            assert r.int(f"{gpu}_{v}_used") == 0
+            assert r.int(f"{gpu}_{v}_free") == limit
+    assert r.int("libcuda_mapped") == 0
+    assert "[vgpu]" not in r.stderr
+    assert shim.region.exists()  # made from the limits alone, for the container's processes
+
+
+@pytest.mark.parametrize("source", ["file", "env-uuids"])
+def test_a_gpu_seen_through_nvml_then_cuda_is_accounted_once(shim: Shim, source: str) -> None:
+    alloc = 512 * MIB
+    r = shim.run("shim_views", "nvml-cuda", 0, alloc, env=nvml_limits(shim, source))
+    assert r.rc == 0, r.stderr
+    assert r.out["before_uuid"] == r.out["cuda_uuid"]
+    assert (r.int("before_nvml_total"), r.int("before_nvml_used")) == (2 * GIB, 0)
+    assert r.int("libcuda_mapped") == 0  # NVML alone so far
+    used = CONTEXT + alloc
+    assert (r.int("total"), r.int("free")) == (2 * GIB, 2 * GIB - used)
+    for v in ("nvml", "nvml2"):  # what CUDA charged, NVML shows: one account of the GPU
+        assert (r.int(f"after_{v}_total"), r.int(f"after_{v}_used")) == (2 * GIB, used)
+        assert r.int(f"after_{v}_free") == 2 * GIB - used
+    assert shim.node.gpu(0).used_memory == 0

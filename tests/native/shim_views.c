@@ -3,6 +3,12 @@
  *
  *   shim_views <mode> <ordinal> <alloc-bytes> [ctx] [reset] [hold]
  *   shim_views nvml <count>          NVML only (no CUDA call at all): devices 0..count-1
+ *   shim_views nvml-cuda <ordinal> <alloc-bytes> [init]
+ *                                    NVML first (before_, NVML index <ordinal>; with init,
+ *                                    after the program's own cuInit), then CUDA as in
+ *                                    "handle" mode, then NVML again (after_, by CUDA's UUID)
+ *
+ * The NVML modes print libcuda_mapped (is libcuda.so in /proc/self/maps?) after NVML alone.
  *
  * Prints start_free/start_total (after the primary context), total_mem, then after the
  * allocation free/total and nvml_{total,used,free} (v1) and nvml2_{total,used,free,reserved};
@@ -20,7 +26,17 @@ static struct {
     __typeof__(nvmlDeviceGetHandleByIndex_v2) *by_index;
     __typeof__(nvmlDeviceGetMemoryInfo) *info;
     __typeof__(nvmlDeviceGetMemoryInfo_v2) *info2;
+    __typeof__(nvmlDeviceGetUUID) *uuid;
 } nv;
+
+static int libcuda_mapped(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    char line[4096];
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f)) found = strstr(line, "libcuda.so") != NULL;
+    if (f) fclose(f);
+    return found;
+}
 
 static void nvml_load(void) {
     void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -33,6 +49,7 @@ static void nvml_load(void) {
     nv.by_index = (__typeof__(nv.by_index))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
     nv.info = (__typeof__(nv.info))dlsym(h, "nvmlDeviceGetMemoryInfo");
     nv.info2 = (__typeof__(nv.info2))dlsym(h, "nvmlDeviceGetMemoryInfo_v2");
+    nv.uuid = (__typeof__(nv.uuid))dlsym(h, "nvmlDeviceGetUUID");
     if (!nv.init || nv.init() != NVML_SUCCESS) exit(3);
 }
 
@@ -53,6 +70,43 @@ static void cuda_view(const char *prefix) {
     printf("%sfree=%zu\n%stotal=%zu\n", prefix, f, prefix, t);
 }
 
+static void format_uuid(const CUuuid *u, char out[96]) {
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, 96, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* A device seen through NVML before the process uses CUDA, then through both. */
+static int nvml_then_cuda(int argc, char **argv) {
+    int ordinal = atoi(argv[2]);
+    if (argc > 4 && !strcmp(argv[4], "init")) {
+        /* The program's own cuInit, through no hooked name: the shim is not told. */
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        CUresult (*init)(unsigned) = h ? (CUresult(*)(unsigned))dlsym(h, "cuInit") : NULL;
+        if (!init || init(0) != CUDA_SUCCESS) return 3;
+    }
+    nvml_load();
+    nvmlDevice_t nd;
+    char uuid[96];
+    if (nv.by_index((unsigned)ordinal, &nd) != NVML_SUCCESS || nv.uuid(nd, uuid, sizeof uuid) != NVML_SUCCESS)
+        return 12;
+    nvml_print("before_", nd);
+    printf("before_uuid=%s\nlibcuda_mapped=%d\n", uuid, libcuda_mapped());
+    CUdevice dev = shim_start("handle", ordinal);
+    size_t bytes = strtoull(argv[3], NULL, 0);
+    CUdeviceptr p = 0;
+    if (bytes) CK(C(alloc, cuMemAlloc)(&p, bytes));
+    cuda_view("");
+    CUuuid u;
+    CK(C(device_uuid, cuDeviceGetUuid)(&u, dev));
+    format_uuid(&u, uuid);
+    printf("cuda_uuid=%s\n", uuid);
+    if (nv.by_uuid(uuid, &nd) != NVML_SUCCESS) return 12;
+    nvml_print("after_", nd);
+    if (p) CK(C(free, cuMemFree)(p));
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "nvml")) {
         nvml_load();
@@ -63,8 +117,10 @@ int main(int argc, char **argv) {
             snprintf(prefix, sizeof prefix, "gpu%u_", i);
             nvml_print(prefix, d);
         }
+        printf("libcuda_mapped=%d\n", libcuda_mapped());
         return 0;
     }
+    if (argc >= 4 && !strcmp(argv[1], "nvml-cuda")) return nvml_then_cuda(argc, argv);
     if (argc < 4) {
         fprintf(stderr, "usage: %s <mode> <ordinal> <alloc-bytes> [ctx] [hold]\n", argv[0]);
         return 2;
@@ -86,10 +142,8 @@ int main(int argc, char **argv) {
     cuda_view("");
     CUuuid u;
     CK(C(device_uuid, cuDeviceGetUuid)(&u, dev));
-    const unsigned char *b = (const unsigned char *)u.bytes;
     char uuid[96];
-    snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
-             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    format_uuid(&u, uuid);
     nvml_load();
     nvmlDevice_t nd;
     if (nv.by_uuid(uuid, &nd) != NVML_SUCCESS) return 12;

@@ -4,7 +4,8 @@
  * A CUDA device is resolved once, on first use, by its UUID (cuDeviceGetUuid): limits are
  * keyed by UUID, so a CUDA_VISIBLE_DEVICES that reorders or hides devices cannot mix them
  * up. The region is opened then too (created from the limits when missing); if it cannot be,
- * limited devices fail closed. */
+ * limited devices fail closed. A GPU seen only through NVML (nvidia-smi, a monitoring agent)
+ * is set up by its NVML UUID, without CUDA where the limits name GPUs by UUID. */
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -31,7 +32,9 @@ static void add_limit(struct vgpu_limits *lim, const char *uuid, const struct vg
 }
 
 /* The container's limits as the region records them: every GPU the limits name, or, when the
- * envs name GPUs by CUDA ordinal, every GPU the driver shows. */
+ * envs name GPUs by CUDA ordinal, every GPU the driver shows. The driver is asked only where
+ * this process has loaded libcuda: an NVML-only process records the GPUs the limits name,
+ * which, under the NVIDIA container runtime, are all the container has. */
 void vgpu_container_limits(struct vgpu_limits *lim) {
     const struct vgpu_config *c = &vgpu.cfg;
     memset(lim, 0, sizeof *lim);
@@ -40,7 +43,9 @@ void vgpu_container_limits(struct vgpu_limits *lim) {
         if (c->mode == VGPU_MODE_FILE) return;
     }
     int n = 0;
-    if (!vgpu.real.cuDeviceGetCount || vgpu.real.cuDeviceGetCount(&n) != CUDA_SUCCESS) return;
+    if (!__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE) || !vgpu.real.cuDeviceGetCount ||
+        !vgpu.real.cuDeviceGetUuid || vgpu.real.cuDeviceGetCount(&n) != CUDA_SUCCESS)
+        return;
     for (int ord = 0; ord < n && ord < VGPU_MAX_ORDINALS; ord++) {
         CUuuid u;
         char uuid[VGPU_UUID_SIZE];

@@ -1,11 +1,13 @@
 /* Loading and dispatch: nothing happens while the process does not use the GPU.
  *
  * The shim is preloaded into every process of a container, and most of them never touch
- * CUDA. So there is no constructor, no thread and no file opened at load time: the first
- * call into a hook (or a dlsym/cuGetProcAddress lookup of a hooked name) dlopen()s the real
- * libcuda.so.1, resolves the real entry points on that handle (a handle lookup searches
- * libcuda and its dependencies only, so it can never resolve to the shim), and reads the
- * limits. libnvidia-ml.so.1 is loaded only when an NVML hook runs or a context is measured. */
+ * CUDA. So there is no constructor, no thread and no file opened at load time. Two loads,
+ * each once: the limits (config, log level), read by the first hook of either kind; and
+ * libcuda, for the first CUDA hook (or a dlsym/cuGetProcAddress lookup of a hooked CUDA
+ * name), which dlopen()s the real libcuda.so.1 and resolves the real entry points on that
+ * handle (a handle lookup searches libcuda and its dependencies only, so it can never resolve
+ * to the shim). An NVML hook needs only the limits and libnvidia-ml.so.1 (loaded when an NVML
+ * hook runs or a context is measured): nvidia-smi or a monitoring agent never maps libcuda. */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,9 +81,34 @@ static void resolve(void *handle, const char *name, void **slot, const void *hoo
 #define VGPU_RESOLVE_NVML_HOOK(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, (const void *)&n);
 #define VGPU_RESOLVE_NVML_USED(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, NULL);
 
-static void load_once(void) {
-    t_loading = 1;
+/* The limits: everything the NVML hooks need. Reads files and envs only (no lookup that
+ * could re-enter the shim), so it needs no t_loading. */
+static void limits_once(void) {
     vgpu.log_level = vgpu_log_level_from_env();
+    vgpu_config_load(&vgpu.cfg);
+    vgpu.limited = vgpu.cfg.mode != VGPU_MODE_NONE;
+    if (vgpu.cfg.mode == VGPU_MODE_ENV || vgpu.cfg.mode == VGPU_MODE_FILE) {
+        int any = vgpu.cfg.dflt.sm > 0 && vgpu.cfg.dflt.sm < 100;
+        for (int i = 0; i < vgpu.cfg.count; i++)
+            any |= vgpu.cfg.dev[i].sm > 0 && vgpu.cfg.dev[i].sm < 100;
+        vgpu.pace_any = any;
+    }
+    VLOG(VGPU_LOG_DEBUG, "limits from %s, %d device record(s), pacing %s",
+         vgpu.cfg.mode == VGPU_MODE_FILE ? "the limits file"
+         : vgpu.cfg.mode == VGPU_MODE_ENV ? "the environment" : "nowhere (pass-through)",
+         vgpu.cfg.count, vgpu.pace_any ? "on" : "off");
+}
+
+static pthread_once_t g_limits_once = PTHREAD_ONCE_INIT;
+
+void vgpu_limits_slow(void) {
+    pthread_once(&g_limits_once, limits_once);
+    __atomic_store_n(&vgpu.limits_ready, 1, __ATOMIC_RELEASE);
+}
+
+static void load_once(void) {
+    vgpu_ensure_limits(); /* first: the hooks read the limits as soon as `ready` is set */
+    t_loading = 1;
     vgpu.cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (vgpu.cuda) {
         VGPU_CUDA_HOOKS(VGPU_RESOLVE_HOOK)
@@ -91,22 +118,10 @@ static void load_once(void) {
         if (v2) vgpu.real.cuEventElapsedTime = (__typeof__(cuEventElapsedTime) *)v2;
         void *uuid2 = vgpu_real_dlsym(vgpu.cuda, "cuDeviceGetUuid_v2");
         if (uuid2) vgpu.real.cuDeviceGetUuid = (__typeof__(cuDeviceGetUuid) *)uuid2;
-    }
-    vgpu_config_load(&vgpu.cfg);
-    vgpu.limited = vgpu.cfg.mode != VGPU_MODE_NONE;
-    if (vgpu.cfg.mode == VGPU_MODE_ENV || vgpu.cfg.mode == VGPU_MODE_FILE) {
-        int any = vgpu.cfg.dflt.sm > 0 && vgpu.cfg.dflt.sm < 100;
-        for (int i = 0; i < vgpu.cfg.count; i++)
-            any |= vgpu.cfg.dev[i].sm > 0 && vgpu.cfg.dev[i].sm < 100;
-        vgpu.pace_any = any;
-    }
-    if (!vgpu.cuda)
+    } else {
         VLOG(VGPU_LOG_INFO, "libcuda.so.1 not loadable (%s): CUDA hooks report "
              "CUDA_ERROR_NOT_INITIALIZED", dlerror());
-    VLOG(VGPU_LOG_DEBUG, "loaded: limits from %s, %d device record(s), pacing %s",
-         vgpu.cfg.mode == VGPU_MODE_FILE ? "the limits file"
-         : vgpu.cfg.mode == VGPU_MODE_ENV ? "the environment" : "nowhere (pass-through)",
-         vgpu.cfg.count, vgpu.pace_any ? "on" : "off");
+    }
     t_loading = 0;
 }
 

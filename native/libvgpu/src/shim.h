@@ -131,7 +131,8 @@ struct vgpu_dev {
 /* --- the process ----------------------------------------------------------------------------- */
 
 struct vgpu_state {
-    int ready;                /* load finished (acquire/release) */
+    int ready;                /* libcuda loaded, limits read (acquire/release) */
+    int limits_ready;         /* limits read: all the NVML hooks need (acquire/release) */
     int log_level;            /* 0 error .. 3 debug */
     int limited;              /* any limit applies: hooks do real work */
     int pace_any;             /* some device is paced */
@@ -149,10 +150,15 @@ struct vgpu_state {
 
 extern struct vgpu_state vgpu VGPU_HIDDEN;
 
-/* load.c: the first call into the shim loads the real libraries and reads the limits. */
+/* load.c: the first CUDA call into the shim reads the limits and loads libcuda; the first
+ * NVML call reads the limits only (an NVML-only process never maps libcuda). */
 VGPU_HIDDEN void vgpu_load_slow(void);
 static inline void vgpu_ensure(void) {
     if (UNLIKELY(!__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE))) vgpu_load_slow();
+}
+VGPU_HIDDEN void vgpu_limits_slow(void);
+static inline void vgpu_ensure_limits(void) {
+    if (UNLIKELY(!__atomic_load_n(&vgpu.limits_ready, __ATOMIC_ACQUIRE))) vgpu_limits_slow();
 }
 /* 1 while this thread is inside the load (lookups made then are passed through). */
 VGPU_HIDDEN int vgpu_loading_here(void);

@@ -75,7 +75,7 @@ VGPU_API CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
 
 static struct vgpu_dev *nvml_viewed(nvmlDevice_t device) {
     char uuid[VGPU_UUID_SIZE];
-    vgpu_ensure();
+    vgpu_ensure_limits(); /* not libcuda: nvidia-smi and monitoring agents use NVML alone */
     if (!vgpu.limited || !vgpu.real.nvmlDeviceGetUUID ||
         vgpu.real.nvmlDeviceGetUUID(device, uuid, sizeof uuid) != NVML_SUCCESS)
         return NULL;

@@ -100,6 +100,29 @@ def test_nvml_then_cuda(asan: Shim, source: str) -> None:
     views.test_a_gpu_seen_through_nvml_then_cuda_is_accounted_once(asan, source)
 
 
+@pytest.mark.parametrize("limits,gpu0,gpu1", views.BY_INDEX)
+def test_nvml_only_limits_by_index(
+    asan: Shim, limits: dict[str, str], gpu0: int, gpu1: int
+) -> None:
+    views.test_an_nvml_only_process_with_limits_by_index_says_why_it_is_not_limited(
+        asan, limits, gpu0, gpu1
+    )
+
+
+@pytest.mark.parametrize("limits,gpu0,gpu1", views.BY_INDEX)
+def test_nvml_then_cuda_limits_by_index(
+    asan: Shim, limits: dict[str, str], gpu0: int, gpu1: int
+) -> None:
+    views.test_limits_by_index_nvml_first_then_cuda_in_one_process(asan, limits, gpu0, gpu1)
+
+
+@pytest.mark.parametrize("limits,gpu0,gpu1", views.BY_INDEX)
+def test_cuinit_then_nvml_limits_by_index(
+    asan: Shim, limits: dict[str, str], gpu0: int, gpu1: int
+) -> None:
+    views.test_limits_by_index_in_a_process_that_initialised_cuda_itself(asan, limits, gpu0, gpu1)
+
+
 def test_contexts(asan: Shim) -> None:
     views.test_contexts_are_charged_and_given_back(asan)
 

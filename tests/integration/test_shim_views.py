@@ -156,3 +156,91 @@ def test_a_gpu_seen_through_nvml_then_cuda_is_accounted_once(shim: Shim, source:
         assert (r.int(f"after_{v}_total"), r.int(f"after_{v}_used")) == (2 * GIB, used)
         assert r.int(f"after_{v}_free") == 2 * GIB - used
     assert shim.node.gpu(0).used_memory == 0
+
+
+# Envs that do not name GPUs by UUID: only CUDA maps "index i" (or "every GPU") to a GPU.
+# (limits, GPU 0's limit, GPU 1's limit)
+BY_INDEX = [
+    pytest.param({"CUDA_DEVICE_MEMORY_LIMIT_0": "2g"}, 2 * GIB, 16 * GIB, id="index"),
+    pytest.param({"CUDA_DEVICE_MEMORY_LIMIT": "2g"}, 2 * GIB, 2 * GIB, id="default"),
+    pytest.param(
+        {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_MEMORY_LIMIT_0": "4g"},
+        4 * GIB,
+        2 * GIB,
+        id="index-over-default",
+    ),
+]
+
+
+@pytest.mark.parametrize("limits,gpu0_limit,gpu1_limit", BY_INDEX)
+def test_an_nvml_only_process_with_limits_by_index_says_why_it_is_not_limited(
+    shim: Shim, limits: dict[str, str], gpu0_limit: int, gpu1_limit: int
+) -> None:
+    env = shim.env(limits)
+    # No process of the container has used CUDA: NVML shows the GPUs as the driver does, and
+    # one line says why and what to do; CUDA is neither loaded nor initialised for it.
+    r = shim.run("shim_views", "nvml", 2, env=env)
+    assert r.rc == 0, r.stderr
+    assert r.int("gpu0_nvml_total") == r.int("gpu0_nvml_free") == 16 * GIB
+    assert r.int("libcuda_mapped") == 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[vgpu] ")]
+    assert len(lines) == 1 and lines[0].startswith("[vgpu] warn: NVML memory info is not limited")
+    assert "NVIDIA_VISIBLE_DEVICES" in lines[0]
+    assert not shim.region.exists()
+    # Once a CUDA process has made the container's region, it maps the GPUs: NVML is limited.
+    holder = shim.start("shim_views", "handle", 0, GIB, "hold", env=env)
+    read_until(holder, "holding")
+    r = shim.run("shim_views", "nvml", 2, env=env)
+    finish(holder)
+    assert r.rc == 0, r.stderr
+    assert (r.int("gpu0_nvml_total"), r.int("gpu0_nvml_used")) == (gpu0_limit, CONTEXT + GIB)
+    assert (r.int("gpu1_nvml_total"), r.int("gpu1_nvml_used")) == (gpu1_limit, 0)
+    assert r.int("libcuda_mapped") == 0
+    assert "[vgpu]" not in r.stderr
+
+
+@pytest.mark.parametrize("limits,gpu0_limit,gpu1_limit", BY_INDEX)
+def test_limits_by_index_nvml_first_then_cuda_in_one_process(
+    shim: Shim, limits: dict[str, str], gpu0_limit: int, gpu1_limit: int
+) -> None:
+    alloc = 512 * MIB
+    r = shim.run("shim_views", "nvml-cuda", 0, alloc, env=shim.env(limits))
+    # NVML first could not be limited, and that leaves CUDA unharmed: limited and accounted.
+    assert r.rc == 0, r.stderr
+    assert r.int("before_nvml_total") == 16 * GIB and r.int("libcuda_mapped") == 0
+    assert "[vgpu] warn: NVML memory info is not limited" in r.stderr
+    used = CONTEXT + alloc
+    assert (r.int("total"), r.int("free")) == (gpu0_limit, gpu0_limit - used)
+    assert (r.int("after_nvml_total"), r.int("after_nvml_used")) == (gpu0_limit, used)
+
+
+@pytest.mark.parametrize("limits,gpu0_limit,gpu1_limit", BY_INDEX)
+def test_limits_by_index_in_a_process_that_initialised_cuda_itself(
+    shim: Shim, limits: dict[str, str], gpu0_limit: int, gpu1_limit: int
+) -> None:
+    # The program's own cuInit: the shim may ask CUDA which GPU is index i, so NVML is limited
+    # from its first call, and the GPU has one account with CUDA's.
+    alloc = 512 * MIB
+    r = shim.run("shim_views", "nvml-cuda", 0, alloc, "init", env=shim.env(limits))
+    assert r.rc == 0, r.stderr
+    assert (r.int("before_nvml_total"), r.int("before_nvml_used")) == (gpu0_limit, 0)
+    assert "[vgpu]" not in r.stderr
+    used = CONTEXT + alloc
+    assert (r.int("total"), r.int("free")) == (gpu0_limit, gpu0_limit - used)
+    assert (r.int("after_nvml_total"), r.int("after_nvml_used")) == (gpu0_limit, used)
+
+
+def test_limits_by_index_nvml_first_keeps_the_processs_own_lower_limit(shim: Shim) -> None:
+    # The container's region says 4 GiB; this process's own envs say 1 GiB. Its NVML view
+    # before CUDA can only be the region's, and its CUDA allocations are still held to 1 GiB.
+    made = shim.run(
+        "shim_views", "handle", 0, 0, env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT_0": "4g"})
+    )
+    assert made.rc == 0, made.stderr
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT_0": "1g"})
+    r = shim.run("shim_views", "nvml-cuda", 0, 900 * MIB, env=env)
+    assert r.int("before_nvml_total") == 4 * GIB and r.int("libcuda_mapped") == 0
+    assert r.rc == 10 and "-> 2" in r.stderr  # CUDA_ERROR_OUT_OF_MEMORY: 300 + 900 MiB > 1 GiB
+    r = shim.run("shim_views", "nvml-cuda", 0, 512 * MIB, env=env)
+    assert r.rc == 0, r.stderr
+    assert (r.int("total"), r.int("free")) == (GIB, GIB - CONTEXT - 512 * MIB)

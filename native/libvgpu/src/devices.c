@@ -33,8 +33,9 @@ static void add_limit(struct vgpu_limits *lim, const char *uuid, const struct vg
 
 /* The container's limits as the region records them: every GPU the limits name, or, when the
  * envs name GPUs by CUDA ordinal, every GPU the driver shows. The driver is asked only where
- * this process has loaded libcuda: an NVML-only process records the GPUs the limits name,
- * which, under the NVIDIA container runtime, are all the container has. */
+ * this process has loaded libcuda, and answers only once CUDA is initialised (by ordinal,
+ * vgpu_dev_by_uuid makes sure of both first): an NVML-only process records the GPUs the limits
+ * name, which, under the NVIDIA container runtime, are all the container has. */
 void vgpu_container_limits(struct vgpu_limits *lim) {
     const struct vgpu_config *c = &vgpu.cfg;
     memset(lim, 0, sizeof *lim);
@@ -81,9 +82,29 @@ static int region_open_locked(void) {
     return vgpu.region_state > 0;
 }
 
+/* Envs by CUDA index, in a process that has not initialised CUDA: the region another process
+ * of the container made (it knew which GPU index i is), attached for NVML views only. Its
+ * limits stay the region's: this process's own, which it cannot map to GPUs yet, go on the
+ * attachment it opens when it uses CUDA. 1 attached; vgpu.mu held. */
+static int view_region_locked(void) {
+    struct stat st;
+    if (vgpu.view_state || stat(vgpu.cfg.region_path, &st) != 0) return vgpu.view_state > 0;
+    char err[VGPU_REGION_ERRLEN] = "";
+    int rc = vgpu_region_open(vgpu.cfg.region_path, NULL, &vgpu.view_region, err, sizeof err);
+    vgpu.view_state = rc == VGPU_REGION_OK ? 1 : -1;
+    if (rc != VGPU_REGION_OK)
+        vgpu_log(VGPU_LOG_ERROR, "cannot use the shared region: %s; NVML shows the GPUs "
+                 "unlimited", err);
+    return vgpu.view_state > 0;
+}
+
 /* Fill d from the limits of GPU `uuid`. vgpu.mu held. */
 static void setup_locked(struct vgpu_dev *d, const char *uuid, int ordinal) {
     struct vgpu_limit l = vgpu_config_lookup(&vgpu.cfg, uuid, ordinal);
+    /* Envs by CUDA index and a GPU seen through NVML only: its index, hence its limits, are
+     * unknown here; the region, made by a process that knew them, decides. */
+    int view_only = ordinal < 0 && vgpu.cfg.mode == VGPU_MODE_ENV && !vgpu.cfg.by_uuid;
+    if (view_only) l = (struct vgpu_limit){.mem = UINT64_MAX};
     snprintf(d->uuid, sizeof d->uuid, "%s", uuid);
     d->ordinal = ordinal;
     d->rdev = -1;
@@ -94,16 +115,25 @@ static void setup_locked(struct vgpu_dev *d, const char *uuid, int ordinal) {
      * GPU whose memory is not limited. */
     d->accounted = vgpu.limited && !d->fail_closed;
     if (d->accounted) {
-        if (!region_open_locked()) {
+        struct vgpu_region *r = NULL;
+        if (view_only ? view_region_locked() : region_open_locked())
+            r = view_only ? vgpu.view_region : vgpu.region;
+        if (!r) {
             d->accounted = 0;
             d->fail_closed = 1;
-        } else if ((d->rdev = vgpu_region_device_index(vgpu.region, uuid)) < 0) {
-            vgpu_log(VGPU_LOG_ERROR, "the shared region %s has no record of GPU %s: "
-                     "allocations there are refused", vgpu.cfg.region_path, uuid);
+        } else if ((d->rdev = vgpu_region_device_index(r, uuid)) < 0) {
+            /* Only a CUDA device has allocations to refuse; an NVML view just passes through. */
+            if (ordinal >= 0)
+                vgpu_log(VGPU_LOG_ERROR, "the shared region %s has no record of GPU %s: "
+                         "allocations there are refused", vgpu.cfg.region_path, uuid);
+            else
+                VLOG(VGPU_LOG_INFO, "the shared region %s has no record of GPU %s: NVML "
+                     "shows it unlimited", vgpu.cfg.region_path, uuid);
             d->accounted = 0;
             d->fail_closed = 1;
         } else {
-            uint64_t rl = vgpu_region_limit(vgpu.region, d->rdev); /* min(ours, region's) */
+            d->region = r;
+            uint64_t rl = vgpu_region_limit(r, d->rdev); /* min(ours, region's) */
             if (rl < d->limit) d->limit = rl;
         }
     }
@@ -143,16 +173,61 @@ struct vgpu_dev *vgpu_current_dev(void) {
     return vgpu_dev((int)dev);
 }
 
+static struct vgpu_dev *ready_with_uuid(struct vgpu_dev *devs, int n, const char *uuid) {
+    for (int i = 0; i < n; i++)
+        if (__atomic_load_n(&devs[i].ready, __ATOMIC_ACQUIRE) && strcasecmp(devs[i].uuid, uuid) == 0)
+            return &devs[i];
+    return NULL;
+}
+
+/* The CUDA device with this UUID (CUDA initialised), or NULL when CUDA does not show it. */
+static struct vgpu_dev *cuda_dev_with_uuid(const char *uuid) {
+    int n = 0;
+    if (vgpu.real.cuDeviceGetCount(&n) != CUDA_SUCCESS || !vgpu.real.cuDeviceGetUuid) return NULL;
+    for (int ord = 0; ord < n && ord < VGPU_MAX_ORDINALS; ord++) {
+        CUuuid u;
+        char s[VGPU_UUID_SIZE];
+        if (vgpu.real.cuDeviceGetUuid(&u, ord) != CUDA_SUCCESS) continue;
+        vgpu_format_uuid(&u, s);
+        if (strcasecmp(s, uuid) == 0) return vgpu_dev(ord);
+    }
+    return NULL;
+}
+
 struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid) {
     if (!vgpu.limited || !uuid || !uuid[0]) return NULL;
-    for (int i = 0; i < VGPU_MAX_ORDINALS; i++) {
-        struct vgpu_dev *d = &vgpu.dev[i];
-        if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && strcasecmp(d->uuid, uuid) == 0)
-            return d;
+    struct vgpu_dev *found = ready_with_uuid(vgpu.dev, VGPU_MAX_ORDINALS, uuid);
+    if (!found) found = ready_with_uuid(vgpu.by_uuid, VGPU_MAX_DEVICES, uuid);
+    if (found) return found;
+    int by_index = vgpu.cfg.mode == VGPU_MODE_ENV && !vgpu.cfg.by_uuid;
+    if (vgpu.cfg.mode == VGPU_MODE_ENV) {
+        /* Envs: if this process has initialised CUDA, the driver's GPUs go into the region
+         * too (vgpu_container_limits), and by index CUDA says which GPU index i is. Asked
+         * before vgpu.mu: loading libcuda's entry points may run its constructors. */
+        int cuda = vgpu_cuda_initialised();
+        if (cuda && by_index) return cuda_dev_with_uuid(uuid);
     }
     /* A GPU this process has not used through CUDA (an NVML-only tool): by UUID alone. */
-    struct vgpu_dev *found = NULL;
     pthread_mutex_lock(&vgpu.mu);
+    if (by_index) {
+        /* The shim does not initialise CUDA for an NVML query: a process that forks after
+         * cuInit leaves its children unable to use CUDA (CUDA_ERROR_NOT_INITIALIZED), which
+         * is why frameworks query NVML, not CUDA, before forking workers. A region another
+         * process made holds the index -> GPU mapping; without one, say so once. */
+        if (!view_region_locked()) {
+            static int told;
+            int none = vgpu.view_state == 0;
+            pthread_mutex_unlock(&vgpu.mu);
+            if (none && !__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+                vgpu_log(VGPU_LOG_WARN, "NVML memory info is not limited (GPU %s): the limits "
+                         "name no GPU by UUID (NVIDIA_VISIBLE_DEVICES lists none), so only CUDA "
+                         "can tell which GPUs they cover, and no process of the container has "
+                         "used a GPU through CUDA yet (the shim does not initialise CUDA for "
+                         "NVML: processes forked afterwards could not use it); list the GPUs' "
+                         "UUIDs in NVIDIA_VISIBLE_DEVICES to limit NVML from the start", uuid);
+            return NULL;
+        }
+    }
     for (int i = 0; i < VGPU_MAX_DEVICES && !found; i++) {
         struct vgpu_dev *d = &vgpu.by_uuid[i];
         if (d->ready && strcasecmp(d->uuid, uuid) == 0) found = d;
@@ -192,5 +267,5 @@ void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
 }
 
 uint64_t vgpu_used(struct vgpu_dev *d) {
-    return d->accounted ? vgpu_region_usage(vgpu.region, d->rdev) : 0;
+    return d->accounted ? vgpu_region_usage(d->region, d->rdev) : 0;
 }

@@ -133,6 +133,20 @@ void vgpu_load_slow(void) {
     __atomic_store_n(&vgpu.ready, 1, __ATOMIC_RELEASE);
 }
 
+int vgpu_cuda_initialised(void) {
+    if (!__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE)) {
+        /* Not loaded by the program: then it cannot have called cuInit, and loading libcuda
+         * here would only cost the process the mapping. */
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (!h) return 0;
+        dlclose(h);
+        vgpu_ensure();
+        if (!__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE)) return 0; /* inside the load */
+    }
+    int n = 0;
+    return vgpu.real.cuDeviceGetCount && vgpu.real.cuDeviceGetCount(&n) == CUDA_SUCCESS;
+}
+
 int vgpu_loading_here(void) { return t_loading; }
 
 static void load_nvml(void) {

@@ -125,6 +125,7 @@ struct vgpu_dev {
     uint64_t limit;           /* bytes; UINT64_MAX when none */
     int sm;                   /* 1..99: launches are paced */
     struct vgpu_pace_dev *pace;
+    struct vgpu_region *region; /* the attachment its usage is read from (when accounted) */
     char uuid[VGPU_UUID_SIZE];
 };
 
@@ -143,6 +144,8 @@ struct vgpu_state {
     struct vgpu_config cfg;
     struct vgpu_region *region;
     int region_state;         /* 0 not tried, 1 open, -1 failed */
+    struct vgpu_region *view_region; /* envs by index, NVML only: for views (devices.c) */
+    int view_state;           /* 0 no region yet, 1 attached, -1 failed */
     pthread_mutex_t mu;       /* device resolution, region and NVML loading */
     struct vgpu_dev dev[VGPU_MAX_ORDINALS];      /* by CUDA ordinal */
     struct vgpu_dev by_uuid[VGPU_MAX_DEVICES];   /* GPUs known only through NVML */
@@ -160,6 +163,9 @@ VGPU_HIDDEN void vgpu_limits_slow(void);
 static inline void vgpu_ensure_limits(void) {
     if (UNLIKELY(!__atomic_load_n(&vgpu.limits_ready, __ATOMIC_ACQUIRE))) vgpu_limits_slow();
 }
+/* 1 when this process has initialised CUDA itself; then the shim's CUDA entry points are
+ * loaded too. Never loads libcuda into a process that has not (cuInit can only be there). */
+VGPU_HIDDEN int vgpu_cuda_initialised(void);
 /* 1 while this thread is inside the load (lookups made then are passed through). */
 VGPU_HIDDEN int vgpu_loading_here(void);
 /* NVML's real entry points, loaded on demand (the NVML hooks). */

@@ -180,6 +180,72 @@ def test_every_allocation_path_charges_what_it_frees(simgpu_node: Node, native_b
     assert simgpu_node.gpu(0).used_memory == 0
 
 
+def level_bytes(w: int, h: int, d: int, elem: int, levels: int, keep_depth: bool = False) -> int:
+    """Levels [0, levels) of an array: max(1, extent >> l) elements per spatial dimension
+    (NVIDIA's mip level sizes); a layered array's layers and a cubemap's faces do not shrink."""
+    total = 0
+    for lvl in range(levels):
+        depth = (d if keep_depth else max(1, d >> lvl)) if d else 1
+        total += max(1, w >> lvl) * (max(1, h >> lvl) if h else 1) * depth * elem
+    return total
+
+
+def test_layered_cubemap_and_mipmapped_arrays_are_charged_their_full_size(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    out = {k: int(v) for k, v in run(native_bin, simgpu_node.env(), "cuda_alloc_paths").items()}
+    # Depth is the layer count of a layered array and the faces of a cubemap.
+    expected = {
+        "layered1d": 1024 * 64 * 16,
+        "layered2d": 256 * 256 * 16 * 4,
+        "cubemap": 512 * 512 * 6 * 4,
+        "cubemap_layered": 256 * 256 * 12 * 4,
+    }
+    for name, size in expected.items():
+        assert (out[name], out[f"{name}_free"]) == (size, -size), name
+    # Shapes the driver documents as invalid: a cubemap's faces must be square and 6 (6n if
+    # layered), a layered array needs layers, a 1D array has no depth.
+    refused = ["cubemap_square", "cubemap_faces", "cubemap_layers", "layered_no_layers", "1d_depth"]
+    assert {r: out[f"bad_{r}_refused"] for r in refused} == dict.fromkeys(refused, INVALID_VALUE)
+    # A mipmapped array: the sum of its levels. 0 levels is 1; 1024 x 256 has 11 at most.
+    for n in range(13):
+        size = level_bytes(1024, 256, 0, 4, min(max(n, 1), 11))
+        assert (out[f"mip2d_{n}"], out[f"mip2d_{n}_free"]) == (size, -size), n
+    assert out["mip2d_2"] == 1024 * 256 * 4 + 512 * 128 * 4
+    assert out["mip3d"] == level_bytes(64, 32, 16, 1, 7)  # 3D: depth shrinks too
+    assert out["mip1d"] == (1000 + 500 + 250 + 125) * 2
+    assert out["mip_cubemap"] == level_bytes(256, 256, 6, 4, 3, keep_depth=True)
+    assert out["mip_layered"] == level_bytes(128, 128, 10, 4, 4, keep_depth=True)
+    # Its levels are its own: one handle per level, not destroyable apart, gone with it.
+    assert out["mip_levels"] == level_bytes(64, 64, 0, 4, 3)
+    assert (out["mip_level_same"], out["mip_level_distinct"]) == (1, 1)
+    assert out["mip_level_past_last"] == INVALID_VALUE
+    assert (out["mip_level_destroy"], out["mip_level_destroy_freed"]) == (INVALID_HANDLE, 0)
+    assert out["mip_levels_free"] == -out["mip_levels"]
+    assert out["mip_destroy_twice"] == INVALID_HANDLE
+    # Destroying its context frees it.
+    assert out["mip_ctx"] == OVERHEAD + level_bytes(512, 512, 0, 16, 10)
+    assert out["mip_ctx_destroyed"] == 0
+    assert simgpu_node.gpu(0).used_memory == 0
+
+
+def test_sparse_arrays_hold_only_the_memory_bound_into_them(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    out = {k: int(v) for k, v in run(native_bin, simgpu_node.env(), "cuda_alloc_paths").items()}
+    # 16 GiB, 16 GiB and 1.3 GiB of nominal size on a 16 GiB GPU: nothing of their own.
+    assert (out["sparse"], out["deferred"], out["sparse_mipmapped"]) == (0, 0, 0)
+    assert out["tile_pools"] == 12 * MIB  # the cuMemCreate memory is what is charged ...
+    assert out["map"] == 0  # ... once: binding it into arrays takes nothing more
+    # Bound memory lives on after its handle's release, until unbound or its array goes.
+    assert out["bound_release"] == 0
+    assert (out["unmap"], out["bound_array_destroy"]) == (-4 * MIB, -8 * MIB)
+    assert out["sparse_rest_free"] == -(2 * MIB + 64 * 64 * 4)
+    refused = ["map_dense", "map_not_tile_pool", "map_other_device", "map_past_last_level"]
+    assert {r: out[r] for r in refused} == dict.fromkeys(refused, INVALID_VALUE)
+    assert simgpu_node.gpu(0).used_memory == 0
+
+
 def test_copies_move_data_and_misuse_is_refused(simgpu_node: Node, native_bin: Path) -> None:
     out = {k: int(v) for k, v in run(native_bin, simgpu_node.env(), "cuda_alloc_paths").items()}
     assert out["roundtrip_ok"] == out["memset8_ok"] == out["memset32_ok"] == 1

@@ -44,6 +44,13 @@ static void constants(void) {
     VAL(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT) VAL(CU_EXEC_AFFINITY_TYPE_SM_COUNT)
     VAL((intptr_t)CU_STREAM_LEGACY) VAL((intptr_t)CU_STREAM_PER_THREAD) VAL((intptr_t)CU_LAUNCH_PARAM_BUFFER_POINTER)
     VAL((intptr_t)CU_LAUNCH_PARAM_BUFFER_SIZE) VAL((intptr_t)CU_LAUNCH_PARAM_END) VAL(CU_MEMHOSTALLOC_DEVICEMAP)
+    VAL(CUDA_ARRAY3D_LAYERED) VAL(CUDA_ARRAY3D_2DARRAY) VAL(CUDA_ARRAY3D_SURFACE_LDST) VAL(CUDA_ARRAY3D_CUBEMAP)
+    VAL(CUDA_ARRAY3D_TEXTURE_GATHER) VAL(CUDA_ARRAY3D_DEPTH_TEXTURE) VAL(CUDA_ARRAY3D_COLOR_ATTACHMENT)
+    VAL(CUDA_ARRAY3D_SPARSE) VAL(CUDA_ARRAY3D_DEFERRED_MAPPING) VAL(CUDA_ARRAY3D_VIDEO_ENCODE_DECODE)
+    VAL(CU_DEVICE_ATTRIBUTE_SPARSE_CUDA_ARRAY_SUPPORTED) VAL(CU_DEVICE_ATTRIBUTE_DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED)
+    VAL(CU_MEM_CREATE_USAGE_TILE_POOL) VAL(CU_MEM_CREATE_USAGE_HW_DECOMPRESS) VAL(CU_RESOURCE_TYPE_MIPMAPPED_ARRAY)
+    VAL(CU_RESOURCE_TYPE_PITCH2D) VAL(CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) VAL(CU_MEM_OPERATION_TYPE_MAP)
+    VAL(CU_MEM_OPERATION_TYPE_UNMAP) VAL(CU_MEM_HANDLE_TYPE_GENERIC)
 }
 
 static void layouts(void) {
@@ -59,6 +66,12 @@ static void layouts(void) {
     SIZE(CUlaunchConfig) OFF(CUlaunchConfig, hStream) OFF(CUlaunchConfig, attrs) OFF(CUlaunchConfig, numAttrs)
     SIZE(CUDA_KERNEL_NODE_PARAMS) OFF(CUDA_KERNEL_NODE_PARAMS, kernelParams) OFF(CUDA_KERNEL_NODE_PARAMS, kern)
     OFF(CUDA_KERNEL_NODE_PARAMS, ctx) SIZE(CUDA_KERNEL_NODE_PARAMS_v1)
+    SIZE(CUmipmappedArray) SIZE(CUarrayMapInfo) OFF(CUarrayMapInfo, resource) OFF(CUarrayMapInfo, subresourceType)
+    OFF(CUarrayMapInfo, subresource) OFF(CUarrayMapInfo, subresource.sparseLevel.extentDepth)
+    OFF(CUarrayMapInfo, subresource.miptail.offset) OFF(CUarrayMapInfo, subresource.miptail.size)
+    OFF(CUarrayMapInfo, memOperationType) OFF(CUarrayMapInfo, memHandleType) OFF(CUarrayMapInfo, memHandle)
+    OFF(CUarrayMapInfo, offset) OFF(CUarrayMapInfo, deviceBitMask) OFF(CUarrayMapInfo, flags)
+    OFF(CUarrayMapInfo, reserved)
     printf("alignof(CUlaunchAttribute)=%zu\n", _Alignof(CUlaunchAttribute));
     printf("alignof(CUmemPoolProps)=%zu\n", _Alignof(CUmemPoolProps));
 }
@@ -76,6 +89,7 @@ static void mapping(void) {
     MAPS(cuStreamGetCtx) MAPS(cuLaunchKernel) MAPS(cuLaunchKernelEx) MAPS(cuLaunchCooperativeKernel)
     MAPS(cuGraphInstantiate) MAPS(cuGraphAddKernelNode) MAPS(cuGraphLaunch) MAPS(cuMemAllocAsync)
     MAPS(cuMemFreeAsync) MAPS(cuMemAllocFromPoolAsync) MAPS(cuGetProcAddress) MAPS(cuInit) MAPS(cuMemCreate)
+    MAPS(cuMipmappedArrayCreate) MAPS(cuMipmappedArrayGetLevel) MAPS(cuMipmappedArrayDestroy) MAPS(cuMemMapArrayAsync)
 }
 
 int main(void) {

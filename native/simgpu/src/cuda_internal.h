@@ -46,6 +46,7 @@ enum {
     SIM_EXEC_MAGIC = 0x53455845,
     SIM_POOL_MAGIC = 0x53504f4c,
     SIM_ARRAY_MAGIC = 0x53415252,
+    SIM_MIPMAP_MAGIC = 0x534d4950,
 };
 
 /* --- streams and contexts ----------------------------------------------------------------- */
@@ -207,6 +208,13 @@ SIM_HIDDEN void *sim_map_anon(size_t len, int low32);
 SIM_HIDDEN void sim_alloc_destroy_locked(struct sim_alloc *a);
 /* Everything a context owns goes when it is destroyed, as on a real driver. */
 SIM_HIDDEN void sim_mem_free_ctx_locked(struct CUctx_st *ctx);
+
+/* cuda_vmm.c: physical handles, for the memory cuMemMapArrayAsync binds into arrays
+ * (sim_lock held). A binding holds the handle's memory like a mapping does. */
+SIM_HIDDEN struct sim_phys *sim_phys_live_locked(CUmemGenericAllocationHandle h);
+SIM_HIDDEN void sim_phys_describe(const struct sim_phys *p, uint32_t *gpu, uint64_t *size, unsigned short *usage);
+SIM_HIDDEN void sim_phys_bind_locked(struct sim_phys *p);
+SIM_HIDDEN void sim_phys_unbind_locked(struct sim_phys *p);
 
 /* cuda_pool.c */
 SIM_HIDDEN void sim_pool_return_locked(struct CUmemPoolHandle_st *pool, uint64_t bytes);

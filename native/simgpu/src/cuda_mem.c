@@ -1,5 +1,5 @@
 /* Device memory: the process's address table, cuMemAlloc and its pitch/managed/host forms,
- * arrays, cuMemGetInfo, cuPointerGetAttribute.
+ * arrays (plain, layered, cubemap, mipmapped, sparse), cuMemGetInfo, cuPointerGetAttribute.
  *
  * Device memory is real host memory, so copies and memsets really move data: an allocation is
  * an anonymous MAP_NORESERVE mapping (no RAM until touched) whose address is the CUdeviceptr.
@@ -363,17 +363,55 @@ CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdevi
     return CUDA_SUCCESS;
 }
 
-/* --- arrays: opaque, charged by their byte size ------------------------------------------ */
+/* --- arrays: opaque, charged by their byte size ------------------------------------------
+ *
+ * Width x height x depth elements, where a layered array's depth is its layer count and a
+ * cubemap's its faces (6, or a multiple of 6 when layered). A mipmapped array is charged the
+ * sum of its levels; level l has max(1, extent >> l) elements in each spatial dimension
+ * (layers and faces do not shrink). Its levels are arrays it owns: cuArrayDestroy refuses
+ * them, they go with it. Sparse and deferred-mapping arrays hold no memory of their own:
+ * cuMemMapArrayAsync binds pieces of cuMemCreate handles into them, and a binding keeps its
+ * handle's memory alive as a mapping does. */
+
+#define SIM_ARRAY3D_FLAGS                                                                                          \
+    (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_SURFACE_LDST | CUDA_ARRAY3D_CUBEMAP | CUDA_ARRAY3D_TEXTURE_GATHER |        \
+     CUDA_ARRAY3D_DEPTH_TEXTURE | CUDA_ARRAY3D_COLOR_ATTACHMENT | CUDA_ARRAY3D_SPARSE |                            \
+     CUDA_ARRAY3D_DEFERRED_MAPPING | CUDA_ARRAY3D_VIDEO_ENCODE_DECODE)
+#define SIM_ARRAY_UNBACKED (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING)
+
+/* Memory bound into a sparse or deferred-mapping array, and the part of it that it backs. */
+struct sim_bind {
+    struct sim_bind *next;
+    struct sim_phys *mem;
+    CUarraySparseSubresourceType type;
+    unsigned int level, layer;
+    unsigned long long where[6]; /* offsets and extents of a level, or a mip tail's offset and size */
+};
 
 struct CUarray_st {
     uint32_t magic;
     uint32_t phys;
     uint64_t charged;
+    unsigned int flags;
     struct CUctx_st *ctx;
+    struct sim_bind *binds;
     struct CUarray_st *next;
 };
 
+struct CUmipmappedArray_st {
+    uint32_t magic;
+    uint32_t phys;
+    uint64_t charged;
+    unsigned int flags;
+    unsigned int nlevels;
+    struct CUctx_st *ctx;
+    struct sim_bind *binds;
+    struct CUarray_st *levels; /* nlevels, owned; not in g_arrays */
+    struct CUmipmappedArray_st *next;
+};
+
 static struct CUarray_st *g_arrays;
+static struct CUmipmappedArray_st *g_mipmaps;
 
 static size_t format_bytes(CUarray_format f) {
     switch ((int)f) {
@@ -390,20 +428,61 @@ static size_t format_bytes(CUarray_format f) {
     }
 }
 
-static CUresult array_create(CUarray *pHandle, size_t w, size_t h, size_t d, CUarray_format fmt, unsigned int ch) {
+static uint64_t max1(uint64_t v) { return v ? v : 1; }
+
+/* The shapes cuArray3DCreate documents: 1D {w,0,0}, 2D {w,h,0}, 3D {w,h,d}, 1D layered
+ * {w,0,layers}, 2D layered {w,h,layers}, cubemap {w,w,6}, cubemap layered {w,w,6n}. */
+static int shape_ok(size_t w, size_t h, size_t d, unsigned int flags) {
+    if (w == 0 || (flags & ~(unsigned int)SIM_ARRAY3D_FLAGS)) return 0;
+    int layered = (flags & CUDA_ARRAY3D_LAYERED) != 0;
+    if (flags & CUDA_ARRAY3D_CUBEMAP) return w == h && d && (layered ? d % 6 == 0 : d == 6);
+    if (layered) return d != 0;
+    return h != 0 || d == 0;
+}
+
+/* At most 1 + floor(log2(max(w, h, d))) levels (cudaMallocMipmappedArray clamps to that). */
+static unsigned int max_levels(size_t w, size_t h, size_t d) {
+    uint64_t m = w > h ? w : h;
+    if (d > m) m = d;
+    unsigned int n = 1;
+    while (m >>= 1) n++;
+    return n;
+}
+
+/* Bytes of levels [0, nlevels): *bytes, or 0 if the size does not fit in 64 bits. */
+static int levels_bytes(size_t w, size_t h, size_t d, unsigned int flags, unsigned int nlevels, uint64_t elem,
+                        uint64_t *bytes) {
+    int keep_depth = (flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    uint64_t sum = 0;
+    for (unsigned int l = 0; l < nlevels; l++) {
+        uint64_t dims[4] = {max1(w >> l), h ? max1(h >> l) : 1, !d ? 1 : keep_depth ? d : max1(d >> l), elem};
+        uint64_t n = 1;
+        for (int i = 0; i < 4; i++)
+            if (__builtin_mul_overflow(n, dims[i], &n)) return 0;
+        if (__builtin_add_overflow(sum, n, &sum)) return 0;
+    }
+    *bytes = sum;
+    return 1;
+}
+
+static CUresult array_create(CUarray *pHandle, size_t w, size_t h, size_t d, CUarray_format fmt, unsigned int ch,
+                             unsigned int flags) {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
     if (rc != CUDA_SUCCESS) return rc;
     size_t elem = format_bytes(fmt);
-    if (!pHandle || w == 0 || elem == 0 || (ch != 1 && ch != 2 && ch != 4)) return CUDA_ERROR_INVALID_VALUE;
-    uint64_t bytes = (uint64_t)w * (h ? h : 1) * (d ? d : 1) * elem * ch;
+    uint64_t bytes;
+    if (!pHandle || elem == 0 || (ch != 1 && ch != 2 && ch != 4) || !shape_ok(w, h, d, flags) ||
+        !levels_bytes(w, h, d, flags, 1, (uint64_t)elem * ch, &bytes))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (flags & SIM_ARRAY_UNBACKED) bytes = 0;
     struct CUarray_st *arr = calloc(1, sizeof *arr);
     if (!arr) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (simgpu_mem_charge(c->phys, bytes) != 0) {
+    if (bytes && simgpu_mem_charge(c->phys, bytes) != 0) {
         free(arr);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    *arr = (struct CUarray_st){.magic = SIM_ARRAY_MAGIC, .phys = c->phys, .charged = bytes, .ctx = c};
+    *arr = (struct CUarray_st){.magic = SIM_ARRAY_MAGIC, .phys = c->phys, .charged = bytes, .flags = flags, .ctx = c};
     sim_lock();
     arr->next = g_arrays;
     g_arrays = arr;
@@ -414,28 +493,38 @@ static CUresult array_create(CUarray *pHandle, size_t w, size_t h, size_t d, CUa
 
 CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
     if (!d) return CUDA_ERROR_INVALID_VALUE;
-    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels);
+    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels, 0);
 }
 
 CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
     if (!d) return CUDA_ERROR_INVALID_VALUE;
-    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels);
+    return array_create(pHandle, d->Width, d->Height, 0, d->Format, d->NumChannels, 0);
 }
 
 CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
     if (!d) return CUDA_ERROR_INVALID_VALUE;
-    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags);
 }
 
 CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
     if (!d) return CUDA_ERROR_INVALID_VALUE;
-    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    return array_create(pHandle, d->Width, d->Height, d->Depth, d->Format, d->NumChannels, d->Flags);
+}
+
+static void unbind_all_locked(struct sim_bind **binds) {
+    while (*binds) {
+        struct sim_bind *b = *binds;
+        *binds = b->next;
+        sim_phys_unbind_locked(b->mem);
+        free(b);
+    }
 }
 
 static void array_unlink_locked(struct CUarray_st **link) {
     struct CUarray_st *arr = *link;
     *link = arr->next;
-    simgpu_mem_uncharge(arr->phys, arr->charged);
+    unbind_all_locked(&arr->binds);
+    if (arr->charged) simgpu_mem_uncharge(arr->phys, arr->charged);
     free(arr);
 }
 
@@ -446,9 +535,217 @@ CUresult cuArrayDestroy(CUarray hArray) {
     struct CUarray_st **link = &g_arrays;
     while (*link && *link != hArray) link = &(*link)->next;
     if (*link) array_unlink_locked(link);
+    else rc = CUDA_ERROR_INVALID_HANDLE; /* unknown, or a mipmapped array's level */
+    sim_unlock();
+    return rc;
+}
+
+/* --- mipmapped arrays ---------------------------------------------------------------------- */
+
+CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                unsigned int numMipmapLevels) {
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pHandle || !d) return CUDA_ERROR_INVALID_VALUE;
+    size_t elem = format_bytes(d->Format);
+    unsigned int ch = d->NumChannels, top = max_levels(d->Width, d->Height, d->Depth);
+    unsigned int n = numMipmapLevels < 1 ? 1 : numMipmapLevels > top ? top : numMipmapLevels;
+    uint64_t bytes;
+    if (elem == 0 || (ch != 1 && ch != 2 && ch != 4) || !shape_ok(d->Width, d->Height, d->Depth, d->Flags) ||
+        !levels_bytes(d->Width, d->Height, d->Depth, d->Flags, n, (uint64_t)elem * ch, &bytes))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (d->Flags & SIM_ARRAY_UNBACKED) bytes = 0;
+    struct CUmipmappedArray_st *m = calloc(1, sizeof *m);
+    struct CUarray_st *levels = m ? calloc(n, sizeof *levels) : NULL;
+    if (!levels) {
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (bytes && simgpu_mem_charge(c->phys, bytes) != 0) {
+        free(levels);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    for (unsigned int l = 0; l < n; l++)
+        levels[l] = (struct CUarray_st){.magic = SIM_ARRAY_MAGIC, .phys = c->phys, .flags = d->Flags, .ctx = c};
+    *m = (struct CUmipmappedArray_st){.magic = SIM_MIPMAP_MAGIC, .phys = c->phys, .charged = bytes, .flags = d->Flags,
+                                      .nlevels = n, .ctx = c, .levels = levels};
+    sim_lock();
+    m->next = g_mipmaps;
+    g_mipmaps = m;
+    sim_unlock();
+    *pHandle = m;
+    return CUDA_SUCCESS;
+}
+
+static struct CUmipmappedArray_st **mipmap_link_locked(CUmipmappedArray h) {
+    struct CUmipmappedArray_st **link = &g_mipmaps;
+    while (*link && *link != h) link = &(*link)->next;
+    return link;
+}
+
+CUresult cuMipmappedArrayGetLevel(CUarray *pLevelArray, CUmipmappedArray hMipmappedArray, unsigned int level) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pLevelArray) return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    struct CUmipmappedArray_st *m = *mipmap_link_locked(hMipmappedArray);
+    if (!m) rc = CUDA_ERROR_INVALID_HANDLE;
+    else if (level >= m->nlevels) rc = CUDA_ERROR_INVALID_VALUE;
+    else *pLevelArray = &m->levels[level];
+    sim_unlock();
+    return rc;
+}
+
+static void mipmap_unlink_locked(struct CUmipmappedArray_st **link) {
+    struct CUmipmappedArray_st *m = *link;
+    *link = m->next;
+    unbind_all_locked(&m->binds);
+    if (m->charged) simgpu_mem_uncharge(m->phys, m->charged);
+    free(m->levels);
+    free(m);
+}
+
+CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUmipmappedArray_st **link = mipmap_link_locked(hMipmappedArray);
+    if (*link) mipmap_unlink_locked(link);
     else rc = CUDA_ERROR_INVALID_HANDLE;
     sim_unlock();
     return rc;
+}
+
+/* --- binding memory into sparse and deferred-mapping arrays -------------------------------- */
+
+/* What one entry names: its array's binding list and, from its flags and levels, whether
+ * the entry is valid for it. */
+struct map_target {
+    struct sim_bind **binds;
+    uint32_t phys;
+    unsigned int flags, nlevels;
+    int dev;
+};
+
+static CUresult map_target_locked(const CUarrayMapInfo *e, struct map_target *t) {
+    if (e->resourceType == CU_RESOURCE_TYPE_ARRAY) {
+        struct CUarray_st *a = g_arrays;
+        while (a && a != e->resource.array) a = a->next;
+        if (!a) return CUDA_ERROR_INVALID_HANDLE;
+        *t = (struct map_target){&a->binds, a->phys, a->flags, 1, a->ctx->dev};
+    } else if (e->resourceType == CU_RESOURCE_TYPE_MIPMAPPED_ARRAY) {
+        struct CUmipmappedArray_st *m = *mipmap_link_locked(e->resource.mipmap);
+        if (!m) return CUDA_ERROR_INVALID_HANDLE;
+        *t = (struct map_target){&m->binds, m->phys, m->flags, m->nlevels, m->ctx->dev};
+    } else {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* The part of its array an entry names (the whole array for a deferred-mapping one). */
+static struct sim_bind place_of(const CUarrayMapInfo *e, unsigned int flags) {
+    struct sim_bind b = {0};
+    if (flags & CUDA_ARRAY3D_DEFERRED_MAPPING) return b;
+    b.type = e->subresourceType;
+    if (b.type == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL) {
+        b.layer = e->subresource.miptail.layer;
+        b.where[0] = e->subresource.miptail.offset;
+        b.where[1] = e->subresource.miptail.size;
+    } else {
+        const __typeof__(e->subresource.sparseLevel) *s = &e->subresource.sparseLevel;
+        b.level = s->level;
+        b.layer = s->layer;
+        unsigned long long w[6] = {s->offsetX, s->offsetY, s->offsetZ, s->extentWidth, s->extentHeight, s->extentDepth};
+        memcpy(b.where, w, sizeof w);
+    }
+    return b;
+}
+
+static int same_place(const struct sim_bind *a, const struct sim_bind *b) {
+    return a->type == b->type && a->level == b->level && a->layer == b->layer &&
+           memcmp(a->where, b->where, sizeof a->where) == 0;
+}
+
+static CUresult map_check_locked(const CUarrayMapInfo *e, const struct CUctx_st *sc) {
+    struct map_target t;
+    CUresult rc = map_target_locked(e, &t);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!(t.flags & SIM_ARRAY_UNBACKED) || e->flags || e->reserved[0] || e->reserved[1])
+        return CUDA_ERROR_INVALID_VALUE; /* only arrays without memory of their own take it */
+    /* One device, the stream's and the array's. */
+    if (t.phys != sc->phys || e->deviceBitMask != 1u << sc->dev) return CUDA_ERROR_INVALID_VALUE;
+    if (!(t.flags & CUDA_ARRAY3D_DEFERRED_MAPPING)) {
+        if (e->subresourceType != CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL &&
+            e->subresourceType != CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_MIPTAIL)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (e->subresourceType == CU_ARRAY_SPARSE_SUBRESOURCE_TYPE_SPARSE_LEVEL &&
+            e->subresource.sparseLevel.level >= t.nlevels)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (e->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP)
+        return e->memHandle.memHandle ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (e->memOperationType != CU_MEM_OPERATION_TYPE_MAP || e->memHandleType != CU_MEM_HANDLE_TYPE_GENERIC)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_phys *p = sim_phys_live_locked(e->memHandle.memHandle);
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    uint32_t gpu;
+    uint64_t size;
+    unsigned short usage;
+    sim_phys_describe(p, &gpu, &size, &usage);
+    /* Only a tile pool (CU_MEM_CREATE_USAGE_TILE_POOL) backs arrays, on their own GPU. */
+    if (!(usage & CU_MEM_CREATE_USAGE_TILE_POOL) || gpu != t.phys || e->offset >= size) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+/* Map or unmap one (checked) entry: what was bound at its place is unbound first. */
+static CUresult map_apply_locked(const CUarrayMapInfo *e) {
+    struct map_target t;
+    map_target_locked(e, &t);
+    struct sim_bind place = place_of(e, t.flags);
+    for (struct sim_bind **link = t.binds; *link; link = &(*link)->next) {
+        if (same_place(*link, &place)) {
+            struct sim_bind *old = *link;
+            *link = old->next;
+            sim_phys_unbind_locked(old->mem);
+            free(old);
+            break;
+        }
+    }
+    if (e->memOperationType == CU_MEM_OPERATION_TYPE_UNMAP) return CUDA_SUCCESS;
+    struct sim_bind *b = malloc(sizeof *b);
+    if (!b) return CUDA_ERROR_OUT_OF_MEMORY;
+    *b = place;
+    b->mem = sim_phys_live_locked(e->memHandle.memHandle);
+    sim_phys_bind_locked(b->mem);
+    b->next = *t.binds;
+    *t.binds = b;
+    return CUDA_SUCCESS;
+}
+
+/* Done when called, as copies are: every entry is checked before any is applied. */
+static CUresult map_array(CUarrayMapInfo *list, unsigned int count, CUstream h, int ptsz) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!list || count == 0) return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *sc;
+    struct CUstream_st *s;
+    sim_lock();
+    rc = sim_stream_get(h, ptsz, &sc, &s);
+    for (unsigned int i = 0; rc == CUDA_SUCCESS && i < count; i++) rc = map_check_locked(&list[i], sc);
+    for (unsigned int i = 0; rc == CUDA_SUCCESS && i < count; i++) rc = map_apply_locked(&list[i]);
+    sim_unlock();
+    return rc;
+}
+
+CUresult cuMemMapArrayAsync(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream) {
+    return map_array(mapInfoList, count, hStream, 0);
+}
+
+CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *mapInfoList, unsigned int count, CUstream hStream) {
+    return map_array(mapInfoList, count, hStream, 1);
 }
 
 void sim_mem_free_ctx_locked(struct CUctx_st *ctx) {
@@ -456,6 +753,10 @@ void sim_mem_free_ctx_locked(struct CUctx_st *ctx) {
         if (g_tab[i]->ctx == ctx) sim_alloc_destroy_locked(g_tab[i]);
     for (struct CUarray_st **link = &g_arrays; *link;) {
         if ((*link)->ctx == ctx) array_unlink_locked(link);
+        else link = &(*link)->next;
+    }
+    for (struct CUmipmappedArray_st **link = &g_mipmaps; *link;) {
+        if ((*link)->ctx == ctx) mipmap_unlink_locked(link);
         else link = &(*link)->next;
     }
 }
@@ -483,4 +784,9 @@ SIM_SELF(cuMemGetInfo_v2)
 SIM_SELF(cuMemHostAlloc)
 SIM_SELF(cuMemHostGetDevicePointer)
 SIM_SELF(cuMemHostGetDevicePointer_v2)
+SIM_SELF(cuMemMapArrayAsync)
+SIM_SELF(cuMemMapArrayAsync_ptsz)
+SIM_SELF(cuMipmappedArrayCreate)
+SIM_SELF(cuMipmappedArrayDestroy)
+SIM_SELF(cuMipmappedArrayGetLevel)
 SIM_SELF(cuPointerGetAttribute)

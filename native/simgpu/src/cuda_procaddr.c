@@ -132,6 +132,7 @@
     V("cuMemHostGetDevicePointer", 2020, cuMemHostGetDevicePointer) \
     V("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer_v2) \
     V("cuMemMap", 10020, cuMemMap) \
+    P("cuMemMapArrayAsync", 11010, cuMemMapArrayAsync, 11010, cuMemMapArrayAsync_ptsz) \
     V("cuMemPoolCreate", 11020, cuMemPoolCreate) \
     V("cuMemPoolDestroy", 11020, cuMemPoolDestroy) \
     V("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute) \
@@ -164,6 +165,9 @@
     V("cuMemsetD8", 2000, cuMemsetD8) \
     P("cuMemsetD8", 3020, cuMemsetD8_v2, 7000, cuMemsetD8_v2_ptds) \
     P("cuMemsetD8Async", 3020, cuMemsetD8Async, 7000, cuMemsetD8Async_ptsz) \
+    V("cuMipmappedArrayCreate", 5000, cuMipmappedArrayCreate) \
+    V("cuMipmappedArrayDestroy", 5000, cuMipmappedArrayDestroy) \
+    V("cuMipmappedArrayGetLevel", 5000, cuMipmappedArrayGetLevel) \
     V("cuModuleGetFunction", 2000, cuModuleGetFunction) \
     V("cuModuleLoad", 2000, cuModuleLoad) \
     V("cuModuleLoadData", 2000, cuModuleLoadData) \

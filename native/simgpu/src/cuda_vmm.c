@@ -18,7 +18,7 @@ struct sim_phys {
     uint64_t size;
     uint32_t phys;
     unsigned int refs; /* cuMemCreate and each cuMemRetainAllocationHandle, minus releases */
-    unsigned int maps; /* live mappings */
+    unsigned int maps; /* live mappings, and bindings into sparse arrays (cuda_mem.c) */
     CUmemAllocationProp prop;
 };
 
@@ -45,6 +45,24 @@ static void phys_maybe_destroy_locked(struct sim_phys *p) {
     close(p->fd);
     simgpu_mem_uncharge(p->phys, p->size);
     free(p);
+}
+
+struct sim_phys *sim_phys_live_locked(CUmemGenericAllocationHandle h) {
+    struct sim_phys *p = phys_find_locked(h);
+    return p && p->refs ? p : NULL;
+}
+
+void sim_phys_describe(const struct sim_phys *p, uint32_t *gpu, uint64_t *size, unsigned short *usage) {
+    *gpu = p->phys;
+    *size = p->size;
+    *usage = p->prop.allocFlags.usage;
+}
+
+void sim_phys_bind_locked(struct sim_phys *p) { p->maps++; }
+
+void sim_phys_unbind_locked(struct sim_phys *p) {
+    p->maps--;
+    phys_maybe_destroy_locked(p);
 }
 
 static int aligned(uint64_t v) { return v % SIM_GRANULARITY == 0; }

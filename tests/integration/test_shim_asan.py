@@ -35,6 +35,10 @@ def test_every_path(asan: Shim, path: str) -> None:
     memory.test_every_path_fills_the_limit_is_refused_past_it_and_frees_back(asan, path)
 
 
+def test_arrays(asan: Shim) -> None:
+    memory.test_arrays_are_charged_layers_faces_and_levels_and_sparse_ones_nothing(asan, "handle")
+
+
 @pytest.mark.parametrize("mode", ["handle", "default", "getproc"])
 def test_every_way_of_reaching_the_driver(asan: Shim, mode: str) -> None:
     memory.test_every_way_of_reaching_the_driver_is_enforced(asan, mode, "alloc")

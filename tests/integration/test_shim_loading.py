@@ -104,11 +104,15 @@ QUERIES = {
     "cuCtxCreate:3020:0": ("libvgpu.so", "cuCtxCreate_v2"),
     "cuMemGetInfo:12000:0": ("libvgpu.so", "cuMemGetInfo_v2"),
     "cuGetProcAddress:12000:0": ("libvgpu.so", "cuGetProcAddress_v2"),
+    "cuMipmappedArrayCreate:12000:0": ("libvgpu.so", "cuMipmappedArrayCreate"),
+    "cuMipmappedArrayDestroy:5000:0": ("libvgpu.so", "cuMipmappedArrayDestroy"),
     # not hooked: the driver's own, in the variant it chose
     "cuInit:12000:0": ("libcuda.so.1", "cuInit"),
     "cuMemcpyAsync:12000:1": ("libcuda.so.1", "cuMemcpyAsync_ptsz"),
     "cuEventRecord:12000:1": ("libcuda.so.1", "cuEventRecord_ptsz"),
     "cuStreamSynchronize:12000:0": ("libcuda.so.1", "cuStreamSynchronize"),
+    "cuMipmappedArrayGetLevel:12000:0": ("libcuda.so.1", "cuMipmappedArrayGetLevel"),
+    "cuMemMapArrayAsync:12000:1": ("libcuda.so.1", "cuMemMapArrayAsync_ptsz"),
 }
 
 

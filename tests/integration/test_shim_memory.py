@@ -16,6 +16,8 @@ from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, read_until
 
 from vgpu_plugin.simgpu import Node
 
+INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
+
 PATHS = [
     "alloc",
     "alloc_v1",
@@ -28,6 +30,7 @@ PATHS = [
     "vmm",
     "array",
     "array3d",
+    "mipmapped",
 ]
 
 
@@ -64,6 +67,55 @@ def test_every_way_of_reaching_the_driver_is_enforced(shim: Shim, mode: str, pat
     assert r.rc == 0, r.stderr
     assert r.int("allocated") == (GIB - CONTEXT) // chunk * chunk
     assert r.int("refusal") == OOM
+
+
+def level_bytes(w: int, h: int, d: int, levels: int, keep_depth: bool) -> int:
+    """A float4 array's levels [0, levels): max(1, extent >> l) per spatial dimension; layers
+    and cubemap faces (keep_depth) do not shrink."""
+    total = 0
+    for lvl in range(levels):
+        depth = (d if keep_depth else max(1, d >> lvl)) if d else 1
+        total += max(1, w >> lvl) * (max(1, h >> lvl) if h else 1) * depth * 16
+    return total
+
+
+@pytest.mark.parametrize("mode", ["handle", "default", "getproc"])
+def test_arrays_are_charged_layers_faces_and_levels_and_sparse_ones_nothing(
+    shim: Shim, mode: str
+) -> None:
+    r = shim.run("shim_arrays", mode, 0, env=limit_env(shim))
+    assert r.rc == 0, r.stderr
+    # Depth is a layered array's layer count and a cubemap's faces (6, or 6 per layer).
+    for name, size in {
+        "layered1d": 1024 * 64 * 16,
+        "layered2d": 256 * 256 * 16 * 16,
+        "cubemap": 512 * 512 * 6 * 16,
+        "cubemap_layered": 256 * 256 * 12 * 16,
+    }.items():
+        assert (r.int(name), r.int(f"{name}_free")) == (size, -size), name
+    # A mipmapped array: the sum of its levels, given back whole by its destroy; a level is
+    # its own, and destroying that (refused by the driver) gives nothing back.
+    mip = level_bytes(256, 256, 6, 3, keep_depth=True)
+    assert r.int("mip_cubemap") == mip
+    assert (r.int("mip_level_destroy_rc"), r.int("mip_level_destroy")) == (INVALID_HANDLE, 0)
+    assert r.int("mip_cubemap_free") == -mip
+    assert r.int("mip_destroy_twice_rc") == INVALID_HANDLE
+    # Its first level alone fits in the limit, all of them do not: refused, nothing charged.
+    assert level_bytes(2048, 2048, 10, 1, keep_depth=True) < GIB - CONTEXT
+    assert (r.int("mip_over_rc"), r.int("mip_over")) == (OOM, 0)
+    # It goes with its context, as the context's own memory does.
+    in_ctx = level_bytes(512, 512, 0, 10, keep_depth=False)
+    assert r.int("mip_in_ctx") == in_ctx
+    assert r.int("mip_ctx_destroyed") == -(in_ctx + CONTEXT)
+    # Sparse and deferred-mapping arrays (16 GiB, 4 GiB and 1.3 GiB nominal, past the limit)
+    # take nothing; the tile pool bound into them is charged once, by cuMemCreate, and held to
+    # the limit.
+    assert [r.int(f"{k}_rc") for k in ("sparse", "deferred", "sparse_mip")] == [0, 0, 0]
+    assert r.int("sparse") == 0
+    assert (r.int("tile_pool"), r.int("map")) == (64 * MIB, 0)
+    assert r.int("tile_pool_over_rc") == OOM
+    assert (r.int("tile_pool_free"), r.int("sparse_free")) == (-64 * MIB, 0)
+    assert r.int("end") == 0
 
 
 def test_usable_memory_is_at_least_99_percent_of_the_limit(shim: Shim) -> None:

@@ -3,8 +3,9 @@
  *
  *   shim_mem <mode> <ordinal> <path> <chunk-bytes> <max-count> [hold] [gate]
  *
- * path: alloc alloc_v1 pitch managed async async_ptsz pool pool_ptsz vmm array array3d
- * (alloc_v1: the 32-bit cuMemAlloc of CUDA < 3.2, found by name)
+ * path: alloc alloc_v1 pitch managed async async_ptsz pool pool_ptsz vmm array array3d mipmapped
+ * (alloc_v1: the 32-bit cuMemAlloc of CUDA < 3.2, found by name; mipmapped: levels sized so
+ * that their sum is the chunk, a multiple of 1 MiB)
  * With gate: print "ready" once the context exists and wait for a line on stdin first, so
  * that several processes allocate at once.
  * Prints allocated=<bytes> count=<n> refusal=<CUresult of the refused call, 0 if none>,
@@ -14,6 +15,7 @@
 struct obj {
     CUdeviceptr p;
     CUarray a;
+    CUmipmappedArray m;
     CUmemGenericAllocationHandle h;
 };
 
@@ -67,12 +69,20 @@ static CUresult alloc_one(const char *path, int ordinal, size_t bytes, struct ob
                                      .Format = CU_AD_FORMAT_UNSIGNED_INT8, .NumChannels = 4};
         return C(array3d_create, cuArray3DCreate)(&o->a, &d);
     }
+    if (!strcmp(path, "mipmapped")) {
+        /* 1D layered, 2 levels: 43691 + 21845 = 65536 elements per layer (layers do not
+         * shrink), 16 bytes each: 1 MiB per layer. */
+        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 43691, .Depth = bytes >> 20, .Format = CU_AD_FORMAT_FLOAT,
+                                     .NumChannels = 4, .Flags = CUDA_ARRAY3D_LAYERED};
+        return C(mip_create, cuMipmappedArrayCreate)(&o->m, &d, 2);
+    }
     fprintf(stderr, "unknown path %s\n", path);
     exit(2);
 }
 
 static void free_one(const char *path, struct obj *o) {
     if (o->a) CK(C(array_destroy, cuArrayDestroy)(o->a));
+    else if (o->m) CK(C(mip_destroy, cuMipmappedArrayDestroy)(o->m));
     else if (!strcmp(path, "vmm")) CK(C(mem_release, cuMemRelease)(o->h));
     else if (!strcmp(path, "async") || !strcmp(path, "pool")) CK(C(free_async, cuMemFreeAsync)(o->p, g_stream));
     else if (!strcmp(path, "async_ptsz") || !strcmp(path, "pool_ptsz")) CK(C(free_async_ptsz, cuMemFreeAsync)(o->p, NULL));

@@ -51,6 +51,10 @@
     F(array_create, cuArrayCreate_v2, "cuArrayCreate", 0)                                      \
     F(array3d_create, cuArray3DCreate_v2, "cuArray3DCreate", 0)                                \
     F(array_destroy, cuArrayDestroy, "cuArrayDestroy", 0)                                      \
+    F(mip_create, cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 0)                         \
+    F(mip_level, cuMipmappedArrayGetLevel, "cuMipmappedArrayGetLevel", 0)                      \
+    F(mip_destroy, cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 0)                      \
+    F(map_array, cuMemMapArrayAsync, "cuMemMapArrayAsync", 0)                                  \
     F(stream_create, cuStreamCreate, "cuStreamCreate", 0)                                      \
     F(stream_sync, cuStreamSynchronize, "cuStreamSynchronize", 0)                              \
     F(stream_sync_ptsz, cuStreamSynchronize_ptsz, "cuStreamSynchronize", 1)                    \

@@ -305,7 +305,13 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     return rc;
 }
 
-/* --- arrays: charged by their byte size ------------------------------------------------------ */
+/* --- arrays: charged by their byte size ------------------------------------------------------
+ * Width x height x depth x element size, depth being a layered array's layers or a cubemap's
+ * faces; a mipmapped array is charged the sum of its levels. Sparse and deferred-mapping arrays
+ * have no memory of their own: what cuMemMapArrayAsync binds into them comes from cuMemCreate
+ * handles, charged there; they pass through uncharged. */
+
+#define UNBACKED(flags) ((flags) & (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING))
 
 static uint64_t format_bytes(CUarray_format f) {
     switch ((int)f) {
@@ -322,14 +328,37 @@ static uint64_t format_bytes(CUarray_format f) {
     }
 }
 
-static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t dpt, CUarray_format f, uint64_t ch) {
-    uint64_t n = format_bytes(f) * (ch ? ch : 1);
-    uint64_t dims[3] = {w, h ? h : 1, dpt ? dpt : 1};
-    for (int i = 0; i < 3; i++) {
-        if (dims[i] && n > UINT64_MAX / dims[i]) return UINT64_MAX;
-        n *= dims[i];
+static uint64_t sat_mul(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+
+static uint64_t max1(uint64_t v) { return v ? v : 1; }
+
+/* Levels [0, levels) of an array (1 level unless mipmapped): level l has max(1, extent >> l)
+ * elements in each spatial dimension, as NVIDIA documents mip levels; layers and cubemap
+ * faces do not shrink. Saturates: a size past 64 bits is refused, not wrapped. */
+static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, unsigned int flags, unsigned int levels,
+                            CUarray_format f, uint64_t ch) {
+    int keep_depth = (flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    uint64_t elem = format_bytes(f) * (ch ? ch : 1), sum = 0;
+    for (unsigned int l = 0; l < levels && l < 64; l++) {
+        uint64_t n = sat_mul(elem, max1(w >> l));
+        n = sat_mul(n, h ? max1(h >> l) : 1);
+        n = sat_mul(n, !d ? 1 : keep_depth ? d : max1(d >> l));
+        sum = n > UINT64_MAX - sum ? UINT64_MAX : sum + n;
     }
-    return n;
+    return sum;
+}
+
+/* The levels a mipmapped array gets: clamped to [1, 1 + floor(log2(max(w, h, d)))], as
+ * cudaMallocMipmappedArray documents (a level past that would be no smaller than the last). */
+static unsigned int mip_levels(unsigned int n, uint64_t w, uint64_t h, uint64_t d) {
+    uint64_t m = w > h ? w : h;
+    if (d > m) m = d;
+    unsigned int top = 1;
+    while (m >>= 1) top++;
+    return n < 1 ? 1 : n > top ? top : n;
 }
 
 static CUresult array_create(CUarray *pHandle, uint64_t bytes, CUresult (*call)(CUarray *, const void *),
@@ -351,32 +380,58 @@ static CUresult call_array3d_v1(CUarray *h, const void *d) { return vgpu.real.cu
 VGPU_API CUresult cuArrayCreate_v2(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR *d) {
     NEED(cuArrayCreate_v2);
     if (LIKELY(!vgpu.limited) || !pHandle || !d) return vgpu.real.cuArrayCreate_v2(pHandle, d);
-    return array_create(pHandle, array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
+    return array_create(pHandle, array_bytes(d->Width, d->Height, 0, 0, 1, d->Format, d->NumChannels),
                         call_array_v2, d);
 }
 
 VGPU_API CUresult cuArrayCreate(CUarray *pHandle, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
     NEED(cuArrayCreate);
     if (LIKELY(!vgpu.limited) || !pHandle || !d) return vgpu.real.cuArrayCreate(pHandle, d);
-    return array_create(pHandle, array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
+    return array_create(pHandle, array_bytes(d->Width, d->Height, 0, 0, 1, d->Format, d->NumChannels),
                         call_array_v1, d);
 }
 
 VGPU_API CUresult cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
     NEED(cuArray3DCreate_v2);
-    if (LIKELY(!vgpu.limited) || !pHandle || !d) return vgpu.real.cuArray3DCreate_v2(pHandle, d);
-    return array_create(pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
+    if (LIKELY(!vgpu.limited) || !pHandle || !d || UNBACKED(d->Flags))
+        return vgpu.real.cuArray3DCreate_v2(pHandle, d);
+    return array_create(pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Flags, 1, d->Format, d->NumChannels),
                         call_array3d_v2, d);
 }
 
 VGPU_API CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
     NEED(cuArray3DCreate);
-    if (LIKELY(!vgpu.limited) || !pHandle || !d) return vgpu.real.cuArray3DCreate(pHandle, d);
-    return array_create(pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels),
+    if (LIKELY(!vgpu.limited) || !pHandle || !d || UNBACKED(d->Flags))
+        return vgpu.real.cuArray3DCreate(pHandle, d);
+    return array_create(pHandle, array_bytes(d->Width, d->Height, d->Depth, d->Flags, 1, d->Format, d->NumChannels),
                         call_array3d_v1, d);
 }
 
 VGPU_API CUresult cuArrayDestroy(CUarray hArray) {
     NEED(cuArrayDestroy);
     FREE_BODY(VGPU_OBJ_ARRAY, (uint64_t)(uintptr_t)hArray, vgpu.real.cuArrayDestroy(hArray));
+}
+
+/* Its levels (cuMipmappedArrayGetLevel) belong to it: they are neither charged nor freed apart. */
+VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                         unsigned int numMipmapLevels) {
+    NEED(cuMipmappedArrayCreate);
+    if (LIKELY(!vgpu.limited) || !pHandle || !d || UNBACKED(d->Flags))
+        return vgpu.real.cuMipmappedArrayCreate(pHandle, d, numMipmapLevels);
+    CUcontext ctx;
+    struct vgpu_dev *dev = vgpu_ctx_dev(NULL, &ctx);
+    if (!dev) return UNRESOLVED(ctx, vgpu.real.cuMipmappedArrayCreate(pHandle, d, numMipmapLevels));
+    uint64_t bytes = array_bytes(d->Width, d->Height, d->Depth, d->Flags,
+                                 mip_levels(numMipmapLevels, d->Width, d->Height, d->Depth), d->Format,
+                                 d->NumChannels);
+    CUresult rc = vgpu_charge(dev, bytes);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = vgpu.real.cuMipmappedArrayCreate(pHandle, d, numMipmapLevels);
+    return finish(dev, rc, VGPU_OBJ_MIPMAP, rc == CUDA_SUCCESS ? (uint64_t)(uintptr_t)*pHandle : 0, bytes, ctx);
+}
+
+VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
+    NEED(cuMipmappedArrayDestroy);
+    FREE_BODY(VGPU_OBJ_MIPMAP, (uint64_t)(uintptr_t)hMipmappedArray,
+              vgpu.real.cuMipmappedArrayDestroy(hMipmappedArray));
 }

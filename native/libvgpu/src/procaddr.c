@@ -46,6 +46,8 @@ static const struct variant k_variants[] = {
     {"cuArray3DCreate", 2000, 0, "cuArray3DCreate"},
     {"cuArray3DCreate", 3020, 0, "cuArray3DCreate_v2"},
     {"cuArrayDestroy", 2000, 0, "cuArrayDestroy"},
+    {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate"},
+    {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy"},
     {"cuCtxCreate", 2000, 0, "cuCtxCreate"},
     {"cuCtxCreate", 3020, 0, "cuCtxCreate_v2"},
     {"cuCtxCreate", 11040, 0, "cuCtxCreate_v3"},

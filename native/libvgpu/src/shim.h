@@ -40,7 +40,7 @@
     H(cuMemCreate) H(cuMemRelease) H(cuMemRetainAllocationHandle)                              \
     H(cuMemPoolCreate) H(cuMemPoolDestroy)                                                     \
     H(cuArrayCreate) H(cuArrayCreate_v2) H(cuArray3DCreate) H(cuArray3DCreate_v2)              \
-    H(cuArrayDestroy)                                                                          \
+    H(cuArrayDestroy) H(cuMipmappedArrayCreate) H(cuMipmappedArrayDestroy)                     \
     H(cuCtxCreate) H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4)                       \
     H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
     H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
@@ -205,7 +205,10 @@ VGPU_HIDDEN void vgpu_container_limits(struct vgpu_limits *lim);
 VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
 
 /* ptrtab.c: what each live allocation charged, so its free gives back exactly that. */
-enum { VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5 };
+enum {
+    VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
+    VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
+};
 struct vgpu_rec {
     uint64_t key;
     uint64_t bytes;

@@ -63,6 +63,7 @@ def test_real_get_proc_address_maps_to_hooks(gpu_env: dict[str, str], native_tre
         "cuLaunchKernel:12000:1": "cuLaunchKernel_ptsz",
         "cuGraphLaunch:12000:0": "cuGraphLaunch",
         "cuMemAllocAsync:12000:1": "cuMemAllocAsync_ptsz",
+        "cuMipmappedArrayCreate:12000:0": "cuMipmappedArrayCreate",
     }
     r = subprocess.run(
         [str(native_tree / "tests" / "shim_getproc"), *queries, "cuInit:12000:0"],
@@ -96,6 +97,27 @@ def test_torch_sees_and_is_held_to_the_memory_limit(gpu_env: dict[str, str]) -> 
     got = dict(line.split() for line in out.splitlines())
     assert int(got["total"]) == 4 * GIB
     assert 2 * GIB <= int(got["held"]) <= 4 * GIB  # the context takes its part
+
+
+def test_mipmapped_arrays_are_held_to_the_limit_and_given_back_exactly(
+    gpu_env: dict[str, str], native_tree: Path
+) -> None:
+    """shim_mem's mipmapped path (2D layered, 4 levels: within real texture limits)."""
+    chunk = 64 << 20
+    r = subprocess.run(
+        [str(native_tree / "tests" / "shim_mem"), "handle", "0", "mipmapped", str(chunk), "100"],
+        env=dict(gpu_env, CUDA_DEVICE_MEMORY_LIMIT="2g"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    allocated = int(out["allocated"])
+    assert int(out["refusal"]) == 2  # CUDA_ERROR_OUT_OF_MEMORY: the limit, not the GPU
+    assert 0 < allocated < 2 * GIB  # beside the context's own memory
+    assert int(out["after_view_free"]) == int(out["view_free"]) + allocated
 
 
 SPEED = """

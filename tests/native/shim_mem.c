@@ -4,8 +4,8 @@
  *   shim_mem <mode> <ordinal> <path> <chunk-bytes> <max-count> [hold] [gate]
  *
  * path: alloc alloc_v1 pitch managed async async_ptsz pool pool_ptsz vmm array array3d mipmapped
- * (alloc_v1: the 32-bit cuMemAlloc of CUDA < 3.2, found by name; mipmapped: levels sized so
- * that their sum is the chunk, a multiple of 1 MiB)
+ * (alloc_v1: the 32-bit cuMemAlloc of CUDA < 3.2, found by name; mipmapped: levels whose sum
+ * is the chunk, a multiple of 1 MiB)
  * With gate: print "ready" once the context exists and wait for a line on stdin first, so
  * that several processes allocate at once.
  * Prints allocated=<bytes> count=<n> refusal=<CUresult of the refused call, 0 if none>,
@@ -70,11 +70,11 @@ static CUresult alloc_one(const char *path, int ordinal, size_t bytes, struct ob
         return C(array3d_create, cuArray3DCreate)(&o->a, &d);
     }
     if (!strcmp(path, "mipmapped")) {
-        /* 1D layered, 2 levels: 43691 + 21845 = 65536 elements per layer (layers do not
-         * shrink), 16 bytes each: 1 MiB per layer. */
-        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 43691, .Depth = bytes >> 20, .Format = CU_AD_FORMAT_FLOAT,
-                                     .NumChannels = 4, .Flags = CUDA_ARRAY3D_LAYERED};
-        return C(mip_create, cuMipmappedArrayCreate)(&o->m, &d, 2);
+        /* 2D layered, 4 levels of 256 x 193, 128 x 96, 64 x 48, 32 x 24: 65536 elements per
+         * layer (layers do not shrink), 16 bytes each: 1 MiB per layer. */
+        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 256, .Height = 193, .Depth = bytes >> 20,
+                                     .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4, .Flags = CUDA_ARRAY3D_LAYERED};
+        return C(mip_create, cuMipmappedArrayCreate)(&o->m, &d, 4);
     }
     fprintf(stderr, "unknown path %s\n", path);
     exit(2);

@@ -21,7 +21,7 @@ VGPU_HIDDEN void *(*vgpu_dlsym_next)(void *, const char *);
 
 /* Sanitizers off here and in the route: their runtimes look their own symbols up through
  * dlsym while they initialise, before instrumented code may run. */
-#define VGPU_NO_SANITIZE __attribute__((no_sanitize("address", "undefined")))
+#define VGPU_NO_SANITIZE __attribute__((no_sanitize("address", "undefined", "thread")))
 
 static VGPU_NO_SANITIZE void *(*resolve_real_dlsym(void))(void *, const char *) {
     void *(*p)(void *, const char *) = __atomic_load_n(&vgpu_dlsym_next, __ATOMIC_ACQUIRE);

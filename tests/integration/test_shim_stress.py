@@ -42,6 +42,18 @@ def _stress(
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)})
     args = ("default", 0, seconds, threads, 8 * MIB, 192 * MIB)
     ps = [shim.start("shim_stress", *args, env=env) for _ in range(procs)]
+    try:
+        return _drive(shim, ps, seconds, kills, limit)
+    finally:
+        for p in ps:  # a failed check must not leave 64 threads spinning behind it
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _drive(
+    shim: Shim, ps: list[subprocess.Popen[str]], seconds: float, kills: int, limit: int
+) -> dict[str, int]:
     for p in ps:
         read_until(p, "ready")
     for p in ps:  # all start at once

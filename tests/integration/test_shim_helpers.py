@@ -160,6 +160,17 @@ def read_until(proc: subprocess.Popen[str], marker: str) -> dict[str, str]:
         text += line
 
 
+def start_together(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Wait until every started program has printed "ready", then let them all go at once
+    (each waits for a line on its stdin)."""
+    for p in procs:
+        read_until(p, "ready")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+
 def finish(proc: subprocess.Popen[str], timeout: float = 30) -> Result:
     """Close a started program's stdin and collect the rest of its output."""
     out, err = proc.communicate("", timeout=timeout)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, read_until
+from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, read_until, start_together
 
 from vgpu_plugin.simgpu import Node
 
@@ -144,12 +144,7 @@ def test_processes_of_a_container_share_one_limit_and_free_back_to_zero(shim: Sh
         shim.start("shim_mem", "handle", 0, "alloc", chunk, 1000, "hold", "gate", env=env)
         for _ in range(n)
     ]
-    for p in procs:
-        read_until(p, "ready")
-    for p in procs:  # all allocate at once
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.flush()
+    start_together(procs)  # all allocate at once
     held = [read_until(p, "holding") for p in procs]
     total = sum(int(h["allocated"]) for h in held) + n * CONTEXT
     assert total <= limit

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import native_build
 import pytest
-from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until
+from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until, start_together
 
 from vgpu_plugin.region import RegionError, read_region
 from vgpu_plugin.simgpu import Node
@@ -54,21 +54,18 @@ def _stress(
 def _drive(
     shim: Shim, ps: list[subprocess.Popen[str]], seconds: float, kills: int, limit: int
 ) -> dict[str, int]:
-    for p in ps:
-        read_until(p, "ready")
-    for p in ps:  # all start at once
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.flush()
+    start_together(ps)
     rng = random.Random(1)
     victims = rng.sample(ps, kills)
-    kill_at = sorted(time.monotonic() + rng.uniform(0.2, seconds * 0.7) for _ in victims)
+    due = sorted(
+        ((time.monotonic() + rng.uniform(0.2, seconds * 0.7), v) for v in victims),
+        key=lambda tv: tv[0],
+    )
     snapshots, peak = 0, 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if kill_at and time.monotonic() >= kill_at[0]:
-            kill_at.pop(0)
-            victims[len(victims) - len(kill_at) - 1].send_signal(signal.SIGKILL)
+        if due and time.monotonic() >= due[0][0]:
+            due.pop(0)[1].send_signal(signal.SIGKILL)
         try:
             used, region_limit = _used(shim)
         except RegionError:  # not created yet by the first process

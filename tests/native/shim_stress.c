@@ -46,15 +46,21 @@ static uint64_t next_rand(uint64_t *s) {
     return *s;
 }
 
-static CUresult make(struct held *o, int path, uint64_t bytes, CUstream s) {
-    o->path = path;
-    if (path == 0) return C(alloc, cuMemAlloc)(&o->p, bytes);
-    if (path == 1) return C(alloc_async, cuMemAllocAsync)(&o->p, bytes, s);
+/* Device memory of the stressed GPU, as cuMemCreate and its granularity query take it. */
+static CUmemAllocationProp device_prop(void) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = g.ordinal;
+    return prop;
+}
+
+static CUresult make(struct held *o, int path, uint64_t bytes, CUstream s) {
+    o->path = path;
+    if (path == 0) return C(alloc, cuMemAlloc)(&o->p, bytes);
+    if (path == 1) return C(alloc_async, cuMemAllocAsync)(&o->p, bytes, s);
+    CUmemAllocationProp prop = device_prop();
     bytes = (bytes + g.granularity - 1) / g.granularity * g.granularity;
     return C(mem_create, cuMemCreate)(&o->h, bytes, &prop, 0);
 }
@@ -112,11 +118,7 @@ int main(int argc, char **argv) {
     }
     CUdevice dev = shim_start(argv[1], g.ordinal);
     CK(C(retain, cuDevicePrimaryCtxRetain)(&g.ctx, dev));
-    CUmemAllocationProp prop;
-    memset(&prop, 0, sizeof prop);
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = g.ordinal;
+    CUmemAllocationProp prop = device_prop();
     CK(C(granularity, cuMemGetAllocationGranularity)(&g.granularity, &prop,
                                                       CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     if (g.granularity == 0) g.granularity = 1;

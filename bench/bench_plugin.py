@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vgpu_plugin.backend import list_and_watch_size
-from vgpu_plugin.install import install_shim
-from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
-from vgpu_plugin.simgpu import GpuSpec, Node
+from vgpu_plugin.kubelet.backend import list_and_watch_size
+from vgpu_plugin.node.install import install_shim
+from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
+from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
 RES = "nvidia.com/gpu"
 

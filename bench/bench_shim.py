@@ -44,7 +44,7 @@ def _tree() -> Path:
 
 class Bench:
     def __init__(self, tree: Path, tmp: Path) -> None:
-        from vgpu_plugin.simgpu import GpuSpec, Node
+        from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
         os.environ["VGPU_NATIVE_DIR"] = str(tree)
         self.tree = tree

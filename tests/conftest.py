@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import native_build
 
-from vgpu_plugin import native
-from vgpu_plugin.demo.node import EmulatedNode
-from vgpu_plugin.simgpu import GpuSpec, Node
+from vgpu_plugin.node import native
+from vgpu_plugin.sim.node import EmulatedNode
+from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import time
 
 from e2e.helpers import NodeFactory, needs_containers, one, results
 
-from vgpu_plugin.demo.node import MIB, WORKLOAD
+from vgpu_plugin.sim.node import MIB, WORKLOAD
 
 pytestmark = needs_containers
 

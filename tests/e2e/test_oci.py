@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.oci import ContainerConfig, RuncRuntime, runc_unavailable_reason
+from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime, runc_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     runc_unavailable_reason() is not None, reason=str(runc_unavailable_reason())

@@ -6,7 +6,7 @@ The protos are compiled with ``src/`` as the include root, so each one is regist
 its package path (``vgpu_plugin/api/deviceplugin/v1beta1/api.proto``) and the generated
 ``*_pb2_grpc.py`` already imports its messages as ``vgpu_plugin.api....api_pb2``: no import
 line needs rewriting, and the two files both named ``api.proto`` cannot clash in protobuf's
-descriptor pool. The outputs are committed; tests/integration/test_api_stubs.py regenerates
+descriptor pool. The outputs are committed; tests/kubelet/test_api_stubs.py regenerates
 them into a temporary directory and fails if they differ from the committed ones.
 """
 

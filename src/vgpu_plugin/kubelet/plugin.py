@@ -1,0 +1,242 @@
+"""The device plugin's Backend: the node plan advertised, allocated and kept current.
+
+Joins the pure core (plan, placement, grant, response) to the edges it needs on the Allocate
+path: the allocation store and the per-allocation files. Nothing here talks to the network,
+so Allocate stays fast and never blocks on anything but local disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
+from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core.allocation import ContainerSpec, container_spec
+from vgpu_plugin.core.config import Config
+from vgpu_plugin.core.devices import NodePlan, PhysicalGpu, plan_node
+from vgpu_plugin.core.grant import Grant, InvalidRequest, grant, new_allocation_id
+from vgpu_plugin.core.placement import preferred_allocation
+from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
+from vgpu_plugin.node.atomicfile import write_atomically
+from vgpu_plugin.node.health import HealthChange
+from vgpu_plugin.node.state import AllocationRecord, AllocationStore, GpuLimit
+
+log = logging.getLogger(__name__)
+
+
+def advertised_devices(plan: NodePlan, unhealthy: Mapping[str, str]) -> list[pb.Device]:
+    """Every slice of the plan as the kubelet sees it, with its GPU's health and NUMA node."""
+    out: list[pb.Device] = []
+    for g in plan.gpus:
+        health = UNHEALTHY if g.gpu.uuid in unhealthy else HEALTHY
+        topology = (
+            pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.gpu.numa_node)])
+            if g.gpu.numa_node is not None
+            else None
+        )
+        out.extend(pb.Device(ID=s.id, health=health, topology=topology) for s in g.slices)
+    return out
+
+
+class VgpuBackend:
+    """Implements ``backend.Backend`` for one resource over the node's GPUs."""
+
+    def __init__(
+        self,
+        gpus: Sequence[PhysicalGpu],
+        config: Config,
+        node_name: str,
+        node_labels: Mapping[str, str],
+        store: AllocationStore,
+        shim_version: str,
+        lock_dir: str = "/tmp/vgpulock",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._gpus = tuple(gpus)
+        self._node_name = node_name
+        self._store = store
+        self._shim_version = shim_version
+        self._lock_dir = lock_dir
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._seen_generation = 0
+        self._unhealthy: dict[str, str] = {}
+        self._config = config
+        self._plan = plan_node(config, self._gpus, node_name, node_labels)
+        check_list_size(self.devices())
+
+    # --- what is advertised ---------------------------------------------------------------
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def plan(self) -> NodePlan:
+        return self._plan
+
+    @property
+    def unhealthy(self) -> dict[str, str]:
+        """GPU UUID -> why, for the GPUs now advertised as unhealthy."""
+        return dict(self._unhealthy)
+
+    def options(self) -> pb.DevicePluginOptions:
+        return default_options()
+
+    def devices(self) -> list[pb.Device]:
+        return advertised_devices(self._plan, self._unhealthy)
+
+    def wait_for_change(self, timeout: float) -> bool:
+        with self._cond:
+            if self._generation == self._seen_generation:
+                self._cond.wait(timeout)
+            changed = self._generation != self._seen_generation
+            self._seen_generation = self._generation
+            return changed
+
+    def _changed(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def apply_config(self, config: Config, node_labels: Mapping[str, str]) -> NodePlan:
+        """Re-plan under a new config; raises (keeping the old plan) if it cannot be served.
+        Running containers keep their limits: those live in their own limits files."""
+        plan = plan_node(config, self._gpus, self._node_name, node_labels)
+        old_plan, old_config = self._plan, self._config
+        self._plan, self._config = plan, config
+        try:
+            check_list_size(self.devices())
+        except ValueError:
+            self._plan, self._config = old_plan, old_config
+            raise
+        if plan != old_plan:
+            self._changed()
+        return plan
+
+    def apply_health(self, changes: Sequence[HealthChange]) -> None:
+        unhealthy = dict(self._unhealthy)
+        for c in changes:
+            if c.healthy:
+                unhealthy.pop(c.uuid, None)
+            else:
+                unhealthy[c.uuid] = c.detail
+            log.info(
+                "GPU %s is now %s: %s",
+                c.uuid,
+                HEALTHY if c.healthy else UNHEALTHY,
+                c.detail,
+                extra={"gpu_uuid": c.uuid, "healthy": c.healthy, "reason": c.reason.value},
+            )
+        self._unhealthy = unhealthy
+        self._changed()
+
+    # --- the kubelet's calls --------------------------------------------------------------
+
+    def preferred_allocation(
+        self, request: pb.PreferredAllocationRequest
+    ) -> pb.PreferredAllocationResponse:
+        plan = self._plan
+        policy = self._config.sharing.placement
+        responses = []
+        for creq in request.container_requests:
+            chosen = preferred_allocation(
+                plan,
+                list(creq.available_deviceIDs),
+                list(creq.must_include_deviceIDs),
+                int(creq.allocation_size),
+                policy,
+            )
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        plan = self._plan
+        if not request.container_requests:
+            raise BackendError.invalid("Allocate request has no container requests")
+        # Decide everything first: a refused request writes nothing.
+        prepared: list[tuple[Grant, ContainerSpec]] = []
+        for i, creq in enumerate(request.container_requests):
+            try:
+                g = grant(plan, list(creq.devices_ids), new_allocation_id())
+                spec = container_spec(g, self._host_root, self._shim_version, self._lock_dir)
+            except InvalidRequest as exc:
+                raise BackendError.invalid(f"container request {i}: {exc}") from exc
+            prepared.append((g, spec))
+        written: list[tuple[Grant, ContainerSpec]] = []
+        try:
+            for g, spec in prepared:
+                self._materialise(g, spec)
+                written.append((g, spec))
+        except OSError as exc:
+            for g, spec in written:
+                self._unmaterialise(g, spec)
+            raise BackendError.internal(
+                f"cannot prepare the allocation on the host: {exc}"
+            ) from exc
+        responses = []
+        for g, spec in prepared:
+            log.info(
+                "allocated %s -> %s",
+                ",".join(g.device_ids),
+                "; ".join(f"{x.gpu.uuid} {x.memory_mib} MiB {x.compute_percent}%" for x in g.gpus),
+                extra={"allocation_id": g.allocation_id},
+            )
+            responses.append(
+                pb.ContainerAllocateResponse(
+                    envs=spec.envs,
+                    mounts=[
+                        pb.Mount(
+                            container_path=m.container_path,
+                            host_path=m.host_path,
+                            read_only=m.read_only,
+                        )
+                        for m in spec.mounts
+                    ],
+                )
+            )
+        return pb.AllocateResponse(container_responses=responses)
+
+    def pre_start_container(
+        self, request: pb.PreStartContainerRequest
+    ) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+    # --- host files -----------------------------------------------------------------------
+
+    @property
+    def _host_root(self) -> str:
+        return self._config.host_root
+
+    def _materialise(self, g: Grant, spec: ContainerSpec) -> None:
+        """The rw dir, the read-only limits file and the record exist before we answer."""
+        alloc_dir = Path(spec.allocation_dir)
+        alloc_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
+        limits = Path(spec.limits_path)
+        limits.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(limits, spec.limits_text.encode(), 0o644)
+        self._store.add(
+            AllocationRecord(
+                allocation_id=g.allocation_id,
+                device_ids=g.device_ids,
+                resource_name=self._plan_resource(),
+                created=self._clock(),
+                limits=tuple(GpuLimit(x.gpu.uuid, x.memory_mib, x.compute_percent) for x in g.gpus),
+            )
+        )
+
+    def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
+        shutil.rmtree(spec.allocation_dir, ignore_errors=True)
+        Path(spec.limits_path).unlink(missing_ok=True)
+        self._store.remove(g.allocation_id)
+
+    def _plan_resource(self) -> str:
+        return self._plan.resource_name

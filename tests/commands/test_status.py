@@ -17,12 +17,12 @@ from synthetic_regions import Dev, Proc, Snap
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef
 from vgpu_plugin.node.nodeview import GpuFacts, NodeView, build_view, region_path
-from vgpu_plugin.node.state import STATE_FILE_NAME, AllocationRecord, AllocationStore, GpuLimit
+from vgpu_plugin.node.state import STATE_FILE_NAME, AllocationRecord, AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
-MIB = 1 << 20
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 RES = "nvidia.com/gpu"
@@ -68,15 +68,15 @@ def node(tmp_path: Path) -> SyntheticNode:
             "alloc-1",
             100,
             (f"{GPU_A}-0", f"{GPU_B}-0", f"{GPU_B}-1"),
-            GpuLimit(GPU_A, 20389, 25),
-            GpuLimit(GPU_B, 40778, 50),
+            GpuLimit(GPU_A, 20389 * MIB, 25),
+            GpuLimit(GPU_B, 40778 * MIB, 50),
             namespace="ml",
             pod="infer-a",
             container="server",
         )
     )
-    store.add(rec("alloc-2", 200, (f"{GPU_A}-1",), GpuLimit(GPU_A, 20389, 0)))
-    store.add(rec("alloc-3", 300, (f"{GPU_A}-2",), GpuLimit(GPU_A, 20389, 25)))
+    store.add(rec("alloc-2", 200, (f"{GPU_A}-1",), GpuLimit(GPU_A, 20389 * MIB, 0)))
+    store.add(rec("alloc-3", 300, (f"{GPU_A}-2",), GpuLimit(GPU_A, 20389 * MIB, 25)))
     n.region(
         "alloc-1",
         Snap(
@@ -261,7 +261,7 @@ def test_a_refused_state_file_is_reported_and_left_in_place(tmp_path: Path) -> N
 
 
 def test_nvml_figures_and_drift_warning() -> None:
-    record = rec("a", 1, (f"{GPU_A}-0",), GpuLimit(GPU_A, 1000, 10))
+    record = rec("a", 1, (f"{GPU_A}-0",), GpuLimit(GPU_A, 1000 * MIB, 10))
     facts = [GpuFacts(GPU_A, 0, "NVIDIA H100", 80 << 30, 8, 100 * MIB, True)]
     snap = Snap((Dev(GPU_A, 500 * MIB),), (Proc(True, (500 * MIB,)),))
     view = build_view([record], {"a": snap}, facts)
@@ -325,7 +325,7 @@ def test_real_region_and_simulated_nvml(
             "live",
             1,
             (f"{uuid}-0",),
-            GpuLimit(uuid, 4096, 25),
+            GpuLimit(uuid, 4096 * MIB, 25),
             namespace="a",
             pod="b",
             container="c",
@@ -376,7 +376,7 @@ def test_real_region_and_simulated_nvml(
 
 
 def test_nvml_memory_used_is_empty_without_nvml() -> None:
-    from vgpu_plugin.commands.status import nvml_memory_used
+    from vgpu_plugin.node.nvml import nvml_memory_used
 
     # This test process has no libnvidia-ml on its library path (no driver here).
     assert nvml_memory_used() == {}

@@ -8,21 +8,11 @@ import time
 
 import pytest
 
-from vgpu_plugin.core.allocation import (
-    GpuLimit,
-    InvalidRequest,
-    Limits,
-    LimitsError,
-    Mount,
-    container_spec,
-    grant,
-    limits_of,
-    new_allocation_id,
-    parse_limits,
-    render_limits,
-)
+from vgpu_plugin.core.allocation import Mount, container_spec
 from vgpu_plugin.core.config import Config, Match, Override, Sharing
-from vgpu_plugin.core.devices import MIB, NodePlan, PhysicalGpu, plan_node
+from vgpu_plugin.core.devices import MIB, GpuLimit, NodePlan, PhysicalGpu, plan_node
+from vgpu_plugin.core.grant import InvalidRequest, grant, new_allocation_id
+from vgpu_plugin.core.limits import Limits, LimitsError, limits_of, parse_limits, render_limits
 
 AAAA = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 BBBB = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
@@ -77,8 +67,8 @@ def test_grant_merges_slices_of_one_gpu() -> None:
     (only,) = g.gpus
     assert only.gpu.uuid == AAAA
     assert only.slice_ids == (f"{AAAA}-1", f"{AAAA}-3")
-    assert (only.memory_mib, only.compute_percent) == (2 * 20389, 50)
-    assert only.memory_bytes == 2 * 20389 * MIB
+    assert (only.limit.memory_mib, only.limit.compute_percent) == (2 * 20389, 50)
+    assert only.limit.memory_bytes == 2 * 20389 * MIB
     assert g.device_ids == (f"{AAAA}-1", f"{AAAA}-3")
 
 
@@ -92,13 +82,13 @@ def test_uniform_compute_also_sets_the_index_less_variable() -> None:
 def test_unlimited_compute_is_zero_everywhere() -> None:
     g = grant(design_plan(compute="none"), [f"{AAAA}-0", f"{AAAA}-1"], "x")
     envs = container_spec(g, "/usr/local/vgpu", "1").envs
-    assert g.gpus[0].compute_percent == 0
+    assert g.gpus[0].limit.compute_percent == 0
     assert (envs["CUDA_DEVICE_SM_LIMIT_0"], envs["CUDA_DEVICE_SM_LIMIT"]) == ("0", "0")
 
 
 def test_compute_is_capped_at_100() -> None:
     g = grant(design_plan(compute=60), [f"{AAAA}-0", f"{AAAA}-1"], "x")
-    assert g.gpus[0].compute_percent == 100
+    assert g.gpus[0].limit.compute_percent == 100
 
 
 def test_oversubscribed_iff_some_granted_gpu_scales_memory_above_one() -> None:
@@ -206,12 +196,12 @@ def test_merged_grant_properties(seed: int) -> None:
     assert indexes == sorted(indexes) and len(set(indexes)) == len(indexes)
     for gg in g.gpus:
         slices = [plan.slice(i) for i in gg.slice_ids]
-        assert gg.memory_mib == sum(s.memory_mib for s in slices if s)
-        assert gg.compute_percent == min(100, sum(s.compute_percent for s in slices if s))
+        assert gg.limit.memory_mib == sum(s.memory_mib for s in slices if s)
+        assert gg.limit.compute_percent == min(100, sum(s.compute_percent for s in slices if s))
     spec = container_spec(g, "/usr/local/vgpu", "1")
     assert spec.envs["NVIDIA_VISIBLE_DEVICES"].split(",") == [gg.gpu.uuid for gg in g.gpus]
     for i, gg in enumerate(g.gpus):
-        assert spec.envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] == f"{gg.memory_mib}m"
+        assert spec.envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] == f"{gg.limit.memory_mib}m"
     assert parse_limits(spec.limits_text) == limits_of(g)
 
 

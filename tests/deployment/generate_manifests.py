@@ -50,7 +50,8 @@ def _header() -> str:
     return (
         f"# Generated from the chart deploy/helm/vgpu-plugin {meta['version']} with its default\n"
         f"# values (release {RELEASE}, namespace {NAMESPACE}) by\n"
-        "# tests/deployment/generate_manifests.py. Do not edit: change the chart and run it again.\n"
+        "# tests/deployment/generate_manifests.py. Do not edit: change the chart and run it"
+        " again.\n"
     )
 
 

@@ -356,7 +356,9 @@ def test_chart_version_follows_the_plugin(defaults: Rendered) -> None:
 def test_a_helm_binary_agrees_with_the_test_renderer() -> None:
     helm = shutil.which("helm")
     if helm is None:
-        pytest.skip("no helm binary on PATH: the chart is rendered by tests/deployment/gotemplate.py")
+        pytest.skip(
+            "no helm binary on PATH: the chart is rendered by tests/deployment/gotemplate.py"
+        )
     for overrides in VARIANTS.values():
         args = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
         values = yaml.safe_dump(overrides)

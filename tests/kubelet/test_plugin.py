@@ -99,7 +99,7 @@ def test_allocate_matches_the_design_example(node: Node) -> None:
     # What the response points at exists before the kubelet gets it.
     assert (root / "containers" / aid).is_dir()
     limits = parse_limits((root / "limits" / aid).read_text())
-    assert [(g.uuid, g.memory_bytes, g.sm_percent) for g in limits.gpus] == [
+    assert [(g.uuid, g.memory_bytes, g.compute_percent) for g in limits.gpus] == [
         (A, 40778 * MIB, 50),
         (B, 20389 * MIB, 25),
     ]

@@ -16,14 +16,14 @@ import pytest
 
 from vgpu_plugin.api.constants import HEALTHY, MAX_MESSAGE_BYTES, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.kubelet.server import (
+from vgpu_plugin.kubelet.backend import (
     BackendError,
-    DevicePluginServer,
     ListTooLargeError,
-    ServerHooks,
     check_list_size,
     default_options,
 )
+from vgpu_plugin.kubelet.server import DevicePluginServer
+from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 
 RESOURCE = "nvidia.com/gpu"
@@ -123,9 +123,32 @@ def backend() -> FakeBackend:
     return FakeBackend(make_devices(4))
 
 
+class Events:
+    """What the server told its hooks: the one way it reports events."""
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+        self.register_failures: list[str] = []
+        self.restarts: list[str] = []
+        self.rpcs: list[tuple[str, str | None]] = []
+
+    def hooks(self) -> ServerHooks:
+        return ServerHooks(
+            on_register=self.registered.append,
+            on_register_failure=self.register_failures.append,
+            on_restart=self.restarts.append,
+            on_rpc=lambda method, _seconds, code: self.rpcs.append((method, code)),
+        )
+
+
 @pytest.fixture
-def server(backend: FakeBackend, plugin_dir: Path) -> Iterator[DevicePluginServer]:
-    srv = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.1)
+def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+def server(backend: FakeBackend, plugin_dir: Path, events: Events) -> Iterator[DevicePluginServer]:
+    srv = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.1, hooks=events.hooks())
     yield srv
     srv.stop(grace=0.2)
 
@@ -143,7 +166,7 @@ def ids(devices: list[pb.Device]) -> list[str]:
 
 
 def test_registers_after_serving_with_options_in_both_places(
-    kubelet: KubeletEmulator, server: DevicePluginServer
+    kubelet: KubeletEmulator, server: DevicePluginServer, events: Events
 ) -> None:
     server.start()
     (reg,) = kubelet.wait_registrations(1, timeout=5)
@@ -160,7 +183,7 @@ def test_registers_after_serving_with_options_in_both_places(
     assert reg.plugin_options == expected
     assert reg.request_options == expected
     assert kubelet.rejected == []
-    assert server.stats.registrations == 1
+    assert events.registered == [reg.endpoint]
 
 
 def test_list_and_watch_sends_the_full_list_then_every_change(
@@ -184,7 +207,7 @@ def test_list_and_watch_sends_the_full_list_then_every_change(
 
 
 def test_allocate_preferred_and_pre_start_reach_the_backend(
-    kubelet: KubeletEmulator, server: DevicePluginServer, backend: FakeBackend
+    kubelet: KubeletEmulator, server: DevicePluginServer, backend: FakeBackend, events: Events
 ) -> None:
     server.start()
     devices = ids(kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=5))
@@ -202,8 +225,7 @@ def test_allocate_preferred_and_pre_start_reach_the_backend(
 
     assert kubelet.pre_start_container(RESOURCE, devices[:1]) == pb.PreStartContainerResponse()
     assert kubelet.get_device_plugin_options(RESOURCE) == default_options()
-    assert server.stats.rpc_calls["Allocate"] == 1
-    assert server.stats.rpc_errors.get("Allocate", 0) == 0
+    assert [code for method, code in events.rpcs if method == "Allocate"] == [None]
 
 
 def test_backend_errors_become_grpc_status_codes(
@@ -235,16 +257,18 @@ def test_backend_errors_become_grpc_status_codes(
 def test_twenty_kubelet_restarts_reregister_exactly_once_each(
     kubelet: KubeletEmulator, backend: FakeBackend, plugin_dir: Path
 ) -> None:
-    server = DevicePluginServer(backend, RESOURCE, plugin_dir)  # the default 200 ms polling
+    events = Events()
+    # The default 200 ms polling.
+    server = DevicePluginServer(backend, RESOURCE, plugin_dir, hooks=events.hooks())
     server.start()
     try:
-        _restart_twenty_times(kubelet, server, plugin_dir)
+        _restart_twenty_times(kubelet, events, plugin_dir)
     finally:
         server.stop(grace=0.2)
 
 
 def _restart_twenty_times(
-    kubelet: KubeletEmulator, server: DevicePluginServer, plugin_dir: Path
+    kubelet: KubeletEmulator, events: Events, plugin_dir: Path
 ) -> None:
     kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=5)
     endpoints = [kubelet.registrations[0].endpoint]
@@ -269,8 +293,8 @@ def _restart_twenty_times(
     while time.monotonic() < deadline:
         assert kubelet.registration_count() == 21
         time.sleep(0.05)
-    assert server.stats.registrations == 21
-    assert server.stats.restarts_detected == 20
+    assert len(events.registered) == 21
+    assert len(events.restarts) == 20
     assert kubelet.rejected == []
     print(f"slowest re-registration after a kubelet restart: {slowest * 1000:.0f} ms")
     # Old servers, executors and streams are really gone, not piling up per restart.
@@ -302,6 +326,7 @@ def test_refused_registration_is_retried_and_logged_once(
 ) -> None:
     caplog.set_level(logging.INFO, logger="vgpu_plugin.kubelet.server")
     # The kubelet refuses a resource name that is not <domain>/<name>.
+    events = Events()
     server = DevicePluginServer(
         backend,
         "not a resource",
@@ -309,11 +334,12 @@ def test_refused_registration_is_retried_and_logged_once(
         poll_interval=0.02,
         backoff_initial=0.02,
         backoff_max=0.05,
+        hooks=events.hooks(),
     )
     server.start()
     try:
         deadline = time.monotonic() + 5
-        while server.stats.register_failures < 5:
+        while len(events.register_failures) < 5:
             assert time.monotonic() < deadline, "Register was not retried"
             time.sleep(0.02)
         assert kubelet.registration_count() == 0

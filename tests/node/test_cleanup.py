@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.cleanup import Cleaner, CleanupPolicy, holders, store_relabeler
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore, GpuLimit
+from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 A = PodRef("ml", "infer-a", "server")
 B = PodRef("ml", "infer-b", "server")
@@ -23,7 +24,7 @@ def rec(alloc_id: str, devices: tuple[str, ...], created: float) -> AllocationRe
         device_ids=devices,
         resource_name="nvidia.com/gpu",
         created=created,
-        limits=(GpuLimit("GPU-a", 1024, 25),),
+        limits=(GpuLimit("GPU-a", 1024 * MIB, 25),),
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from vgpu_plugin.commands import install_shim
 from vgpu_plugin.node import install, native
 
 # A process that maps the installed shim, as a container's processes do, and answers pings
@@ -241,15 +242,15 @@ def test_the_command_reports_what_it_did(
     import argparse
 
     parser = argparse.ArgumentParser()
-    install.add_flags(parser)
+    install_shim.add_flags(parser)
     args = parser.parse_args(["--host-root", str(tmp_path / "host"), "--source", str(shim_build)])
-    assert install.run(args) == 0
+    assert install_shim.run(args) == 0
     assert "installed" in capsys.readouterr().out
-    assert install.run(args) == 0
+    assert install_shim.run(args) == 0
     out = capsys.readouterr().out
     assert "already installed" in out and "up to date" in out
     bad = parser.parse_args(["--host-root", str(tmp_path / "h2"), "--source", "/nonexistent"])
-    assert install.run(bad) == 1
+    assert install_shim.run(bad) == 1
     assert "/nonexistent" in capsys.readouterr().err
 
 

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from synthetic_regions import Dev, Proc, Snap
 
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
 from vgpu_plugin.node.nodeview import GpuFacts, NodeView, region_path, view_provider
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore, GpuLimit
+from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
-MIB = 1 << 20
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 
@@ -118,9 +118,15 @@ def value(scraped: dict[str, list[tuple[dict[str, str], float]]], name: str, **m
 
 def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None:
     node.store.add(
-        record("a1", 100, GpuLimit(GPU_A, 20389, 25), GpuLimit(GPU_B, 40778, 50), pod="infer-a")
+        record(
+            "a1",
+            100,
+            GpuLimit(GPU_A, 20389 * MIB, 25),
+            GpuLimit(GPU_B, 40778 * MIB, 50),
+            pod="infer-a",
+        )
     )
-    node.store.add(record("a2", 200, GpuLimit(GPU_A, 20389, 25), k=1))
+    node.store.add(record("a2", 200, GpuLimit(GPU_A, 20389 * MIB, 25), k=1))
     node.regions.put(
         node.root,
         "a1",
@@ -168,7 +174,7 @@ def test_an_allocation_is_exported_from_its_record_until_the_record_is_dropped(
     node: Node,
 ) -> None:
     assert samples(node.scrape(), "vgpu_container_memory_limit_bytes") == []
-    node.store.add(record("fresh", 1, GpuLimit(GPU_A, 1000, 0)))
+    node.store.add(record("fresh", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
     got = node.scrape()
     assert value(got, "vgpu_container_memory_limit_bytes", allocation_id="fresh") == 1000 * MIB
     # The pod shows up in the record's labels once cleanup has learnt it.
@@ -181,8 +187,8 @@ def test_an_allocation_is_exported_from_its_record_until_the_record_is_dropped(
 
 
 def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:
-    node.store.add(record("bad", 1, GpuLimit(GPU_A, 1000, 0)))
-    node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000, 0)))
+    node.store.add(record("bad", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000 * MIB, 0)))
     node.regions.put(node.root, "bad", ValueError("bad magic"))
     node.regions.put(node.root, "foreign", Snap((Dev(GPU_B, 1 << 40),), ()))
     got = node.scrape()

@@ -22,8 +22,8 @@ from pathlib import Path
 import native_build
 import pytest
 
+from vgpu_plugin.core.devices import GpuLimit
 from vgpu_plugin.node.region import (
-    DeviceLimit,
     RegionBusy,
     RegionError,
     create_region,
@@ -289,8 +289,8 @@ def test_books_that_do_not_add_up_are_refused(tools: Tools, region: Path) -> Non
 def test_plugin_precreates_and_tenants_attach(tools: Tools, tmp_path: Path) -> None:
     path = tmp_path / "pre.cache"
     uuids = ["GPU-00000000-0000-0000-0000-000000000000", "GPU-aaaa"]
-    assert create_region(path, [DeviceLimit(uuids[0], GIB, 25), DeviceLimit(uuids[1], 2 * GIB)])
-    assert not create_region(path, [DeviceLimit(uuids[0], 8 * GIB)])  # written once
+    assert create_region(path, [GpuLimit(uuids[0], GIB, 25), GpuLimit(uuids[1], 2 * GIB, 0)])
+    assert not create_region(path, [GpuLimit(uuids[0], 8 * GIB, 0)])  # written once
     assert (path.stat().st_mode & 0o777) == 0o666
     tools.run("region_tool", "basic", path)
     snap = read_region(path)
@@ -299,11 +299,11 @@ def test_plugin_precreates_and_tenants_attach(tools: Tools, tmp_path: Path) -> N
         (uuids[1], 2 * GIB, 0, 0),
     ]
     with pytest.raises(RegionError, match="listed twice"):
-        create_region(tmp_path / "dup.cache", [DeviceLimit("GPU-x", 1), DeviceLimit("GPU-x", 1)])
+        create_region(tmp_path / "dup.cache", [GpuLimit("GPU-x", 1, 0), GpuLimit("GPU-x", 1, 0)])
     with pytest.raises(RegionError, match="out of range"):
-        create_region(tmp_path / "neg.cache", [DeviceLimit("GPU-x", -1)])
+        create_region(tmp_path / "neg.cache", [GpuLimit("GPU-x", -1, 0)])
     with pytest.raises(RegionError, match="bad uuid or SM percent"):
-        create_region(tmp_path / "sm.cache", [DeviceLimit("GPU-x", 1, 101)])
+        create_region(tmp_path / "sm.cache", [GpuLimit("GPU-x", 1, 101)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pre.cache"]
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node.state import (
     STATE_FILE_NAME,
     AllocationRecord,
     AllocationStore,
-    GpuLimit,
     StateFileError,
     decode,
 )
@@ -32,7 +32,7 @@ def record(n: int, **kw: object) -> AllocationRecord:
         "device_ids": (f"GPU-aaaa-{n}", f"GPU-bbbb-{n}"),
         "resource_name": "nvidia.com/gpu",
         "created": 1_700_000_000.25 + n,
-        "limits": (GpuLimit("GPU-aaaa", 20389, 25), GpuLimit("GPU-bbbb", 40778, 50)),
+        "limits": (GpuLimit("GPU-aaaa", 20389 * MIB, 25), GpuLimit("GPU-bbbb", 40778 * MIB, 50)),
     }
     fields.update(kw)
     return AllocationRecord(**fields)  # type: ignore[arg-type]

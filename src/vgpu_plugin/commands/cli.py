@@ -31,7 +31,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _install_shim(args: argparse.Namespace) -> int:
-    from vgpu_plugin.node import install
+    from vgpu_plugin.commands import install_shim as install
 
     return install.run(args)
 
@@ -44,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from vgpu_plugin.commands import check_config, demo, status
-    from vgpu_plugin.node import install
+    from vgpu_plugin.commands import install_shim as install
 
     parser = argparse.ArgumentParser(
         prog="vgpu-plugin", description="Fractional GPU sharing for Kubernetes."

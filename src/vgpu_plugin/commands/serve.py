@@ -16,22 +16,28 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
-from vgpu_plugin.commands import status
 from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
-from vgpu_plugin.kubelet.server import DevicePluginServer, ServerHooks
+from vgpu_plugin.kubelet.server import DevicePluginServer
+from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
 from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
 from vgpu_plugin.node.nodeview import gpu_facts_from_plan, live_processes, view_provider
-from vgpu_plugin.node.nvml import HealthWatcher, NvmlUnavailable, discover, nvml_session
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.nvml import (
+    HealthWatcher,
+    NvmlUnavailable,
+    discover,
+    nvml_memory_used,
+    nvml_session,
+)
+from vgpu_plugin.node.state import AllocationStore, read_records
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
@@ -159,8 +165,8 @@ class Plugin:
         assert backend is not None
         provider = view_provider(
             Path(backend.config.host_root),
-            lambda: status.read_records(self.settings.state_dir)[0],
-            lambda: gpu_facts_from_plan(backend.plan, backend.unhealthy, status.nvml_memory_used()),
+            lambda: read_records(self.settings.state_dir)[0],
+            lambda: gpu_facts_from_plan(backend.plan, backend.unhealthy, nvml_memory_used()),
         )
         self._metrics = new_registry(provider)
         try:

@@ -1,4 +1,7 @@
-"""``serve`` settings: every flag has an environment variable (DESIGN 3.8), for the DaemonSet."""
+"""``serve`` settings: every flag has an environment variable (DESIGN 3.8), for the DaemonSet.
+
+The other commands take the flags they share with ``serve`` from here too (:func:`add_shared_flag`),
+so a flag, its variable and its default are written once."""
 
 from __future__ import annotations
 
@@ -8,6 +11,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from vgpu_plugin.api.constants import DEVICE_PLUGIN_PATH, POD_RESOURCES_SOCKET
+from vgpu_plugin.core import defaults
 
 
 @dataclass(frozen=True)
@@ -19,17 +25,17 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("config", "VGPU_CONFIG", "/etc/vgpu-plugin/config.yaml", "config file (YAML)"),
+    Flag("config", "VGPU_CONFIG", defaults.CONFIG_PATH, "config file (YAML)"),
     Flag(
         "device-plugin-dir",
         "VGPU_DEVICE_PLUGIN_DIR",
-        "/var/lib/kubelet/device-plugins",
+        DEVICE_PLUGIN_PATH,
         "the kubelet's device-plugin socket dir",
     ),
     Flag(
         "pod-resources-socket",
         "VGPU_POD_RESOURCES_SOCKET",
-        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        POD_RESOURCES_SOCKET,
         "the kubelet's pod-resources socket",
     ),
     Flag(
@@ -37,10 +43,10 @@ FLAGS: tuple[Flag, ...] = (
         "VGPU_HOST_ROOT",
         None,
         "host dir of the shim, limits and container dirs (default: the config's hostRoot, "
-        "/usr/local/vgpu)",
+        f"{defaults.HOST_ROOT})",
     ),
-    Flag("state-dir", "VGPU_STATE_DIR", "/var/lib/vgpu-plugin", "allocation records"),
-    Flag("lock-dir", "VGPU_LOCK_DIR", "/tmp/vgpulock", "node-wide per-GPU lock dir"),
+    Flag("state-dir", "VGPU_STATE_DIR", defaults.STATE_DIR, "allocation records"),
+    Flag("lock-dir", "VGPU_LOCK_DIR", defaults.LOCK_DIR, "node-wide per-GPU lock dir"),
     Flag("node-name", "NODE_NAME", None, "this node's name (default: the host name)"),
     Flag(
         "node-labels-file",
@@ -48,7 +54,12 @@ FLAGS: tuple[Flag, ...] = (
         None,
         "node labels as key=value lines, for config overrides",
     ),
-    Flag("metrics-address", "VGPU_METRICS_ADDRESS", ":9400", "Prometheus metrics address"),
+    Flag(
+        "metrics-address",
+        "VGPU_METRICS_ADDRESS",
+        defaults.METRICS_ADDRESS,
+        "Prometheus metrics address",
+    ),
     Flag(
         "cleanup-grace",
         "VGPU_CLEANUP_GRACE",
@@ -80,6 +91,19 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for f in FLAGS:
         default = f" (default: {f.default})" if f.default else ""
         parser.add_argument(f"--{f.name}", help=f"{f.help}; env {f.env}{default}")
+
+
+def add_shared_flag(
+    parser: argparse.ArgumentParser, name: str, help: str, default: str | None = None
+) -> None:
+    """One of serve's flags on another command, with serve's variable; ``default`` where serve
+    has none of its own (``--host-root``: serve falls back to the config's hostRoot)."""
+    f = next(f for f in FLAGS if f.name == name)
+    parser.add_argument(
+        f"--{name}",
+        default=os.environ.get(f.env) or f.default or default,
+        help=f"{help}; env {f.env} (default: %(default)s)",
+    )
 
 
 def settings_from(

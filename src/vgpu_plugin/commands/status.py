@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vgpu_plugin.commands.settings import add_shared_flag
+from vgpu_plugin.core import defaults
 from vgpu_plugin.core.devices import parse_device_id
 from vgpu_plugin.core.sizes import format_mib
 from vgpu_plugin.kubelet.podresources import (
@@ -36,70 +37,13 @@ from vgpu_plugin.node.nodeview import (
     build_view,
     read_regions,
 )
-from vgpu_plugin.node.state import STATE_FILE_NAME, AllocationRecord, StateFileError, decode
+from vgpu_plugin.node.state import read_records
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST_ROOT = "/usr/local/vgpu"
-DEFAULT_STATE_DIR = "/var/lib/vgpu-plugin"
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
-DEFAULT_RESOURCE = "nvidia.com/gpu"
 JSON_VERSION = 1
 
 # --- gathering (the edge) -------------------------------------------------------------------
-
-
-def read_records(state_dir: Path) -> tuple[list[AllocationRecord], str | None]:
-    """The plugin's records, read without its lock (its writes are atomic renames) and without
-    its repairs (a refused file is reported, not moved aside: that is the plugin's call)."""
-    path = Path(state_dir) / STATE_FILE_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], None
-    except OSError as exc:
-        return [], f"cannot read allocation records: {exc}"
-    try:
-        records = decode(path, data)
-    except StateFileError as exc:
-        return [], str(exc)
-    return sorted(records.values(), key=lambda r: (r.created, r.allocation_id)), None
-
-
-def nvml_facts() -> list[GpuFacts]:
-    """Every GPU NVML sees, with its used memory. Raises NvmlUnavailable."""
-    import pynvml
-
-    from vgpu_plugin.node.nvml import nvml_session
-
-    out = []
-    with nvml_session():
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
-            try:
-                name = _text(pynvml.nvmlDeviceGetName(handle))
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            except pynvml.NVMLError:  # a GPU that has fallen off answers nothing else
-                out.append(GpuFacts(uuid, index, healthy=False))
-                continue
-            out.append(GpuFacts(uuid, index, name, int(memory.total), None, int(memory.used), True))
-    return out
-
-
-def nvml_memory_used() -> dict[str, int]:
-    """NVML's used memory per GPU UUID, for the plugin's metrics at each scrape; empty when
-    NVML does not answer (the scrape goes on without these figures)."""
-    import pynvml
-
-    from vgpu_plugin.node.nvml import NvmlUnavailable
-
-    try:
-        facts = nvml_facts()
-    except (NvmlUnavailable, pynvml.NVMLError) as exc:
-        log.debug("NVML used memory unavailable: %s", exc)
-        return {}
-    return {f.uuid: f.memory_used_nvml for f in facts if f.memory_used_nvml is not None}
 
 
 def _text(value: Any) -> str:
@@ -145,7 +89,7 @@ def collect_view(
     names = (
         [resource_name]
         if resource_name
-        else sorted({r.resource_name for r in records} or {DEFAULT_RESOURCE})
+        else sorted({r.resource_name for r in records} or {defaults.RESOURCE_NAME})
     )
     pods: dict[str, PodRef] = {
         r.allocation_id: PodRef(r.namespace, r.pod, r.container)
@@ -173,7 +117,7 @@ def collect_view(
     if not nvml:
         notes.append("NVML not queried: NVML figures unknown")
     else:
-        from vgpu_plugin.node.nvml import NvmlUnavailable
+        from vgpu_plugin.node.nvml import NvmlUnavailable, nvml_facts
 
         try:
             facts = nvml_facts()
@@ -321,23 +265,9 @@ def status_json(view: NodeView) -> str:
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument(
-        "--host-root",
-        default=env("VGPU_HOST_ROOT") or DEFAULT_HOST_ROOT,
-        help="the plugin's host root; env VGPU_HOST_ROOT (default: %(default)s)",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=env("VGPU_STATE_DIR") or DEFAULT_STATE_DIR,
-        help="the plugin's state dir; env VGPU_STATE_DIR (default: %(default)s)",
-    )
-    p.add_argument(
-        "--pod-resources-socket",
-        default=env("VGPU_POD_RESOURCES_SOCKET") or DEFAULT_SOCKET,
-        help="the kubelet's pod-resources socket; env VGPU_POD_RESOURCES_SOCKET "
-        "(default: %(default)s)",
-    )
+    add_shared_flag(p, "host-root", "the plugin's host root", defaults.HOST_ROOT)
+    add_shared_flag(p, "state-dir", "the plugin's state dir")
+    add_shared_flag(p, "pod-resources-socket", "the kubelet's pod-resources socket")
     p.add_argument(
         "--resource-name", help="resource to show (default: those of the allocation records)"
     )

@@ -14,57 +14,15 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from vgpu_plugin.core.grant import (
-    GpuGrant,
-    Grant,
-    InvalidRequest,
-    check_allocation_id,
-    grant,
-    new_allocation_id,
+from vgpu_plugin.core.defaults import (
+    CACHE_DIR,
+    CONTAINER_LOCK_DIR,
+    LIMITS_PATH,
+    PRELOAD_PATH,
+    SHIM_PATH,
 )
-from vgpu_plugin.core.limits import (
-    GpuLimit,
-    Limits,
-    LimitsError,
-    format_limits,
-    limits_of,
-    parse_limits,
-    render_limits,
-)
-
-__all__ = [
-    "CACHE_DIR",
-    "LIMITS_PATH",
-    "LOCK_DIR",
-    "PRELOAD_PATH",
-    "SHIM_PATH",
-    "ContainerSpec",
-    "GpuGrant",
-    "GpuLimit",
-    "Grant",
-    "InvalidRequest",
-    "Limits",
-    "LimitsError",
-    "Mount",
-    "container_spec",
-    "format_limits",
-    "grant",
-    "host_allocation_dir",
-    "host_limits_path",
-    "host_preload_path",
-    "host_shim_path",
-    "limits_of",
-    "new_allocation_id",
-    "parse_limits",
-    "render_limits",
-]
-
-# Paths inside the container.
-SHIM_PATH = "/usr/local/vgpu/libvgpu.so"
-PRELOAD_PATH = "/etc/ld.so.preload"
-LIMITS_PATH = "/etc/vgpu/limits"
-CACHE_DIR = "/tmp/vgpu"
-LOCK_DIR = "/tmp/vgpulock"
+from vgpu_plugin.core.grant import Grant, check_allocation_id
+from vgpu_plugin.core.limits import render_limits
 
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
@@ -116,16 +74,16 @@ def host_allocation_dir(host_root: str, allocation_id: str) -> str:
 
 
 def container_spec(
-    grant: Grant, host_root: str, shim_version: str, lock_dir: str = LOCK_DIR
+    grant: Grant, host_root: str, shim_version: str, lock_dir: str = CONTAINER_LOCK_DIR
 ) -> ContainerSpec:
     """Envs and mounts exactly as DESIGN 3.2 lists them; see the module doc for the order."""
     if not lock_dir.startswith("/"):
         raise ValueError(f"lock dir must be an absolute path, got {lock_dir!r}")
     envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(g.gpu.uuid for g in grant.gpus)}
     for i, g in enumerate(grant.gpus):
-        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{g.memory_mib}m"
-        envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(g.compute_percent)
-    shares = {g.compute_percent for g in grant.gpus}
+        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{g.limit.memory_mib}m"
+        envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(g.limit.compute_percent)
+    shares = {g.limit.compute_percent for g in grant.gpus}
     if len(shares) == 1:  # the index-less form older shims read
         envs["CUDA_DEVICE_SM_LIMIT"] = str(shares.pop())
     envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = f"{CACHE_DIR}/{grant.allocation_id}.cache"
@@ -138,6 +96,6 @@ def container_spec(
         Mount(PRELOAD_PATH, host_preload_path(host_root), True),
         Mount(LIMITS_PATH, limits_path, True),
         Mount(CACHE_DIR, allocation_dir, False),
-        Mount(LOCK_DIR, posixpath.normpath(lock_dir), False),
+        Mount(CONTAINER_LOCK_DIR, posixpath.normpath(lock_dir), False),
     )
     return ContainerSpec(envs, mounts, render_limits(grant), allocation_dir, limits_path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from vgpu_plugin.core import defaults
 from vgpu_plugin.core.schema import resource_name_problem
 from vgpu_plugin.core.validate import check_tree
 from vgpu_plugin.core.yamltext import YamlProblem, load_yaml
@@ -113,10 +114,10 @@ class HealthConfig:
 @dataclass(frozen=True)
 class Config:
     version: str = "v1"
-    resource_name: str = "nvidia.com/gpu"
+    resource_name: str = defaults.RESOURCE_NAME
     sharing: Sharing = Sharing()
     overrides: tuple[Override, ...] = ()
-    host_root: str = "/usr/local/vgpu"
+    host_root: str = defaults.HOST_ROOT
     health: HealthConfig = HealthConfig()
     # From NVIDIA's time-slicing format: Allocate refuses containers asking for several slices.
     fail_requests_greater_than_one: bool = False

@@ -17,6 +17,20 @@ MIB = 1 << 20
 
 
 @dataclass(frozen=True)
+class GpuLimit:
+    """What one container may use of one physical GPU: the one shape of a limit, from the grant
+    through the limits file, the records and the region to the node's view."""
+
+    uuid: str
+    memory_bytes: int
+    compute_percent: int  # 1..100; 0: not limited
+
+    @property
+    def memory_mib(self) -> int:
+        return self.memory_bytes // MIB
+
+
+@dataclass(frozen=True)
 class PhysicalGpu:
     """A GPU as discovery (NVML) reports it; ``memory_total`` in bytes."""
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vgpu_plugin.core.devices import MIB, NodePlan, PhysicalGpu, Slice, parse_device_id
+from vgpu_plugin.core.devices import MIB, GpuLimit, NodePlan, PhysicalGpu, Slice, parse_device_id
 
 # Safe as a file name: it names the limits file and the per-container dir on the host.
 ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -33,12 +33,7 @@ class GpuGrant:
 
     gpu: PhysicalGpu
     slice_ids: tuple[str, ...]
-    memory_mib: int
-    compute_percent: int
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.memory_mib * MIB
+    limit: GpuLimit
 
 
 @dataclass(frozen=True)
@@ -101,8 +96,9 @@ def grant(plan: NodePlan, device_ids: Sequence[str], allocation_id: str) -> Gran
             GpuGrant(
                 gpu=gpu_plan.gpu,
                 slice_ids=tuple(s.id for s in sorted(slices, key=lambda s: s.k)),
-                memory_mib=sum(s.memory_mib for s in slices),
-                compute_percent=min(100, compute),
+                limit=GpuLimit(
+                    gpu_plan.gpu.uuid, sum(s.memory_mib for s in slices) * MIB, min(100, compute)
+                ),
             )
         )
         oversubscribed = oversubscribed or gpu_plan.sharing.oversubscribed

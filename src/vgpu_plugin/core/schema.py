@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from vgpu_plugin.core import defaults
+
 SPLIT_MAX = 256
 
 
@@ -255,7 +257,7 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "resourceName",
         "string",
-        "nvidia.com/gpu",
+        defaults.RESOURCE_NAME,
         _RESOURCE,
         "Extended resource the slices are advertised as; pods request it in their limits.",
         resource_name,
@@ -422,7 +424,7 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "hostRoot",
         "string",
-        "/usr/local/vgpu",
+        defaults.HOST_ROOT,
         "absolute path",
         "Host directory holding the shim, ld.so.preload, limits files and per-container dirs.",
         absolute_path,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core import defaults
 from vgpu_plugin.core.allocation import ContainerSpec, container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import NodePlan, PhysicalGpu, plan_node
@@ -25,7 +26,7 @@ from vgpu_plugin.core.placement import preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
 from vgpu_plugin.node.atomicfile import write_atomically
 from vgpu_plugin.node.health import HealthChange
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore, GpuLimit
+from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class VgpuBackend:
         node_labels: Mapping[str, str],
         store: AllocationStore,
         shim_version: str,
-        lock_dir: str = "/tmp/vgpulock",
+        lock_dir: str = defaults.LOCK_DIR,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._gpus = tuple(gpus)
@@ -186,7 +187,10 @@ class VgpuBackend:
             log.info(
                 "allocated %s -> %s",
                 ",".join(g.device_ids),
-                "; ".join(f"{x.gpu.uuid} {x.memory_mib} MiB {x.compute_percent}%" for x in g.gpus),
+                "; ".join(
+                    f"{x.gpu.uuid} {x.limit.memory_mib} MiB {x.limit.compute_percent}%"
+                    for x in g.gpus
+                ),
                 extra={"allocation_id": g.allocation_id},
             )
             responses.append(
@@ -229,7 +233,7 @@ class VgpuBackend:
                 device_ids=g.device_ids,
                 resource_name=self._plan_resource(),
                 created=self._clock(),
-                limits=tuple(GpuLimit(x.gpu.uuid, x.memory_mib, x.compute_percent) for x in g.gpus),
+                limits=tuple(x.limit for x in g.gpus),
             )
         )
 

@@ -16,6 +16,7 @@ import grpc
 from vgpu_plugin.api.constants import POD_RESOURCES_SOCKET
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.core import defaults
 
 DEFAULT_SOCKET = Path(POD_RESOURCES_SOCKET)
 DEFAULT_TIMEOUT = 5.0
@@ -61,7 +62,7 @@ def _call(socket: Path | str, timeout: float, method: str, request: Any) -> Any:
 
 def list_assignments(
     socket: Path | str = DEFAULT_SOCKET,
-    resource_name: str = "nvidia.com/gpu",
+    resource_name: str = defaults.RESOURCE_NAME,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> dict[str, PodRef]:
     """Every device ID of ``resource_name`` that a container holds now, and that container.
@@ -81,7 +82,7 @@ def list_assignments(
 
 def allocatable_devices(
     socket: Path | str = DEFAULT_SOCKET,
-    resource_name: str = "nvidia.com/gpu",
+    resource_name: str = defaults.RESOURCE_NAME,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> list[str]:
     """The device IDs of ``resource_name`` the kubelet knows on this node (what the plugin

@@ -28,26 +28,13 @@ import grpc
 from vgpu_plugin.api.constants import DEVICE_PLUGIN_PATH, KUBELET_SOCKET_NAME, VERSION
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.core import defaults
 from vgpu_plugin.kubelet.backend import (
     Backend,
-    BackendError,
-    ListTooLargeError,
     check_list_size,
-    default_options,
 )
-from vgpu_plugin.kubelet.servicer import DeviceFeed, DevicePluginService, ServerHooks, ServerStats
+from vgpu_plugin.kubelet.servicer import DeviceFeed, DevicePluginService, ServerHooks
 from vgpu_plugin.kubelet.watch import FileId, RestartDetector, file_id
-
-__all__ = [
-    "Backend",
-    "BackendError",
-    "DevicePluginServer",
-    "ListTooLargeError",
-    "ServerHooks",
-    "ServerStats",
-    "check_list_size",
-    "default_options",
-]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +48,7 @@ class DevicePluginServer:
     def __init__(
         self,
         backend: Backend,
-        resource_name: str = "nvidia.com/gpu",
+        resource_name: str = defaults.RESOURCE_NAME,
         plugin_dir: Path | str = DEVICE_PLUGIN_PATH,
         *,
         poll_interval: float = 0.2,
@@ -75,7 +62,6 @@ class DevicePluginServer:
         self.resource_name = resource_name
         self.plugin_dir = Path(plugin_dir)
         self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET_NAME
-        self.stats = ServerStats()
         self.hooks = hooks or ServerHooks()
         self._poll = poll_interval
         self._register_timeout = register_timeout
@@ -85,9 +71,7 @@ class DevicePluginServer:
         self._stopping = threading.Event()
         self._registered = threading.Event()
         self._feed = DeviceFeed(backend)
-        self._service = DevicePluginService(
-            backend, self._feed, self.stats, self.hooks, self._stopping
-        )
+        self._service = DevicePluginService(backend, self._feed, self.hooks, self._stopping)
         self._detector = RestartDetector(self.kubelet_socket)
         self._grpc: Any = None  # grpc.Server; grpc ships no type information
         self._executor: ThreadPoolExecutor | None = None
@@ -257,8 +241,9 @@ class DevicePluginServer:
             try:
                 self._register()
             except grpc.RpcError as err:
-                self.stats.register_failures += 1
                 code = err.code().name if callable(getattr(err, "code", None)) else "UNKNOWN"
+                if self.hooks.on_register_failure is not None:
+                    self.hooks.on_register_failure(code)
                 detail = err.details() if callable(getattr(err, "details", None)) else str(err)
                 self._note_state(
                     f"failing-{code}",
@@ -278,7 +263,8 @@ class DevicePluginServer:
             self._registered.clear()
             self._detector.disarm()
             if self._restart_reason is not None:
-                self.stats.restarts_detected += 1
+                if self.hooks.on_restart is not None:
+                    self.hooks.on_restart(self._restart_reason)
                 log.info(
                     "kubelet restart detected (%s): serving on a fresh socket, registering again",
                     self._restart_reason,
@@ -288,7 +274,6 @@ class DevicePluginServer:
     def _on_registered(self, kubelet: FileId) -> None:
         assert self._own is not None
         path, ident = self._own
-        self.stats.registrations += 1
         self._detector.arm(path, ident, kubelet)
         self._registered.set()
         self._note_state(

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -31,24 +31,13 @@ RpcHook = Callable[[str, float, "str | None"], None]
 
 
 @dataclass
-class ServerStats:
-    """Counters a metrics module can read (or use ``hooks`` to be told as they happen)."""
-
-    registrations: int = 0
-    register_failures: int = 0
-    restarts_detected: int = 0
-    list_and_watch_streams: int = 0
-    list_and_watch_sends: int = 0
-    rpc_calls: dict[str, int] = field(default_factory=dict)
-    rpc_errors: dict[str, int] = field(default_factory=dict)
-    rpc_seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
 class ServerHooks:
-    """Optional callbacks; they run on the server's threads and must be quick and never raise."""
+    """How the server tells of its events (the metrics count them from here): optional
+    callbacks that run on the server's threads and must be quick and never raise."""
 
     on_register: Callable[[str], None] | None = None  # the endpoint just registered
+    on_register_failure: Callable[[str], None] | None = None  # the gRPC code's name
+    on_restart: Callable[[str], None] | None = None  # a kubelet restart was seen: why
     on_rpc: RpcHook | None = None
 
 
@@ -123,16 +112,13 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self,
         backend: Backend,
         feed: DeviceFeed,
-        stats: ServerStats,
         hooks: ServerHooks,
         stopping: threading.Event,
     ) -> None:
         self._backend = backend
         self._feed = feed
-        self._stats = stats
         self._hooks = hooks
         self._stopping = stopping
-        self._lock = threading.Lock()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return self._unary("GetDevicePluginOptions", context, self._backend.options)
@@ -165,8 +151,6 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             self._feed.poke()
 
         context.add_callback(on_end)
-        with self._lock:
-            self._stats.list_and_watch_streams += 1
 
         def done() -> bool:
             return ended.is_set() or self._stopping.is_set()
@@ -180,8 +164,6 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             if wire != last_sent:
                 yield response
                 last_sent = wire
-                with self._lock:
-                    self._stats.list_and_watch_sends += 1
             while not done() and self._feed.wait_newer(seen, _STREAM_RECHECK_S, done) <= seen:
                 if not context.is_active():
                     return
@@ -203,11 +185,5 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             raise
         finally:
             elapsed = time.perf_counter() - start
-            with self._lock:
-                s = self._stats
-                s.rpc_calls[method] = s.rpc_calls.get(method, 0) + 1
-                s.rpc_seconds[method] = s.rpc_seconds.get(method, 0.0) + elapsed
-                if code is not None:
-                    s.rpc_errors[method] = s.rpc_errors.get(method, 0) + 1
             if self._hooks.on_rpc is not None:
                 self._hooks.on_rpc(method, elapsed, code)

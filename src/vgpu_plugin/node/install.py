@@ -10,20 +10,19 @@ and a new build lands beside the old one, which stays for the containers that us
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin import __version__
-from vgpu_plugin.core.allocation import SHIM_PATH
+from vgpu_plugin.core.defaults import SHIM_PATH
 from vgpu_plugin.node import native
 from vgpu_plugin.node.atomicfile import TMP_MARK, write_atomically
+from vgpu_plugin.node.state import read_records
 
 LIB_DIR = "lib"
 SHIM_PREFIX = "libvgpu.so."
@@ -256,8 +255,6 @@ def live_since(host_root: Path, state_dir: Path) -> float | None:
     """When the oldest allocation that may still run was created, for pruning: the oldest
     record, or now when there is none. None (prune nothing) when the records cannot be read
     or a container dir has no record, since then an unknown container may use any version."""
-    from vgpu_plugin.commands.status import read_records
-
     records, problem = read_records(state_dir)
     if problem:
         return None
@@ -266,40 +263,3 @@ def live_since(host_root: Path, state_dir: Path) -> float | None:
     if containers.is_dir() and any(p.name not in known for p in containers.iterdir()):
         return None
     return min((r.created for r in records), default=time.time())
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument(
-        "--host-root",
-        default=env("VGPU_HOST_ROOT") or "/usr/local/vgpu",
-        help="where the shim, ld.so.preload, limits/ and containers/ go; env VGPU_HOST_ROOT "
-        "(default: %(default)s)",
-    )
-    p.add_argument("--source", help="the shim to install (default: the one in this package)")
-    p.add_argument(
-        "--keep",
-        type=int,
-        help="remove older versions beyond the newest KEEP that no allocation can still use",
-    )
-    p.add_argument(
-        "--state-dir",
-        default=env("VGPU_STATE_DIR") or "/var/lib/vgpu-plugin",
-        help="the plugin's records, to tell which versions may be in use (with --keep); env "
-        "VGPU_STATE_DIR (default: %(default)s)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    root = Path(args.host_root)
-    if args.keep is not None and args.keep < 1:
-        print("install-shim: --keep must be at least 1", file=sys.stderr)
-        return 2
-    since = live_since(root, Path(args.state_dir)) if args.keep is not None else None
-    try:
-        result = install_shim(root, Path(args.source) if args.source else None, args.keep, since)
-    except (OSError, native.NativeArtifactMissing) as exc:
-        print(f"install-shim: {exc}", file=sys.stderr)
-        return 1
-    print(describe(result))
-    return 0

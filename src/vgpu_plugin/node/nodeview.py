@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from vgpu_plugin.core.devices import MIB, NodePlan, parse_device_id
+from vgpu_plugin.core.devices import GpuLimit, NodePlan, parse_device_id
 from vgpu_plugin.kubelet.podresources import PodRef
 from vgpu_plugin.node.state import AllocationRecord
 
@@ -171,24 +171,24 @@ def _record_pod(record: AllocationRecord) -> PodRef | None:
     return PodRef(record.namespace, record.pod, record.container)
 
 
-def _limits(record: AllocationRecord) -> list[tuple[str, int, int]]:
-    """(uuid, memory bytes, compute percent) per GPU; from the device IDs when the record
+def _limits(record: AllocationRecord) -> list[GpuLimit]:
+    """The limit per GPU; from the device IDs when the record
     carries no limits (then both are 0: unknown)."""
     if record.limits:
-        return [(g.uuid, g.memory_mib * MIB, g.compute_percent) for g in record.limits]
+        return list(record.limits)
     uuids: dict[str, None] = {}
     for d in record.device_ids:
         parsed = parse_device_id(d)
         if parsed is not None:
             uuids[parsed[0]] = None
-    return [(u, 0, 0) for u in uuids]
+    return [GpuLimit(u, 0, 0) for u in uuids]
 
 
 def allocation_view(
     record: AllocationRecord, region: RegionRead, pod: PodRef | None
 ) -> AllocationView:
     limits = _limits(record)
-    ours = {u for u, _, _ in limits}
+    ours = {g.uuid for g in limits}
     state = region.state if isinstance(region, RegionProblem) else REGION_OK
     used: dict[str, int] = {}
     procs: dict[str, int] = {}
@@ -211,13 +211,13 @@ def allocation_view(
     trusted = state in (REGION_OK, REGION_MISSING)
     gpus = tuple(
         AllocationGpuView(
-            uuid=uuid,
-            memory_limit=memory,
-            memory_used=used.get(uuid, 0) if trusted else None,
-            compute_limit=compute,
-            processes=procs.get(uuid, 0),
+            uuid=g.uuid,
+            memory_limit=g.memory_bytes,
+            memory_used=used.get(g.uuid, 0) if trusted else None,
+            compute_limit=g.compute_percent,
+            processes=procs.get(g.uuid, 0),
         )
-        for uuid, memory, compute in limits
+        for g in limits
     )
     return AllocationView(record.allocation_id, pod, gpus, alive, state, record.created)
 

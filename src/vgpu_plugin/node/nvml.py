@@ -18,6 +18,7 @@ import pynvml
 
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.node.health import HealthChange, HealthTracker
+from vgpu_plugin.node.nodeview import GpuFacts
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +185,38 @@ class HealthWatcher:
             else:
                 out.append(self._tracker.probe_ok(uuid, now))
         return out
+
+
+def nvml_facts() -> list[GpuFacts]:
+    """Every GPU NVML sees, with its used memory. Raises NvmlUnavailable."""
+    out = []
+    with nvml_session():
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            try:
+                name = _text(pynvml.nvmlDeviceGetName(handle))
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except pynvml.NVMLError:  # a GPU that has fallen off answers nothing else
+                out.append(GpuFacts(uuid, index, healthy=False))
+                continue
+            out.append(GpuFacts(uuid, index, name, int(memory.total), None, int(memory.used), True))
+    return out
+
+
+def nvml_memory_used() -> dict[str, int]:
+    """NVML's used memory per GPU UUID, for the plugin's metrics at each scrape; empty when
+    NVML does not answer (the scrape goes on without these figures)."""
+    try:
+        facts = nvml_facts()
+    except (NvmlUnavailable, pynvml.NVMLError) as exc:
+        log.debug("NVML used memory unavailable: %s", exc)
+        return {}
+    return {f.uuid: f.memory_used_nvml for f in facts if f.memory_used_nvml is not None}
+
+
+def memory_info(index: int = 0) -> tuple[int, int]:
+    """(total, used) bytes of the GPU NVML numbers ``index``, in a session of its own."""
+    with nvml_session():
+        mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+        return int(mem.total), int(mem.used)

@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from vgpu_plugin.core.devices import GpuLimit
 from vgpu_plugin.node import native
 
 
@@ -36,15 +37,6 @@ class RegionError(RuntimeError):
 
 class RegionBusy(RegionError):
     """A live process of the container is stopped inside an update: no consistent view now."""
-
-
-@dataclass(frozen=True)
-class DeviceLimit:
-    """What a container may use on one GPU, as the region's creator writes it."""
-
-    uuid: str
-    memory_limit: int
-    sm_percent: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,7 +119,7 @@ def read_region(path: str | os.PathLike[str]) -> RegionSnapshot:
     )
 
 
-def create_region(path: str | os.PathLike[str], devices: Sequence[DeviceLimit]) -> bool:
+def create_region(path: str | os.PathLike[str], devices: Sequence[GpuLimit]) -> bool:
     """Create the region at ``path`` with these limits (mode 0666, complete before it appears)
     unless one is there already. True if this call created it. The limits are written once:
     an existing region keeps its own."""
@@ -140,11 +132,11 @@ def create_region(path: str | os.PathLike[str], devices: Sequence[DeviceLimit]) 
         uuid = dev.uuid.encode()
         if len(uuid) >= lib.VGPU_UUID_SIZE:
             raise RegionError(path, f"GPU uuid too long: {dev.uuid!r}")
-        if not 0 <= dev.memory_limit < 1 << 64:
+        if not 0 <= dev.memory_bytes < 1 << 64:
             raise RegionError(path, f"GPU {dev.uuid}: memory limit out of range")
         limits.devices[i].uuid = uuid
-        limits.devices[i].memory_limit = dev.memory_limit
-        limits.devices[i].sm_percent = dev.sm_percent
+        limits.devices[i].memory_limit = dev.memory_bytes
+        limits.devices[i].sm_percent = dev.compute_percent
     err = ffi.new("char[]", lib.VGPU_REGION_ERRLEN)
     rc = lib.vgpu_region_create(os.fsencode(path), limits, err, len(err))
     if rc < 0:

@@ -18,16 +18,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import filelock
 import msgpack
 
+from vgpu_plugin.core import defaults
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node.atomicfile import tmp_pattern, write_atomically
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STATE_DIR = Path("/var/lib/vgpu-plugin")
+DEFAULT_STATE_DIR = Path(defaults.STATE_DIR)
 STATE_FILE_NAME = "allocations.msgpack"
 LOCK_FILE_NAME = "allocations.lock"
 # Marks the file as ours; a file without it is foreign and is refused.
@@ -42,14 +44,6 @@ class StateFileError(Exception):
         super().__init__(f"state file {path}: {reason}")
         self.path = path
         self.reason = reason
-
-
-class GpuLimit(NamedTuple):
-    """What one allocation may use of one physical GPU."""
-
-    uuid: str
-    memory_mib: int
-    compute_percent: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +69,7 @@ class AllocationRecord:
             device_ids=list(self.device_ids),
             resource_name=self.resource_name,
             created=self.created,
-            limits=[list(limit) for limit in self.limits],
+            limits=[[g.uuid, g.memory_mib, g.compute_percent] for g in self.limits],
             pod=self.pod,
             namespace=self.namespace,
             container=self.container,
@@ -105,7 +99,7 @@ class AllocationRecord:
             limits = tuple(
                 GpuLimit(
                     _typed(lim[0], str, "limits[].uuid"),
-                    _typed(lim[1], int, "limits[].memory_mib"),
+                    _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
                 )
                 for lim in raw.get("limits", [])
@@ -278,3 +272,20 @@ class AllocationStore:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
                 log.info("removed %s, left by a writer that died mid-write", tmp)
+
+
+def read_records(state_dir: Path) -> tuple[list[AllocationRecord], str | None]:
+    """The plugin's records, read without its lock (its writes are atomic renames) and without
+    its repairs (a refused file is reported, not moved aside: that is the plugin's call)."""
+    path = Path(state_dir) / STATE_FILE_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], None
+    except OSError as exc:
+        return [], f"cannot read allocation records: {exc}"
+    try:
+        records = decode(path, data)
+    except StateFileError as exc:
+        return [], str(exc)
+    return sorted(records.values(), key=lambda r: (r.created, r.allocation_id)), None

@@ -17,6 +17,7 @@ from typing import IO
 
 from vgpu_plugin.api.constants import HEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core import defaults
 from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.node import native
 from vgpu_plugin.node.install import install_shim
@@ -24,7 +25,7 @@ from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulat
 from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
-RES = "nvidia.com/gpu"
+RES = defaults.RESOURCE_NAME
 MIB = 1 << 20
 NAMESPACE = "demo"
 

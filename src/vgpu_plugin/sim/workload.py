@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vgpu_plugin.node import nvml
 from vgpu_plugin.sim.driver import CudaError, Driver
 
 MIB = 1 << 20
@@ -27,12 +28,8 @@ def view(drv: Driver) -> dict[str, Any]:
     free, total = drv.mem_info()
     out: dict[str, Any] = {"cuda_free": free, "cuda_total": total, "device_total": drv.total_mem()}
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
-        out.update(nvml_total=int(mem.total), nvml_used=int(mem.used))
-        pynvml.nvmlShutdown()
+        total, used = nvml.memory_info(0)
+        out.update(nvml_total=total, nvml_used=used)
     except Exception as exc:  # NVML is a nice-to-have in the view
         out["nvml_error"] = str(exc)
     return out

@@ -1,4 +1,4 @@
-"""``serve`` settings: every flag has an environment variable (DESIGN 3.8), for the DaemonSet."""
+"""``serve`` settings: every flag has an environment variable (docs/contracts.md#serve-flags)."""
 
 from __future__ import annotations
 

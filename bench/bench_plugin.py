@@ -1,4 +1,4 @@
-"""Device plugin figures on a simulated 8 GPU x 32 slice node (DESIGN section 7).
+"""Device plugin figures, 8 simulated GPUs x 32 slices (docs/contracts.md#performance-targets).
 
 Runs the real `vgpu-plugin serve` process on simgpu, drives it with the kubelet emulator over
 its real unix socket, and prints: time from start to registered, the ListAndWatch message size,

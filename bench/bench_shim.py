@@ -1,4 +1,4 @@
-"""What the enforcement shim costs (DESIGN 7), against the same programs without it, on simgpu.
+"""What the shim costs (docs/contracts.md#performance-targets), against the programs without it.
 
     python bench/bench_shim.py [--repeat 5]
 

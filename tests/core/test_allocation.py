@@ -1,4 +1,4 @@
-"""Merging slices per GPU and the Allocate response (DESIGN 3.2), and the limits file."""
+"""Merging slices per GPU and the Allocate response (docs/contracts.md#allocate-response)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def h100(index: int, uuid: str) -> PhysicalGpu:
 
 
 def design_plan(compute: str | int = "proportional") -> NodePlan:
-    """DESIGN 3.2's node: two 80 GB GPUs, splitCount 4, proportional compute."""
+    """docs/contracts.md#worked-example: two 80 GB GPUs, splitCount 4, proportional compute."""
     config = Config(sharing=Sharing(split_count=4, memory_scaling=1.0, compute=compute))
     # Discovery order must not matter: B is listed first on purpose.
     return plan_node(config, [h100(1, BBBB), h100(0, AAAA)], "node", {})

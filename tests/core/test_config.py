@@ -1,4 +1,4 @@
-"""Config parsing, validation and per-GPU sharing (DESIGN 3.6)."""
+"""Config parsing, validation and per-GPU sharing (docs/contracts.md#configuration)."""
 
 from __future__ import annotations
 

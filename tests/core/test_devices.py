@@ -1,4 +1,4 @@
-"""Splitting GPUs into slices (DESIGN 3.1, 3.2)."""
+"""Splitting GPUs into slices (docs/contracts.md#resource-and-device-ids)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@
 Each table sits between ``<!-- generated:NAME -->`` and ``<!-- end:NAME -->`` in its document;
 the prose around it is written by hand. ``test_docs.py`` fails when a table differs from what
 the code says now: the config keys (``core.schema.SCHEMA``), the ``serve`` flags
-(``settings.FLAGS``) and the metrics (the plugin's real registry).
+(``settings.FLAGS``, in the configuration reference and in the contracts) and the metrics (the
+plugin's real registry).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def metrics_table() -> str:
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "config-keys": ("configuration.md", config_table),
     "serve-flags": ("configuration.md", flags_table),
+    "contract-serve-flags": ("contracts.md", flags_table),
     "metrics": ("metrics.md", metrics_table),
 }
 

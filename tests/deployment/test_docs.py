@@ -18,6 +18,10 @@ from deployment.chart import ROOT, default_values, render
 from deployment.generate_docs import DOCS, _sample_view, current, stale
 from vgpu_plugin.commands import cli, serve
 from vgpu_plugin.commands.settings import FLAGS
+from vgpu_plugin.core import allocation
+from vgpu_plugin.core.config import parse_config
+from vgpu_plugin.core.devices import MIB, PhysicalGpu, plan_node
+from vgpu_plugin.core.grant import Grant, grant
 from vgpu_plugin.core.schema import SCHEMA
 from vgpu_plugin.node.metrics import new_registry
 
@@ -247,3 +251,106 @@ def test_the_documented_defaults_are_the_charts() -> None:
     assert f"maxUnavailable: {ds['spec']['updateStrategy']['rollingUpdate']['maxUnavailable']}" in (
         text
     )
+
+
+# -- the contracts page ----------------------------------------------------------------------
+
+CONTRACTS = DOCS / "contracts.md"
+
+
+def table_after(path: Path, heading: str) -> list[list[str]]:
+    """The cells of the first markdown table below ``heading`` (a whole heading line)."""
+    text = path.read_text()
+    start = text.index(f"\n{heading}\n")
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    return rows("\n".join(table))
+
+
+def example(name: str) -> str:
+    m = re.search(rf"<!-- example:{name} -->\n```\w*\n(.*?)```", CONTRACTS.read_text(), re.S)
+    assert m, f"contracts.md: no example {name}"
+    return m.group(1)
+
+
+def _worked_example() -> allocation.ContainerSpec:
+    a = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
+    b = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
+    gpus = [PhysicalGpu(i, u, "NVIDIA H100 80GB HBM3", 81559 * MIB, i, "", 0) for i, u in
+            enumerate((a, b))]  # fmt: skip
+    plan = plan_node(parse_config(example("config")), gpus, "node", {})
+    g = grant(plan, [f"{b}-1", f"{a}-0", f"{a}-3"], "0193ab12cd34ef56")
+    return allocation.container_spec(g, "/usr/local/vgpu", "0.1.0-3f2a9c1e7b04")
+
+
+def test_the_worked_example_is_what_allocate_answers() -> None:
+    spec = _worked_example()
+    envs = [tuple(line.split("=", 1)) for line in example("envs").splitlines()]
+    assert envs == list(spec.envs.items())
+    mounts = [tuple(line.split()) for line in example("mounts").splitlines()]
+    assert mounts == [
+        (m.container_path, "ro" if m.read_only else "rw", m.host_path) for m in spec.mounts
+    ]
+    assert example("limits") == spec.limits_text
+
+
+def test_the_allocate_tables_name_what_the_code_sets() -> None:
+    envs = {r[0].strip("`") for r in table_after(CONTRACTS, "### Environment")}
+    set_by_code = {re.sub(r"_\d+$", "_<i>", name) for name in _worked_example().envs}
+    set_by_code.add("CUDA_DEVICE_SM_LIMIT")  # only when every GPU has the same share
+    assert envs == set_by_code
+    root, version, alloc_id, lock_dir = "/r", "1.0-abc", "id0", "/locks"
+    g = Grant(alloc_id, (), False)
+    code = {
+        m.container_path: (m.host_path, "ro" if m.read_only else "rw")
+        for m in allocation.container_spec(g, root, version, lock_dir).mounts
+    }
+    documented = {}
+    for container, host, mode in table_after(CONTRACTS, "### Mounts"):
+        host = host.strip("`").replace("<root>", root).replace("<version>", version)
+        host = host.replace("<allocation-id>", alloc_id).replace("<lock-dir>", lock_dir)
+        documented[container.strip("`")] = (host, mode)
+    assert documented == code
+
+
+def test_the_shim_variables_are_the_ones_it_reads() -> None:
+    documented = {
+        re.sub(r"_<i>$", "", r[0].strip("`")) for r in table_after(CONTRACTS, "## Shim environment")
+    }
+    sources = "".join(p.read_text() for p in (ROOT / "native/libvgpu/src").glob("*.c"))
+    read = set(re.findall(r'(?:getenv|env_index)\((?:\*e, )?"(\w+)"', sources))
+    assert documented == read
+
+
+def _repo_texts() -> list[Path]:
+    out = [ROOT / "README.md"]
+    for top in ("src", "tests", "bench", "native", "deploy", "docs"):
+        for path in (ROOT / top).rglob("*"):
+            if path.suffix in {".py", ".c", ".h", ".md", ".txt", ".yaml"} and path.is_file():
+                out.append(path)
+    return out
+
+
+def test_references_to_the_docs_lead_somewhere() -> None:
+    found = 0
+    for path in _repo_texts():
+        for name, anchor in re.findall(r"docs/([\w-]+\.md)(?:#([\w-]+))?", path.read_text()):
+            found += 1
+            dest = DOCS / name
+            assert dest.exists(), f"{path.relative_to(ROOT)}: docs/{name}"
+            if anchor:
+                assert anchor in _anchors(dest), f"{path.relative_to(ROOT)}: docs/{name}#{anchor}"
+    assert found >= 10
+
+
+def test_the_contracts_live_in_the_repository() -> None:
+    outside = re.compile("DESI" + r"GN(\.md| \d| section)|/work/" + "shared")
+    for path in _repo_texts():
+        assert not outside.search(path.read_text()), (
+            f"{path.relative_to(ROOT)}: use docs/contracts.md"
+        )

@@ -223,7 +223,7 @@ def test_allocate_response_round_trips_every_field() -> None:
     assert again.mounts[0].read_only and again.cdi_devices[0].name == "vendor.com/gpu=0"
 
 
-# ContainerAllocateResponse bytes from a real kubelet's checkpoint (DESIGN.md's seed 000,
+# ContainerAllocateResponse bytes from a real kubelet's checkpoint (a seed of the project,
 # written by the plugin this project descends from): our messages must decode them.
 KUBELET_CHECKPOINT_ALLOC_RESP = (
     "CiQKGkNVREFfREVWSUNFX01FTU9SWV9MSU1JVF8wEgYxNjAwMG0KQgoWTlZJRElBX1ZJU0lCTEVfREVWSUNFUxIo"

@@ -267,9 +267,7 @@ def test_twenty_kubelet_restarts_reregister_exactly_once_each(
         server.stop(grace=0.2)
 
 
-def _restart_twenty_times(
-    kubelet: KubeletEmulator, events: Events, plugin_dir: Path
-) -> None:
+def _restart_twenty_times(kubelet: KubeletEmulator, events: Events, plugin_dir: Path) -> None:
     kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=5)
     endpoints = [kubelet.registrations[0].endpoint]
     slowest = 0.0

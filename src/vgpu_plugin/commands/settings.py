@@ -1,4 +1,4 @@
-"""``serve`` settings: every flag has an environment variable (DESIGN 3.8), for the DaemonSet.
+"""``serve`` settings: every flag has an environment variable (docs/contracts.md#serve-flags).
 
 The other commands take the flags they share with ``serve`` from here too (:func:`add_shared_flag`),
 so a flag, its variable and its default are written once."""

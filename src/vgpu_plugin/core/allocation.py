@@ -1,4 +1,4 @@
-"""The Allocate response for one container (DESIGN 3.2), as plain values: envs, mounts and the
+"""The Allocate response for one container (docs/contracts.md#allocate-response): envs, mounts,
 limits file's text. The gRPC layer copies them into a ContainerAllocateResponse.
 
 Ordering: ``NVIDIA_VISIBLE_DEVICES`` lists the GPUs in **physical index order**, not in the
@@ -76,7 +76,7 @@ def host_allocation_dir(host_root: str, allocation_id: str) -> str:
 def container_spec(
     grant: Grant, host_root: str, shim_version: str, lock_dir: str = CONTAINER_LOCK_DIR
 ) -> ContainerSpec:
-    """Envs and mounts exactly as DESIGN 3.2 lists them; see the module doc for the order."""
+    """Envs and mounts as docs/contracts.md#allocate-response lists them; order: module doc."""
     if not lock_dir.startswith("/"):
         raise ValueError(f"lock dir must be an absolute path, got {lock_dir!r}")
     envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(g.gpu.uuid for g in grant.gpus)}

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN 3.7), in a registry of their own.
+"""Prometheus metrics (docs/contracts.md#metrics-and-cli), in a registry of their own.
 
 Per-allocation and per-GPU values are not kept in gauges that something must remember to
 update: a collector builds them from the node view at each scrape. So an allocation's limits

@@ -1,6 +1,6 @@
 """A kubelet emulator for tests: the device manager's side of the device plugin protocol.
 
-Behaves as DESIGN.md section 4 describes the real kubelet, over real unix sockets and gRPC:
+Behaves as docs/contracts.md#kubelet-facts describes the real kubelet, over unix sockets and gRPC:
 - serves ``v1beta1.Registration`` on ``<dir>/kubelet.sock``;
 - on ``Register`` checks the version, the resource name and that the endpoint socket exists,
   then calls the plugin's ``GetDevicePluginOptions`` *while Register is still pending*, opens

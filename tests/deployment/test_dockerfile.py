@@ -7,8 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from deployment.chart import ROOT, render
 from vgpu_plugin.commands import cli
@@ -172,3 +178,33 @@ def test_the_build_context_holds_what_the_copies_need() -> None:
         "src/vgpu_plugin/__pycache__/cli.cpython-312.pyc",
     ):
         assert _ignored(ignored, patterns), ignored
+
+
+@pytest.mark.slow
+def test_the_image_wheel_ships_no_simulator(tmp_path: Path) -> None:
+    """Builds the wheel as the build stage does (its `rm` and its pip options, read from the
+    Dockerfile) and looks inside: the shim and the commands, no simulator."""
+    build, _ = stages(parse(DOCKERFILE.read_text()))
+    runs = [i.args for i in build if i.op == "RUN" and not i.heredoc]
+    removed = [a for r in runs if r.startswith("rm ") for a in shlex.split(r)[1:] if a[0] != "-"]
+    (wheel_run,) = [r for r in runs if "pip wheel" in r]
+    options = [a for a in shlex.split(wheel_run) if a.startswith("cmake.define.")]
+    assert removed == ["src/vgpu_plugin/sim"] and options == ["cmake.define.VGPU_BUILD_SIMGPU=OFF"]
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "_native", "*.so")
+    for name in ("native", "src"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for path in removed:
+        shutil.rmtree(src / path)
+    out = tmp_path / "wheels"
+    args = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out)]
+    args += [f"-C{o}" for o in options] + [str(src)]
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=600)
+    (wheel,) = out.glob("vgpu_plugin-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.endswith("/_native/lib/libvgpu.so") for n in names)
+    assert "vgpu_plugin/commands/demo.py" in names and "vgpu_plugin/commands/serve.py" in names
+    assert not [n for n in names if n.startswith("vgpu_plugin/sim/") or "simgpu" in n]

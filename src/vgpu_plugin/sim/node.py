@@ -22,6 +22,7 @@ from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.node import native
 from vgpu_plugin.node.install import install_shim
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
+from vgpu_plugin.sim.process import ProcessRuntime
 from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
@@ -67,6 +68,7 @@ class EmulatedNode:
         gpus: Sequence[GpuSpec],
         config_text: str,
         cleanup_grace: float | None = None,
+        runtime: str = "runc",
     ) -> None:
         self.work = workdir
         self.gpu_specs = list(gpus)
@@ -82,7 +84,10 @@ class EmulatedNode:
             workdir / "pod-resources" / "kubelet.sock",
             lambda: [(RES, [d.ID for d in self.kubelet.devices(RES) or []])],
         )
-        self.runtime = RuncRuntime(workdir / "containers")
+        containers = workdir / "containers"
+        self.runtime: RuncRuntime | ProcessRuntime = (
+            RuncRuntime(containers) if runtime == "runc" else ProcessRuntime(containers, runtime)
+        )
         self.plugin: subprocess.Popen[bytes] | None = None
         self.node = Node.create(workdir / "simgpu", self.gpu_specs, seed=workdir.name)
         self.admitted: list[Admitted] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vgpu_plugin.core.allocation import Mount
 
-_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def _mount_entry(m: Mount) -> dict[str, object]:
 
 def oci_spec(config: ContainerConfig, rootfs: Path) -> dict[str, object]:
     """An OCI runtime spec like the one containerd writes for a plain pod container."""
-    env = {"PATH": _DEFAULT_PATH, "HOME": "/root"}
+    env = {"PATH": DEFAULT_PATH, "HOME": "/root"}
     env.update(config.envs)
     mounts: list[dict[str, object]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},

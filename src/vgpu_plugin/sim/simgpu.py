@@ -27,6 +27,17 @@ from vgpu_plugin.node import native
 
 DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_MEMORY = 81559 * (1 << 20)  # what NVML reports for an 80 GB H100
+
+
+def model_name(memory: int) -> str:
+    """The name a GPU of ``memory`` bytes shows when none is given: the real model's for the
+    default size, else one that says it is simulated and states its own size (a name is what
+    operators and ``gpuModels`` overrides match on; it must not claim memory the GPU lacks)."""
+    if memory == DEFAULT_MEMORY:
+        return DEFAULT_NAME
+    return f"NVIDIA simulated GPU {max(1, round(memory / (1 << 30)))}GB"
+
+
 DEFAULT_CONTEXT_OVERHEAD = 300 * (1 << 20)
 DEFAULT_SMS = 132
 
@@ -39,7 +50,7 @@ class SimGpuError(RuntimeError):
 class GpuSpec:
     """One simulated GPU. Unset UUID/serial/bus id are derived from the index and a seed."""
 
-    name: str = DEFAULT_NAME
+    name: str = ""  # empty: model_name(memory)
     memory: int = DEFAULT_MEMORY
     sm_count: int = DEFAULT_SMS
     context_overhead: int = DEFAULT_CONTEXT_OVERHEAD
@@ -88,7 +99,7 @@ def _check(rc: int) -> int:
 def _derive(spec: GpuSpec, index: int, seed: str) -> GpuSpec:
     uid = spec.uuid or "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_OID, f"simgpu/{seed}/{index}"))
     return GpuSpec(
-        name=spec.name,
+        name=spec.name or model_name(spec.memory),
         memory=spec.memory,
         sm_count=spec.sm_count,
         context_overhead=spec.context_overhead,
@@ -205,7 +216,11 @@ def _parser() -> argparse.ArgumentParser:
         help="memory per GPU, e.g. 16g (default: an 80 GB H100's 81559m)",
     )
     c.add_argument("--sms", type=int, default=DEFAULT_SMS, help="SMs per GPU")
-    c.add_argument("--name", default=DEFAULT_NAME, help="GPU model name")
+    c.add_argument(
+        "--name",
+        default="",
+        help="GPU model name (default: from the memory, e.g. 80 GB: an H100's)",
+    )
     c.add_argument("--context-overhead", default="300m", help="memory each new context takes")
     c.add_argument(
         "--numa-nodes", type=int, default=1, help="spread GPUs over this many NUMA nodes"

@@ -82,6 +82,7 @@ struct CUctx_st {
     uint64_t blocking_end;     /* latest completion queued on any blocking stream */
     uint64_t all_end;          /* latest completion queued on any stream */
     struct CUstream_st *streams;
+    struct sim_cls *cls;       /* the runtime's context-local storage (cuda_cls.c) */
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
 };
 
@@ -239,6 +240,27 @@ SIM_HIDDEN CUresult sim_ctx_synchronize(struct CUctx_st *ctx);
 SIM_HIDDEN void sim_module_free_ctx_locked(struct CUctx_st *ctx);
 /* Duration of one launch of f with these parameters. */
 SIM_HIDDEN CUresult sim_launch_duration(struct CUfunc_st *f, void **params, void **extra, uint64_t *dur_ns);
+
+/* cuda_exec.c: load an image as a module of the current context (the runtime's fat binaries). */
+SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);
+
+/* cuda_ctx.c: the runtime's private way to its device's primary context (export table slot):
+ * the handle, activated with one reference if it was inactive, no new reference otherwise. */
+SIM_HIDDEN CUresult sim_primary_ctx_get(CUcontext *pctx, CUdevice dev);
+
+/* cuda_cls.c: the runtime's context-local storage. Destructors run, without sim_lock, while the
+ * context still lives, before it is destroyed, reset or released for the last time. */
+typedef void (*sim_cls_dtor)(CUcontext ctx, void *key, void *value);
+SIM_HIDDEN CUresult sim_cls_put(CUcontext ctx, void *key, void *value, sim_cls_dtor dtor);
+SIM_HIDDEN CUresult sim_cls_delete(CUcontext ctx, void *key);
+SIM_HIDDEN CUresult sim_cls_get(void **value, CUcontext ctx, void *key);
+SIM_HIDDEN void sim_cls_destroy(struct CUctx_st *ctx);
+
+/* cuda_init.c: what the integrity check hashes of a device (ordinal). */
+SIM_HIDDEN void sim_device_hash_info(int dev, uint8_t uuid[16], int32_t *domain, int32_t *bus, int32_t *device);
+/* cuda_integrity.c */
+SIM_HIDDEN CUresult sim_integrity_answer(uint32_t version, uint64_t unix_seconds, uint64_t out[2],
+                                         const void *cudart_table, const void *integrity_table, const void *fn);
 
 /* cuda_graph.c: a launch on a capturing stream becomes a node of its graph. */
 SIM_HIDDEN CUresult sim_capture_kernel_locked(struct CUstream_st *s, struct CUfunc_st *f, uint64_t dur_ns);

@@ -15,19 +15,10 @@
 
 typedef void (*sim_slot)(void);
 
-static int trace_on(void) {
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("SIMGPU_TRACE");
-        v = e && *e && strcmp(e, "0") != 0;
-    }
-    return v;
-}
-
 /* A slot whose use is unknown: says so, and fails. Distinct functions, so a trace names it. */
 #define UNKNOWN_SLOT(table, n)                                                                   \
     static CUresult unknown_##table##_##n(void) {                                                \
-        if (trace_on()) fprintf(stderr, "simgpu: export table %s slot %d called (unknown)\n", #table, n); \
+        if (sim_trace()) fprintf(stderr, "simgpu: export table %s slot %d called (unknown)\n", #table, n); \
         return CUDA_ERROR_NOT_SUPPORTED;                                                          \
     }
 
@@ -200,7 +191,7 @@ CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTable
             return CUDA_SUCCESS;
         }
     }
-    if (trace_on()) {
+    if (sim_trace()) {
         const uint8_t *b = (const uint8_t *)pExportTableId->bytes;
         fprintf(stderr, "simgpu: export table %02x%02x%02x%02x-... not provided\n", b[0], b[1], b[2], b[3]);
     }

@@ -48,6 +48,15 @@ CUresult sim_device(CUdevice dev, uint32_t *phys) {
     return CUDA_SUCCESS;
 }
 
+int sim_trace(void) {
+    static int on = -1; /* racy first reads all compute the same value */
+    if (on < 0) {
+        const char *e = getenv("SIMGPU_TRACE");
+        on = e && *e && strcmp(e, "0") != 0;
+    }
+    return on;
+}
+
 CUresult sim_gpu_ok(uint32_t phys) { return simgpu_gpu_lost(phys) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS; }
 
 /* --- CUDA_VISIBLE_DEVICES ---------------------------------------------------------------- */

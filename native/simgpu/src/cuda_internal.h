@@ -189,6 +189,8 @@ SIM_HIDDEN CUresult sim_ready(void);
 SIM_HIDDEN CUresult sim_device(CUdevice dev, uint32_t *phys);
 /* CUDA_ERROR_UNKNOWN for a GPU that fell off the bus (what callers of a real driver see). */
 SIM_HIDDEN CUresult sim_gpu_ok(uint32_t phys);
+/* SIMGPU_TRACE=1: say on stderr what a client asked for and did not get. */
+SIM_HIDDEN int sim_trace(void);
 
 /* cuda_ctx.c */
 SIM_HIDDEN struct CUctx_st *sim_ctx_top(void);
@@ -209,6 +211,9 @@ SIM_HIDDEN void *sim_map_anon(size_t len, int low32);
 SIM_HIDDEN void sim_alloc_destroy_locked(struct sim_alloc *a);
 /* Everything a context owns goes when it is destroyed, as on a real driver. */
 SIM_HIDDEN void sim_mem_free_ctx_locked(struct CUctx_st *ctx);
+
+/* cuPointerGetAttribute's answer (cuda_mem.c); CUDA_ERROR_INVALID_VALUE for unknown memory. */
+SIM_HIDDEN CUresult sim_pointer_attribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
 
 /* cuda_vmm.c: physical handles, for the memory cuMemMapArrayAsync binds into arrays
  * (sim_lock held). A binding holds the handle's memory like a mapping does. */

@@ -31,6 +31,10 @@ CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdev
 /* --- sharing memory between processes: device memory is private anonymous memory here ------ */
 
 CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) { (void)pHandle, (void)dptr; return ABSENT; }
+CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+    (void)pdptr, (void)handle, (void)Flags;
+    return ABSENT;
+}
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
     (void)pdptr, (void)handle, (void)Flags;
     return ABSENT;
@@ -102,12 +106,21 @@ CUresult cuLogsUnregisterCallback(CUlogsCallbackHandle callback) { (void)callbac
 
 /* --- module globals: opaque images have no symbol table to look in -------------------------- */
 
-CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
-    (void)dptr, (void)bytes;
+static CUresult module_global(CUmodule hmod, const char *name) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
     if (!hmod || hmod->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
+    (void)dptr, (void)bytes;
+    return module_global(hmod, name);
+}
+
+CUresult cuModuleGetGlobal(CUdeviceptr_v1 *dptr, unsigned int *bytes, CUmodule hmod, const char *name) {
+    (void)dptr, (void)bytes;
+    return module_global(hmod, name);
 }
 
 CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name) {
@@ -130,12 +143,14 @@ SIM_SELF(cuGreenCtxDestroy)
 SIM_SELF(cuGreenCtxStreamCreate)
 SIM_SELF(cuIpcCloseMemHandle)
 SIM_SELF(cuIpcGetMemHandle)
+SIM_SELF(cuIpcOpenMemHandle)
 SIM_SELF(cuIpcOpenMemHandle_v2)
 SIM_SELF(cuLibraryGetGlobal)
 SIM_SELF(cuLogsRegisterCallback)
 SIM_SELF(cuLogsUnregisterCallback)
 SIM_SELF(cuMemExportToShareableHandle)
 SIM_SELF(cuMemImportFromShareableHandle)
+SIM_SELF(cuModuleGetGlobal)
 SIM_SELF(cuModuleGetGlobal_v2)
 SIM_SELF(cuMulticastAddDevice)
 SIM_SELF(cuMulticastBindMem)

@@ -157,6 +157,25 @@ static CUresult copy2d(const CUDA_MEMCPY2D *c, CUstream h, int ptds, int async) 
     return rc;
 }
 
+/* The CUDA 2.x forms: 32-bit fields, widened. */
+static CUDA_MEMCPY2D widen(const CUDA_MEMCPY2D_v1 *p) {
+    return (CUDA_MEMCPY2D){.srcXInBytes = p->srcXInBytes, .srcY = p->srcY, .srcMemoryType = p->srcMemoryType,
+                           .srcHost = p->srcHost, .srcDevice = p->srcDevice, .srcArray = p->srcArray,
+                           .srcPitch = p->srcPitch, .dstXInBytes = p->dstXInBytes, .dstY = p->dstY,
+                           .dstMemoryType = p->dstMemoryType, .dstHost = p->dstHost, .dstDevice = p->dstDevice,
+                           .dstArray = p->dstArray, .dstPitch = p->dstPitch, .WidthInBytes = p->WidthInBytes,
+                           .Height = p->Height};
+}
+
+static CUresult copy2d_v1(const CUDA_MEMCPY2D_v1 *p, CUstream h, int async) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_MEMCPY2D c = widen(p);
+    return copy2d(&c, h, 0, async);
+}
+
+CUresult cuMemcpy2D(const CUDA_MEMCPY2D_v1 *p) { return copy2d_v1(p, NULL, 0); }
+CUresult cuMemcpy2DUnaligned(const CUDA_MEMCPY2D_v1 *p) { return copy2d_v1(p, NULL, 0); }
+CUresult cuMemcpy2DAsync(const CUDA_MEMCPY2D_v1 *p, CUstream h) { return copy2d_v1(p, h, 1); }
 CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 0, 0); }
 CUresult cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 1, 0); }
 CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 0, 0); }
@@ -165,6 +184,9 @@ CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream h) { return copy2d(
 CUresult cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *p, CUstream h) { return copy2d(p, h, 1, 1); }
 
 /* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */
+SIM_SELF(cuMemcpy2D)
+SIM_SELF(cuMemcpy2DAsync)
+SIM_SELF(cuMemcpy2DUnaligned)
 SIM_SELF(cuMemcpy2D_v2)
 SIM_SELF(cuMemcpy2D_v2_ptds)
 SIM_SELF(cuMemcpy2DUnaligned_v2)

@@ -26,6 +26,7 @@
     V("cuGreenCtxStreamCreate", 12050, cuGreenCtxStreamCreate) \
     V("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle) \
     V("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle) \
+    V("cuIpcOpenMemHandle", 4010, cuIpcOpenMemHandle) \
     V("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2) \
     V("cuKernelGetAttribute", 12000, cuKernelGetAttribute) \
     V("cuKernelGetName", 12030, cuKernelGetName) \
@@ -43,9 +44,13 @@
     V("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle) \
     P("cuMemPrefetchAsync", 8000, cuMemPrefetchAsync, 8000, cuMemPrefetchAsync_ptsz) \
     P("cuMemPrefetchAsync", 12020, cuMemPrefetchAsync_v2, 12020, cuMemPrefetchAsync_v2_ptsz) \
+    V("cuMemcpy2D", 2000, cuMemcpy2D) \
     P("cuMemcpy2D", 3020, cuMemcpy2D_v2, 7000, cuMemcpy2D_v2_ptds) \
+    V("cuMemcpy2DAsync", 2000, cuMemcpy2DAsync) \
     P("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2, 7000, cuMemcpy2DAsync_v2_ptsz) \
+    V("cuMemcpy2DUnaligned", 2000, cuMemcpy2DUnaligned) \
     P("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2, 7000, cuMemcpy2DUnaligned_v2_ptds) \
+    V("cuModuleGetGlobal", 2000, cuModuleGetGlobal) \
     V("cuModuleGetGlobal", 3020, cuModuleGetGlobal_v2) \
     V("cuModuleGetLoadingMode", 11070, cuModuleGetLoadingMode) \
     V("cuMulticastAddDevice", 12010, cuMulticastAddDevice) \

@@ -1,0 +1,26 @@
+"""Where this tier's wheels are (shared by its tests; holds no tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def cudart_path(major: int) -> Path:
+    """libcudart.so.<major> from the nvidia-cuda-runtime(-cu12) wheel, or skip."""
+    wheel = "nvidia-cuda-runtime-cu12" if major == 12 else "nvidia-cuda-runtime"
+    try:
+        import nvidia  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.skip(f"{wheel} is not installed (pip install -e '.[test]')")
+    for base in getattr(nvidia, "__path__", []):
+        for lib in sorted(Path(base).glob(f"*/lib/libcudart.so.{major}")):
+            return lib
+    pytest.skip(f"{wheel} is not installed (pip install -e '.[test]')")
+
+
+def require_cupy() -> None:
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("cupy-cuda12x is not installed (pip install -e '.[test]')")

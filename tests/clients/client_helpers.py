@@ -1,4 +1,7 @@
-"""Where this tier's wheels are (shared by its tests; holds no tests)."""
+"""The real-client tier's helpers: where its wheels are. The tier runs NVIDIA's CUDA runtime
+(libcudart 12 and 13) and CuPy, from PyPI, on a simulated node, each scenario without and with
+the shim; a test skips, saying so, only where its wheel is not installed
+(`pip install -e '.[test]'` installs them). Holds no tests."""
 
 from __future__ import annotations
 

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 from client_helpers import cudart_path, require_cupy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 from test_shim_helpers import CONTEXT, GIB, MIB, Result, Shim, parse, read_until
+
+from vgpu_plugin.simgpu import Node
 
 PROG = Path(__file__).resolve().parent / "client_prog.py"
 LIMIT = GIB
@@ -57,6 +61,11 @@ def capacity(with_shim: bool) -> int:
 
 def cudart_args(major: int, scenario: str, *args: int) -> list[str]:
     return ["cudart", str(cudart_path(major)), scenario, *map(str, args)]
+
+
+@pytest.fixture
+def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
+    return Shim(native_tree, simgpu_node, tmp_path)
 
 
 MODES = [pytest.param(False, id="bare"), pytest.param(True, id="shim")]

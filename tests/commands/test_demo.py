@@ -6,6 +6,7 @@ plain LD_PRELOAD (no root): the limits must hold in each, and the demo must say 
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,9 @@ def test_demo_shows_every_limit_holding(runtime: str) -> None:
     assert "all it asked for, within its limit" in lines["steady"]
     assert "on target" in lines["batch-50"] and "on target" in lines["batch-25"]
     assert "80GB" not in out  # 16 GiB simulated GPUs do not claim an 80 GB model's name
+    if importlib.util.find_spec("cupy") is not None:  # a real client's pod, held the same way
+        assert "through CuPy" in lines["cupy"]
+        assert "at its limit" in lines["cupy"] and "cuMemGetInfo shows a 4096 MiB" in lines["cupy"]
 
 
 def test_auto_picks_runc_then_namespaces_then_preload(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ every limit did. ``vgpu-plugin demo`` (commands/demo.py) runs it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import time
@@ -47,12 +48,12 @@ class Pod:
 
     @property
     def holds_memory(self) -> bool:
-        return "alloc" in self.workload
+        return any(w.endswith("alloc") for w in self.workload)
 
 
 def default_pods(seconds: float) -> list[Pod]:
     s = str(seconds)
-    return [
+    pods = [
         Pod("batch-50", 2, [*WORKLOAD, "compute", "--seconds", s], "runs kernels non-stop"),
         Pod("batch-25", 1, [*WORKLOAD, "compute", "--seconds", s], "runs kernels non-stop"),
         Pod("steady", 1, [*WORKLOAD, "alloc", "--target-mib", "2048", "--hold", s],
@@ -60,6 +61,11 @@ def default_pods(seconds: float) -> list[Pod]:
         Pod("greedy", 1, [*WORKLOAD, "alloc", "--target-mib", "8192", "--chunk-mib", "256",
                           "--hold", s], "tries to allocate 8192 MiB"),
     ]  # fmt: skip
+    if importlib.util.find_spec("cupy") is not None:
+        # What users run: CuPy over NVIDIA's CUDA runtime, held to its slice like the rest.
+        cupy = [*WORKLOAD, "cupy-alloc", "--target-mib", "8192", "--chunk-mib", "256"]
+        pods.insert(0, Pod("cupy", 1, [*cupy, "--hold", s], "allocates 8192 MiB with CuPy"))
+    return pods
 
 
 def first_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
@@ -93,7 +99,8 @@ def verdict(pod: Pod) -> str:
         judged = "then a clean CUDA_ERROR_OUT_OF_MEMORY at its limit"
     else:
         judged = "all it asked for, within its limit"
-    return (f"  {pod.name}: memory limit {limit} MiB: got {got} MiB (+ its context), "
+    client = f" through {r['client']}" if "client" in r else ""
+    return (f"  {pod.name}: memory limit {limit} MiB: got {got} MiB{client} (+ its context), "
             f"{judged}; cuMemGetInfo shows a {seen} MiB GPU")  # fmt: skip
 
 

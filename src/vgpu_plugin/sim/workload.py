@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vgpu_plugin.node import nvml
-from vgpu_plugin.sim.driver import CudaError, Driver
+from vgpu_plugin.sim.driver import Driver
 
 MIB = 1 << 20
 
@@ -57,6 +57,31 @@ def alloc(drv: Driver, target_mib: int, chunk_mib: int, hold: float) -> dict[str
     return result
 
 
+def cupy_alloc(target_mib: int, chunk_mib: int, hold: float) -> dict[str, Any]:
+    """The alloc workload through a real client: CuPy, over NVIDIA's CUDA runtime."""
+    import cupy as cp  # type: ignore[import-not-found]  # only offered where CuPy is installed
+
+    held: list[Any] = []
+    oom = False
+    while (len(held) + 1) * chunk_mib <= target_mib:
+        try:
+            held.append(cp.empty(chunk_mib * MIB, dtype=cp.uint8))
+        except cp.cuda.memory.OutOfMemoryError:
+            oom = True
+            break
+    free, total = cp.cuda.runtime.memGetInfo()
+    result = {
+        "allocated_mib": len(held) * chunk_mib,
+        "out_of_memory": oom,
+        "cuda_free": int(free),
+        "cuda_total": int(total),
+        "client": f"CuPy {cp.__version__}",
+    }
+    print(json.dumps(result), flush=True)
+    time.sleep(hold)
+    return result
+
+
 def compute(drv: Driver, seconds: float, kernel_ms: float) -> dict[str, Any]:
     func = drv.sleep_kernel()
     ns = int(kernel_ms * 1e6)
@@ -81,11 +106,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.add_argument("--target-mib", type=int, required=True)
     a.add_argument("--chunk-mib", type=int, default=256)
     a.add_argument("--hold", type=float, default=0.0)
+    k = sub.add_parser("cupy-alloc")
+    k.add_argument("--target-mib", type=int, required=True)
+    k.add_argument("--chunk-mib", type=int, default=256)
+    k.add_argument("--hold", type=float, default=0.0)
     c = sub.add_parser("compute")
     c.add_argument("--seconds", type=float, default=3.0)
     c.add_argument("--kernel-ms", type=float, default=10.0)
     args = ap.parse_args(argv)
     try:
+        if args.mode == "cupy-alloc":
+            cupy_alloc(args.target_mib, args.chunk_mib, args.hold)
+            return 0
         drv = Driver()
         if args.mode == "view":
             print(json.dumps(view(drv)), flush=True)
@@ -95,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             alloc(drv, args.target_mib, args.chunk_mib, args.hold)
         else:
             compute(drv, args.seconds, args.kernel_ms)
-    except (CudaError, OSError) as exc:
+    except Exception as exc:  # any failure is the result line the demo reads
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
     return 0

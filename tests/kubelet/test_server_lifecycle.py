@@ -291,6 +291,10 @@ def _restart_twenty_times(kubelet: KubeletEmulator, events: Events, plugin_dir: 
     while time.monotonic() < deadline:
         assert kubelet.registration_count() == 21
         time.sleep(0.05)
+    # The hooks run on the server's thread, after the kubelet has the registration.
+    deadline = time.monotonic() + 10
+    while len(events.registered) < 21 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(events.registered) == 21
     assert len(events.restarts) == 20
     assert kubelet.rejected == []

@@ -203,7 +203,7 @@ def test_pynvml_lists_the_configured_gpus(native_tree: Path, tmp_path: Path) -> 
     assert [d["uuid"] for d in devices] == [g.uuid for g in configured]
     for d, g, spec in zip(devices, configured, specs, strict=True):
         assert d["index"] == d["minor"] == g.index
-        assert (d["name"], d["serial"], d["total"]) == (spec.name, spec.serial, spec.memory)
+        assert (d["name"], d["serial"], d["total"]) == (g.name, spec.serial, spec.memory)
         assert (d["numa"], d["cc"], d["pci_device_id"]) == (
             spec.numa_node,
             list(spec.cc),

@@ -59,7 +59,7 @@ def alloc(drv: Driver, target_mib: int, chunk_mib: int, hold: float) -> dict[str
 
 def cupy_alloc(target_mib: int, chunk_mib: int, hold: float) -> dict[str, Any]:
     """The alloc workload through a real client: CuPy, over NVIDIA's CUDA runtime."""
-    import cupy as cp  # type: ignore[import-not-found]  # only offered where CuPy is installed
+    import cupy as cp  # only offered where CuPy is installed
 
     held: list[Any] = []
     oom = False

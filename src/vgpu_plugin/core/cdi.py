@@ -33,7 +33,7 @@ CDI_ANNOTATIONS: Final = "cdi-annotations"
 CDI_CRI: Final = "cdi-cri"
 STRATEGIES: Final = (ENVVAR, VOLUME_MOUNTS, CDI_ANNOTATIONS, CDI_CRI)
 CDI_STRATEGIES: Final = (CDI_ANNOTATIONS, CDI_CRI)
-# Fails closed on a node whose toolkit is not set up for it (docs/security.md#device-lists).
+# Fails closed on a node whose toolkit is not set up for it (docs/security.md#threat-model).
 DEFAULT_STRATEGIES: Final = (VOLUME_MOUNTS,)
 
 VISIBLE_DEVICES_ENV: Final = "NVIDIA_VISIBLE_DEVICES"

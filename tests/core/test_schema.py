@@ -20,6 +20,8 @@ CONFIG_FIELD = {
     "hostRoot": lambda c: c.host_root,
     "health.ignoredXids": lambda c: c.health.ignored_xids,
     "health.recoverySeconds": lambda c: c.health.recovery_seconds,
+    "deviceListStrategy": lambda c: c.device_list_strategy,
+    "driverMemoryLimit": lambda c: c.driver_memory_limit,
 }
 
 

@@ -248,6 +248,7 @@ def test_nothing_runs_more_privileged_than_it_needs() -> None:
             "host-root",
             "state",
             "lock-dir",
+            "cdi-spec-dir",  # the allocations' CDI specs (docs/security.md)
             "host-node-labels",
         }
 

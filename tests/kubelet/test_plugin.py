@@ -46,6 +46,9 @@ def node(tmp_path: Path) -> Iterator[Node]:
     host_root = tmp_path / "host"
     config = parse_config(
         f"version: v1\nsharing: {{splitCount: 4, compute: proportional}}\nhostRoot: {host_root}\n"
+        # The response as it was before deviceListStrategy (tests/kubelet/test_device_lists.py
+        # covers the others and the default).
+        "deviceListStrategy: envvar\ndriverMemoryLimit: false\n"
     )
     store = AllocationStore(tmp_path / "state")
     backend = VgpuBackend(gpus(), config, "node-1", {}, store, shim_version="0.1.0-abc")

@@ -115,8 +115,9 @@ class Plugin:
         store = AllocationStore(s.state_dir)
         try:
             self.backend = VgpuBackend(
-                gpus, config, s.node_name, labels, store, version, s.lock_dir
-            )
+                gpus, config, s.node_name, labels, store, version, s.lock_dir,
+                cdi_spec_dir=s.cdi_spec_dir,
+            )  # fmt: skip
         except ListTooLargeError as exc:
             raise StartupError(str(exc), EXIT_CONFIG) from exc
         for g in self.backend.plan.gpus:
@@ -149,6 +150,7 @@ class Plugin:
             relabel=store_relabeler(store),
             still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
             grace=s.cleanup_grace,
+            cdi_spec_dir=Path(s.cdi_spec_dir),
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin.api.constants import DEVICE_PLUGIN_PATH, POD_RESOURCES_SOCKET
-from vgpu_plugin.core import defaults
+from vgpu_plugin.core import cdi, defaults
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("state-dir", "VGPU_STATE_DIR", defaults.STATE_DIR, "allocation records"),
     Flag("lock-dir", "VGPU_LOCK_DIR", defaults.LOCK_DIR, "node-wide per-GPU lock dir"),
+    Flag(
+        "cdi-spec-dir",
+        "VGPU_CDI_SPEC_DIR",
+        cdi.SPEC_DIR,
+        "where the CDI specs of allocations are written (CDI device list strategies)",
+    ),
     Flag("node-name", "NODE_NAME", None, "this node's name (default: the host name)"),
     Flag(
         "node-labels-file",
@@ -79,6 +85,7 @@ class ServeSettings:
     host_root: str | None
     state_dir: Path
     lock_dir: str
+    cdi_spec_dir: str
     node_name: str
     node_labels_file: Path | None
     metrics_address: str
@@ -123,6 +130,7 @@ def settings_from(
         host_root=values["host-root"],
         state_dir=Path(str(values["state-dir"])),
         lock_dir=str(values["lock-dir"]),
+        cdi_spec_dir=str(values["cdi-spec-dir"]),
         node_name=values["node-name"] or socket.gethostname(),
         node_labels_file=Path(labels) if labels else None,
         metrics_address=str(values["metrics-address"]),

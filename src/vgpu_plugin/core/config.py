@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from vgpu_plugin.core import defaults
+from vgpu_plugin.core import cdi, defaults
 from vgpu_plugin.core.schema import resource_name_problem
 from vgpu_plugin.core.validate import check_tree
 from vgpu_plugin.core.yamltext import YamlProblem, load_yaml
@@ -119,6 +119,9 @@ class Config:
     overrides: tuple[Override, ...] = ()
     host_root: str = defaults.HOST_ROOT
     health: HealthConfig = HealthConfig()
+    # How Allocate names the GPUs to the runtime (core/cdi.py), and the driver's own limit.
+    device_list_strategy: tuple[str, ...] = cdi.DEFAULT_STRATEGIES
+    driver_memory_limit: bool = True
     # From NVIDIA's time-slicing format: Allocate refuses containers asking for several slices.
     fail_requests_greater_than_one: bool = False
 
@@ -232,6 +235,8 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
             recovery_seconds=health.get("recoverySeconds", defaults.recovery_seconds),
         ),
         fail_requests_greater_than_one=fail_over_one,
+        device_list_strategy=tree.get("deviceListStrategy", Config.device_list_strategy),
+        driver_memory_limit=tree.get("driverMemoryLimit", Config.driver_memory_limit),
     )
 
 

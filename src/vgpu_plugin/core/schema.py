@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from vgpu_plugin.core import defaults
+from vgpu_plugin.core import cdi, defaults
 
 SPLIT_MAX = 256
 
@@ -238,6 +238,20 @@ def xid_list(value: object) -> object:
     return tuple(sorted(set(value)))
 
 
+def device_list_strategy(value: object) -> object:
+    """NVIDIA's names, one (``volume-mounts``) or several (a list, or comma-separated)."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items: str | list[str] = value
+    elif isinstance(value, str):
+        items = value
+    else:
+        raise Invalid(f"must be a strategy name or a list of them, got {show(value)}")
+    try:
+        return cdi.parse_strategies(items)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+
+
 def _leaf(
     path: str,
     type_: str,
@@ -428,6 +442,27 @@ SCHEMA: tuple[KeySpec, ...] = (
         "absolute path",
         "Host directory holding the shim, ld.so.preload, limits files and per-container dirs.",
         absolute_path,
+    ),
+    _leaf(
+        "deviceListStrategy",
+        "string or list of strings",
+        cdi.DEFAULT_STRATEGIES,
+        " | ".join(cdi.STRATEGIES),
+        "How Allocate names a container's GPUs to the runtime (NVIDIA's names; several at"
+        " once allowed, envvar and volume-mounts excluded together). volume-mounts and the CDI"
+        " strategies need the toolkit settings in docs/security.md; envvar lets any pod that"
+        " sets NVIDIA_VISIBLE_DEVICES itself have every GPU unless the toolkit ignores it.",
+        device_list_strategy,
+    ),
+    _leaf(
+        "driverMemoryLimit",
+        "boolean",
+        True,
+        "true | false",
+        "Also set NVIDIA_GPU_MEMORY_REQUEST and NVIDIA_GPU_MEMORY_LIMIT (whole MiB), which the"
+        " toolkit's apply-cuda-memory-limits hook hands to the driver, for containers where"
+        " one limit fits all their GPUs and memory is not oversubscribed.",
+        boolean,
     ),
     KeySpec("health", "map", None, "", "GPU health checking."),
     _leaf(

@@ -17,13 +17,14 @@ from pathlib import Path
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.core import defaults
+from vgpu_plugin.core import cdi, defaults
 from vgpu_plugin.core.allocation import ContainerSpec, container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import NodePlan, PhysicalGpu, plan_node
 from vgpu_plugin.core.grant import Grant, InvalidRequest, grant, new_allocation_id
 from vgpu_plugin.core.placement import preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
+from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import write_atomically
 from vgpu_plugin.node.health import HealthChange
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
@@ -58,7 +59,9 @@ class VgpuBackend:
         shim_version: str,
         lock_dir: str = defaults.LOCK_DIR,
         clock: Callable[[], float] = time.time,
+        cdi_spec_dir: str = cdi.SPEC_DIR,
     ) -> None:
+        self._cdi_spec_dir = cdi_spec_dir
         self._gpus = tuple(gpus)
         self._node_name = node_name
         self._store = store
@@ -167,8 +170,15 @@ class VgpuBackend:
         for i, creq in enumerate(request.container_requests):
             try:
                 g = grant(plan, list(creq.devices_ids), new_allocation_id())
-                spec = container_spec(g, self._host_root, self._shim_version, self._lock_dir)
-            except InvalidRequest as exc:
+                spec = container_spec(
+                    g,
+                    self._host_root,
+                    self._shim_version,
+                    self._lock_dir,
+                    self._config.device_list_strategy,
+                    self._config.driver_memory_limit,
+                )
+            except (InvalidRequest, ValueError) as exc:
                 raise BackendError.invalid(f"container request {i}: {exc}") from exc
             prepared.append((g, spec))
         written: list[tuple[Grant, ContainerSpec]] = []
@@ -204,6 +214,8 @@ class VgpuBackend:
                         )
                         for m in spec.mounts
                     ],
+                    annotations=spec.annotations,
+                    cdi_devices=[pb.CDIDevice(name=n) for n in spec.cdi_devices],
                 )
             )
         return pb.AllocateResponse(container_responses=responses)
@@ -227,6 +239,8 @@ class VgpuBackend:
         limits = Path(spec.limits_path)
         limits.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(limits, spec.limits_text.encode(), 0o644)
+        if spec.cdi_spec is not None:
+            cdi_files.write_spec(self._cdi_spec_dir, g.allocation_id, spec.cdi_spec)
         self._store.add(
             AllocationRecord(
                 allocation_id=g.allocation_id,
@@ -240,6 +254,7 @@ class VgpuBackend:
     def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
         shutil.rmtree(spec.allocation_dir, ignore_errors=True)
         Path(spec.limits_path).unlink(missing_ok=True)
+        cdi_files.remove_spec(self._cdi_spec_dir, g.allocation_id)
         self._store.remove(g.allocation_id)
 
     def _plan_resource(self) -> str:

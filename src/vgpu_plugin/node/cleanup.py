@@ -23,6 +23,7 @@ from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
+from vgpu_plugin.node.cdi import remove_spec
 from vgpu_plugin.node.state import AllocationStore
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,12 @@ class CleanupPolicy:
         self._unheld_since.pop(allocation_id, None)
 
 
-def remove_allocation_files(host_root: Path, allocation_id: str) -> None:
-    """Remove ``<root>/containers/<id>/`` and ``<root>/limits/<id>``; missing ones are fine.
-    Raises ValueError for an id that is not a safe file name, OSError when removal fails."""
+def remove_allocation_files(
+    host_root: Path, allocation_id: str, cdi_spec_dir: Path | None = None
+) -> None:
+    """Remove ``<root>/containers/<id>/``, ``<root>/limits/<id>`` and the allocation's CDI spec
+    in ``cdi_spec_dir``; missing ones are fine. Raises ValueError for an id that is not a safe
+    file name, OSError when removal fails."""
     root = str(Path(host_root).absolute())
     directory = Path(host_allocation_dir(root, allocation_id))
     limits = Path(host_limits_path(root, allocation_id))
@@ -134,6 +138,8 @@ def remove_allocation_files(host_root: Path, allocation_id: str) -> None:
     elif directory.exists():
         shutil.rmtree(directory)
     limits.unlink(missing_ok=True)
+    if cdi_spec_dir is not None:
+        remove_spec(cdi_spec_dir, allocation_id)
 
 
 def _labels_of(record: Allocation) -> PodRef | None:
@@ -162,8 +168,10 @@ class Cleaner:
         still_running: Callable[[str], bool] | None = None,
         grace: float = DEFAULT_GRACE,
         clock: Callable[[], float] = time.time,
+        cdi_spec_dir: Path | None = None,
     ) -> None:
         self.host_root = Path(host_root)
+        self.cdi_spec_dir = cdi_spec_dir
         self.policy = CleanupPolicy(grace)
         self._records = records
         self._drop_record = drop_record
@@ -222,7 +230,7 @@ class Cleaner:
             return
         self._kept_running.discard(allocation_id)
         try:
-            remove_allocation_files(self.host_root, allocation_id)
+            remove_allocation_files(self.host_root, allocation_id, self.cdi_spec_dir)
         except ValueError as exc:
             log.error("allocation record %r names no safe path: %s", allocation_id, exc)
         except OSError as exc:

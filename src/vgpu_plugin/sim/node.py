@@ -7,6 +7,7 @@ their containers run under runc with exactly the response's envs and mounts.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from typing import IO
 
 from vgpu_plugin.api.constants import HEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.core import defaults
+from vgpu_plugin.core import cdi, defaults
 from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.node import native
 from vgpu_plugin.node.install import install_shim
@@ -25,6 +26,8 @@ from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulat
 from vgpu_plugin.sim.process import ProcessRuntime
 from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
+from vgpu_plugin.sim.toolkit import ToolkitSettings
+from vgpu_plugin.sim.toolkit import apply as apply_toolkit
 
 RES = defaults.RESOURCE_NAME
 MIB = 1 << 20
@@ -45,8 +48,19 @@ class Admitted:
         return dict(self.response.envs)
 
     @property
+    def cdi_devices(self) -> list[str]:
+        """The CDI devices named by the response, in either of its two forms."""
+        names = [d.name for d in self.response.cdi_devices]
+        for key, value in self.response.annotations.items():
+            if key.startswith(cdi.ANNOTATION_PREFIX):
+                names.extend(value.split(","))
+        return list(dict.fromkeys(names))
+
+    @property
     def allocation_id(self) -> str:
-        return self.response.envs["VGPU_ALLOCATION_ID"]
+        if "VGPU_ALLOCATION_ID" in self.response.envs:
+            return self.response.envs["VGPU_ALLOCATION_ID"]
+        return next(n.split("=", 1)[1] for n in self.cdi_devices if n.startswith(cdi.KIND + "="))
 
     def memory_limit_mib(self, i: int = 0) -> int:
         return int(self.response.envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"].rstrip("m"))
@@ -56,6 +70,13 @@ class Admitted:
 
     @property
     def gpus(self) -> list[str]:
+        """The GPUs the response names, whatever the deviceListStrategy."""
+        prefix = cdi.VOLUME_MOUNTS_ROOT + "/"
+        found = [m.container_path[len(prefix) :] for m in self.response.mounts
+                 if m.container_path.startswith(prefix)]  # fmt: skip
+        found += [n.split("=", 1)[1] for n in self.cdi_devices if n.startswith(cdi.GPU_KIND + "=")]
+        if found:
+            return list(dict.fromkeys(found))
         return self.response.envs["NVIDIA_VISIBLE_DEVICES"].split(",")
 
 
@@ -69,8 +90,13 @@ class EmulatedNode:
         config_text: str,
         cleanup_grace: float | None = None,
         runtime: str = "runc",
+        toolkit: ToolkitSettings | None = None,
     ) -> None:
         self.work = workdir
+        self.cdi_dir = workdir / "cdi"
+        # The NVIDIA runtime's settings on this node (sim/toolkit.py); safe unless told.
+        base = toolkit if toolkit is not None else ToolkitSettings()
+        self.toolkit = dataclasses.replace(base, cdi_spec_dirs=(self.cdi_dir,))
         self.gpu_specs = list(gpus)
         self.config = workdir / "config.yaml"
         self.config_text = config_text
@@ -111,6 +137,7 @@ class EmulatedNode:
             "--state-dir", str(self.state_dir), "--lock-dir", str(self.lock_dir),
             "--pod-resources-socket", str(self.podres.socket_path), "--node-name", "node-1",
             "--metrics-address", "127.0.0.1:0", "--log-level", "debug",
+            "--cdi-spec-dir", str(self.cdi_dir),
         ]  # fmt: skip
         env = self.node.env()
         if self.cleanup_grace is not None:
@@ -185,20 +212,38 @@ class EmulatedNode:
     # -- containers ------------------------------------------------------------------------
 
     def container_config(
-        self, admitted: Admitted, name: str, args: Sequence[str]
-    ) -> ContainerConfig:
-        envs = admitted.envs
+        self, admitted: Admitted | None, name: str, args: Sequence[str],
+        envs: dict[str, str] | None = None,
+    ) -> ContainerConfig:  # fmt: skip
+        """The container as the runtime starts it: the response's envs and mounts (none for
+        a container without an allocation) and the pod's own ``envs``, through the NVIDIA
+        runtime's decision (sim/toolkit.py)."""
+        all_envs = dict(envs or {})
+        if admitted is not None:
+            all_envs.update(admitted.envs)  # the kubelet's device envs win over the pod's
         # The simulated driver stands where the NVIDIA runtime would put the real one.
-        envs["LD_LIBRARY_PATH"] = str(native.simgpu_dir())
-        envs["SIMGPU_STATE"] = str(self.node.state_dir)
-        envs["PYTHONPATH"] = ":".join(p for p in sys.path if p)
-        envs["PYTHONDONTWRITEBYTECODE"] = "1"
-        mounts = [
+        all_envs["LD_LIBRARY_PATH"] = str(native.simgpu_dir())
+        all_envs["SIMGPU_STATE"] = str(self.node.state_dir)
+        all_envs["PYTHONPATH"] = ":".join(p for p in sys.path if p)
+        all_envs["PYTHONDONTWRITEBYTECODE"] = "1"
+        mounts = [] if admitted is None else [
             Mount(m.container_path, m.host_path, m.read_only) for m in admitted.response.mounts
-        ]
+        ]  # fmt: skip
         # The simulated GPUs' device state, as /dev/nvidia* would be for a real GPU.
         mounts.append(Mount(str(self.node.state_dir), str(self.node.state_dir), False))
-        return ContainerConfig(name=name, args=list(args), envs=envs, mounts=mounts)
+        config = ContainerConfig(name=name, args=list(args), envs=all_envs, mounts=mounts)
+        return apply_toolkit(
+            config,
+            self.toolkit,
+            [g.uuid for g in self.node.gpus()],
+            admitted.cdi_devices if admitted is not None else (),
+        )
+
+    def run_unallocated(
+        self, name: str, args: Sequence[str], envs: dict[str, str], timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """A pod that asked for no GPU, with ``envs`` in its own spec."""
+        return self.runtime.run(self.container_config(None, name, args, envs), timeout=timeout)
 
     def start_container(
         self, admitted: Admitted, args: Sequence[str], suffix: str = ""

@@ -16,12 +16,13 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
+from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.state import AllocationStore
 
@@ -41,12 +42,51 @@ class Allocation(Protocol):
     def created(self) -> float: ...
 
 
-def holders(records: Iterable[Allocation], assignments: Mapping[str, PodRef]) -> dict[str, PodRef]:
+def holders(
+    records: Iterable[Allocation],
+    assignments: Mapping[str, PodRef],
+    checkpoint: Sequence[CheckpointEntry] = (),
+    ended_pods: Collection[str] = (),
+) -> dict[str, PodRef]:
     """The container holding each allocation, by allocation id (absent: held by nobody).
 
-    The kubelet hands a device to a new container once the old one has released it, so when
-    several records name one device, the newest record is the one the current holder got.
+    From pod-resources ``List`` (``assignments``): the kubelet hands a device to a new
+    container once the old one has released it, so when several records name one device, the
+    newest record is the one the current holder got.
+
+    From the kubelet's device ``checkpoint``: an allocation its Allocate response named stays
+    held while the kubelet keeps the entry, whether or not ``List`` shows the container
+    (non-restartable init containers never show there), unless its pod is in ``ended_pods``
+    (pod UIDs known to be gone although the kubelet has not rewritten the file yet). Its
+    namespace and pod come from a sibling container that ``List`` shows, else the namespace
+    is empty and the pod is the pod's UID.
     """
+    records = list(records)
+    out = _list_holders(records, assignments)
+    if not checkpoint:
+        return out
+    names: dict[str, PodRef] = {}
+    for e in checkpoint:
+        for aid in e.allocation_ids:
+            if aid in out:
+                names[e.pod_uid] = out[aid]
+    by_allocation = {aid: e for e in checkpoint for aid in e.allocation_ids}
+    for r in records:
+        entry = by_allocation.get(r.allocation_id)
+        if r.allocation_id in out or entry is None or entry.pod_uid in ended_pods:
+            continue
+        pod = names.get(entry.pod_uid)
+        out[r.allocation_id] = (
+            PodRef(pod.namespace, pod.pod, entry.container)
+            if pod is not None
+            else PodRef("", entry.pod_uid, entry.container)
+        )
+    return out
+
+
+def _list_holders(
+    records: Sequence[Allocation], assignments: Mapping[str, PodRef]
+) -> dict[str, PodRef]:
     newest: dict[str, Allocation] = {}
     for r in records:
         for d in r.device_ids:
@@ -85,14 +125,20 @@ class CleanupPolicy:
         self.grace = grace
         self._unheld_since: dict[str, float] = {}
         self._available: bool | None = None
+        # Pod UIDs (from the checkpoint) seen holding something in List, and those that did
+        # and hold nothing there any more: gone, though the kubelet's file still names them.
+        self._listed_pods: set[str] = set()
+        self._ended_pods: set[str] = set()
 
     def decide(
         self,
         records: Sequence[Allocation],
         assignments: Mapping[str, PodRef] | None,
         now: float,
+        checkpoint: Sequence[CheckpointEntry] = (),
     ) -> CleanupDecision:
-        """``assignments`` None: pod-resources unavailable, so nothing is gone."""
+        """``assignments`` None: pod-resources unavailable, so nothing is gone. ``checkpoint``:
+        the kubelet's device checkpoint (empty: not known), see ``holders``."""
         available = assignments is not None
         changed = self._available != available and (self._available is not None or not available)
         self._available = available
@@ -100,7 +146,8 @@ class CleanupPolicy:
             # What happened while we could not look is unknown: every clock starts again.
             self._unheld_since.clear()
             return CleanupDecision((), {}, False, changed)
-        held = holders(records, assignments)
+        self._track_pods(records, assignments, checkpoint)
+        held = holders(records, assignments, checkpoint, self._ended_pods)
         ids = {r.allocation_id for r in records}
         for stale in set(self._unheld_since) - ids:
             del self._unheld_since[stale]
@@ -118,6 +165,21 @@ class CleanupPolicy:
             else:
                 pending[r.allocation_id] = due
         return CleanupDecision(tuple(gone), held, True, changed, pending)
+
+    def _track_pods(
+        self,
+        records: Sequence[Allocation],
+        assignments: Mapping[str, PodRef],
+        checkpoint: Sequence[CheckpointEntry],
+    ) -> None:
+        listed = _list_holders(records, assignments)
+        now_listed = {e.pod_uid for e in checkpoint for a in e.allocation_ids if a in listed}
+        self._ended_pods |= self._listed_pods - now_listed
+        self._ended_pods -= now_listed
+        self._listed_pods = (self._listed_pods | now_listed) - self._ended_pods
+        in_file = {e.pod_uid for e in checkpoint}
+        self._ended_pods &= in_file
+        self._listed_pods &= in_file
 
     def forget(self, allocation_id: str) -> None:
         self._unheld_since.pop(allocation_id, None)
@@ -150,6 +212,11 @@ class Cleaner:
     ``still_running(id)`` (optional) is asked before removing: an allocation whose region
     still has live processes is kept, whatever the kubelet says (a kubelet that lost its
     device checkpoint must not cost a running container its accounting).
+
+    ``checkpoint()`` (optional) reads the kubelet's device checkpoint (None: there is none);
+    an allocation it names is held while its pod lives (init containers: see ``holders``).
+    ``mark_released(id, when)`` (optional) records when an allocation was first seen held by
+    nobody (None: held again), so the node view counts only what something holds.
     """
 
     def __init__(
@@ -162,6 +229,8 @@ class Cleaner:
         still_running: Callable[[str], bool] | None = None,
         grace: float = DEFAULT_GRACE,
         clock: Callable[[], float] = time.time,
+        checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
+        mark_released: Callable[[str, float | None], object] | None = None,
     ) -> None:
         self.host_root = Path(host_root)
         self.policy = CleanupPolicy(grace)
@@ -171,6 +240,9 @@ class Cleaner:
         self._relabel = relabel
         self._still_running = still_running
         self._clock = clock
+        self._checkpoint = checkpoint
+        self._mark_released = mark_released
+        self._checkpoint_problem: str | None = None
         self._kept_running: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,7 +254,7 @@ class Cleaner:
         except PodResourcesUnavailable as exc:
             assignments, why = None, str(exc)
         records = self._records()
-        decision = self.policy.decide(records, assignments, self._clock())
+        decision = self.policy.decide(records, assignments, self._clock(), self._read_checkpoint())
         if decision.availability_changed:
             if decision.available:
                 log.info("pod-resources answers again: cleanup of ended containers resumes")
@@ -194,6 +266,8 @@ class Cleaner:
                 )
         if self._relabel is not None:
             self._apply_labels(records, decision.holders)
+        if self._mark_released is not None and decision.available:
+            self._apply_released(records, decision)
         for allocation_id in decision.gone:
             self._remove(allocation_id)
         return decision
@@ -208,6 +282,36 @@ class Cleaner:
                 self._relabel(r.allocation_id, ref)
             except Exception:  # one bad record must not stop the pass
                 log.exception("cannot label allocation %s with %s", r.allocation_id, ref)
+
+    def _read_checkpoint(self) -> Sequence[CheckpointEntry]:
+        if self._checkpoint is None:
+            return ()
+        try:
+            entries = self._checkpoint()
+            problem = None if entries is not None else "the kubelet's device checkpoint is absent"
+        except CheckpointError as exc:
+            entries, problem = None, str(exc)
+        if problem != self._checkpoint_problem:
+            self._checkpoint_problem = problem
+            if problem is None:
+                log.info("reading the kubelet's device checkpoint: init containers are kept")
+            else:
+                log.warning(
+                    "%s: allocations of init containers are known only from pod-resources",
+                    problem,
+                    extra={"event": "checkpoint_unavailable"},
+                )
+        return entries or ()
+
+    def _apply_released(self, records: Sequence[Allocation], decision: CleanupDecision) -> None:
+        assert self._mark_released is not None
+        for r in records:
+            was = getattr(r, "released", None)
+            if r.allocation_id in decision.holders:
+                if was is not None:
+                    self._mark_released(r.allocation_id, None)
+            elif was is None:
+                self._mark_released(r.allocation_id, self._clock())
 
     def _remove(self, allocation_id: str) -> None:
         if self._still_running is not None and self._still_running(allocation_id):
@@ -270,3 +374,14 @@ def store_relabeler(store: AllocationStore) -> Callable[[str, PodRef], None]:
             )
 
     return relabel
+
+
+def store_release_marker(store: AllocationStore) -> Callable[[str, float | None], None]:
+    """``mark_released`` for a Cleaner over an AllocationStore."""
+
+    def mark(allocation_id: str, when: float | None) -> None:
+        record = store.get(allocation_id)
+        if record is not None:
+            store.add(dataclasses.replace(record, released=when))
+
+    return mark

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -352,3 +353,34 @@ def test_the_cleaner_reads_the_checkpoint_and_keeps_an_init_allocation(
         now[0] = t
         assert cleaner.run_once().gone == ()
     assert all(p.exists() for p in files) and store.get("init") is not None
+
+
+# --- orphans: files no record owns (issue 14, item 7) ----------------------------------------
+
+
+def test_orphaned_files_are_swept_but_never_fresh_owned_or_live_ones(
+    node: tuple[Path, AllocationStore, Kubelet, list[float]],
+) -> None:
+    root, store, _, now = node
+    old = time.time() - 3600
+    paths = {}
+    for aid in ("orphan", "fresh", "owned", "live"):
+        d, limits = materialise(root, aid)
+        paths[aid] = (d, limits)
+        if aid != "fresh":
+            for p in (d, limits):
+                os.utime(p, (old, old))
+    only_limits = root / "limits" / "x.tmp-123-abcd"  # a writer killed mid-write
+    only_limits.write_text("half")
+    os.utime(only_limits, (old, old))
+    foreign = root / "containers" / ".not-an-id"
+    foreign.mkdir()
+    os.utime(foreign, (old, old))
+    store.add(rec("owned", ("GPU-a-0",), created=time.time()))
+    now[0] = time.time()
+    cleaner = make_cleaner(node, still_running=lambda aid: aid == "live")
+    cleaner.run_once()
+    assert not any(p.exists() for p in paths["orphan"]) and not only_limits.exists()
+    for aid in ("fresh", "owned", "live"):
+        assert all(p.exists() for p in paths[aid]), aid
+    assert foreign.exists()

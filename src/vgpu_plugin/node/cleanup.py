@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import threading
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
+from vgpu_plugin.core.grant import check_allocation_id
 from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.state import AllocationStore
@@ -198,6 +200,31 @@ def remove_allocation_files(host_root: Path, allocation_id: str) -> None:
     limits.unlink(missing_ok=True)
 
 
+def orphans(host_root: Path, owned: Collection[str], now: float, min_age: float) -> list[str]:
+    """Allocation ids whose dir (``containers/<id>``) or limits file (``limits/<id>``, or a
+    temporary file of one) exists although no record owns them: left by a kill or ENOSPC
+    between creating them and writing the record. Only entries older than ``min_age``
+    seconds count, so an Allocate in flight (files written, record not yet) is never one."""
+    found: set[str] = set()
+    for sub in ("containers", "limits"):
+        try:
+            entries = list(os.scandir(Path(host_root) / sub))
+        except OSError:
+            continue
+        for e in entries:
+            name = e.name
+            if name in owned or name in found:
+                continue
+            try:
+                check_allocation_id(name)
+                age = now - e.stat(follow_symlinks=False).st_mtime
+            except (ValueError, OSError):
+                continue
+            if age >= min_age:
+                found.add(name)
+    return sorted(found)
+
+
 def _labels_of(record: Allocation) -> PodRef | None:
     ns, pod, ctr = (getattr(record, k, None) for k in ("namespace", "pod", "container"))
     if ns is None or pod is None or ctr is None:
@@ -270,7 +297,32 @@ class Cleaner:
             self._apply_released(records, decision)
         for allocation_id in decision.gone:
             self._remove(allocation_id)
+        if decision.available:
+            self._sweep_orphans()
         return decision
+
+    def _sweep_orphans(self) -> None:
+        """Files no record owns; read the records after listing, so one written meanwhile
+        counts as owning its files."""
+        candidates = orphans(self.host_root, (), self._clock(), self.policy.grace)
+        if not candidates:
+            return
+        owned = {r.allocation_id for r in self._records()}
+        for allocation_id in candidates:
+            if allocation_id in owned:
+                continue
+            if self._still_running is not None and self._still_running(allocation_id):
+                continue  # a live region: never removed
+            try:
+                remove_allocation_files(self.host_root, allocation_id)
+            except (ValueError, OSError) as exc:
+                log.error("cannot remove the orphaned files of %s: %s", allocation_id, exc)
+                continue
+            log.info(
+                "removed the files of %s, which no allocation record owns",
+                allocation_id,
+                extra={"allocation_id": allocation_id},
+            )
 
     def _apply_labels(self, records: Sequence[Allocation], held: Mapping[str, PodRef]) -> None:
         assert self._relabel is not None

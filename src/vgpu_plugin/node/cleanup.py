@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -26,6 +25,7 @@ from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
 from vgpu_plugin.core.grant import check_allocation_id
 from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
+from vgpu_plugin.node.rmtree import remove_tree
 from vgpu_plugin.node.state import AllocationStore
 
 log = logging.getLogger(__name__)
@@ -189,14 +189,27 @@ class CleanupPolicy:
 
 def remove_allocation_files(host_root: Path, allocation_id: str) -> None:
     """Remove ``<root>/containers/<id>/`` and ``<root>/limits/<id>``; missing ones are fine.
+    The dir is the tenant's: it is removed by dir fds, without following its symlinks and
+    whatever modes the tenant set on what it owns (``rmtree``). What the kernel still refuses
+    (files of another uid in a dir that uid made read-only; we hold no capability) is
+    renamed aside to ``containers/.unremovable-<id>`` with an error, so the allocation ends.
     Raises ValueError for an id that is not a safe file name, OSError when removal fails."""
     root = str(Path(host_root).absolute())
     directory = Path(host_allocation_dir(root, allocation_id))
     limits = Path(host_limits_path(root, allocation_id))
-    if directory.is_symlink():  # the dir is the container's to fill, never follow a link out
-        directory.unlink()
-    elif directory.exists():
-        shutil.rmtree(directory)
+    if os.path.lexists(directory):
+        try:
+            remove_tree(str(directory.parent), directory.name)
+        except PermissionError as exc:
+            aside = directory.with_name(f".unremovable-{allocation_id}")
+            os.rename(directory, aside)
+            log.error(
+                "cannot remove everything in %s (%s): moved it to %s; remove it by hand",
+                directory,
+                exc,
+                aside,
+                extra={"allocation_id": allocation_id},
+            )
     limits.unlink(missing_ok=True)
 
 

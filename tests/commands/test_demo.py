@@ -73,7 +73,7 @@ def test_auto_picks_runc_then_namespaces_then_preload(monkeypatch: pytest.Monkey
 
 def test_preload_maps_container_paths_to_the_host() -> None:
     mounts = [
-        Mount("/usr/local/vgpu/libvgpu.so", "/h/lib/libvgpu.so.1", True),
+        Mount("/etc/vgpu/libvgpu.so", "/h/lib/libvgpu.so.1", True),
         Mount("/etc/vgpu/limits", "/h/limits/a1", True),
         Mount("/tmp/vgpu", "/h/containers/a1", False),
         Mount("/tmp/vgpulock", "/h/locks", False),

@@ -148,6 +148,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
     assert list(a1) == sorted(a1)
     assert a1 == {
         "created": 100.0,
+        "ended": False,
         "gpus": [
             {
                 "compute_limit": 25,

@@ -45,12 +45,17 @@ def test_design_example_exactly() -> None:
         "VGPU_ALLOCATION_ID": "0193ab12cd34ef56",
     }
     assert spec.mounts == (
-        Mount("/usr/local/vgpu/libvgpu.so", "/usr/local/vgpu/lib/libvgpu.so.0.1.0", True),
+        Mount("/etc/vgpu/libvgpu.so", "/usr/local/vgpu/lib/libvgpu.so.0.1.0", True),
         Mount("/etc/ld.so.preload", "/usr/local/vgpu/ld.so.preload", True),
         Mount("/etc/vgpu/limits", "/usr/local/vgpu/limits/0193ab12cd34ef56", True),
         Mount("/tmp/vgpu", "/usr/local/vgpu/containers/0193ab12cd34ef56", False),
         Mount("/tmp/vgpulock", "/tmp/vgpulock", False),
     )
+    # A pod may mount a read-only volume at /usr: no mount point of ours may lie under it,
+    # or the runtime cannot create it and the container never starts (issue 14, item 12).
+    assert not [m.container_path for m in spec.mounts if m.container_path.startswith("/usr/")]
+    # The shim is found through ld.so.preload, which names it (install-shim writes it).
+    assert spec.mounts[0].container_path == "/etc/vgpu/libvgpu.so"
     assert spec.limits_path == "/usr/local/vgpu/limits/0193ab12cd34ef56"
     assert spec.allocation_dir == "/usr/local/vgpu/containers/0193ab12cd34ef56"
     assert spec.limits_text == (
@@ -110,7 +115,7 @@ def test_host_root_and_lock_dir_are_configurable() -> None:
     spec = container_spec(g, "/var/lib/vgpu/", "2.0.1", lock_dir="/run/vgpulock")
     hosts = {m.container_path: m.host_path for m in spec.mounts}
     assert hosts == {
-        "/usr/local/vgpu/libvgpu.so": "/var/lib/vgpu/lib/libvgpu.so.2.0.1",
+        "/etc/vgpu/libvgpu.so": "/var/lib/vgpu/lib/libvgpu.so.2.0.1",
         "/etc/ld.so.preload": "/var/lib/vgpu/ld.so.preload",
         "/etc/vgpu/limits": "/var/lib/vgpu/limits/abc",
         "/tmp/vgpu": "/var/lib/vgpu/containers/abc",

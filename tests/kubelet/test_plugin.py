@@ -93,7 +93,7 @@ def test_allocate_matches_the_design_example(node: Node) -> None:
     }
     root = node.host_root
     assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [
-        ("/usr/local/vgpu/libvgpu.so", f"{root}/lib/libvgpu.so.0.1.0-abc", True),
+        ("/etc/vgpu/libvgpu.so", f"{root}/lib/libvgpu.so.0.1.0-abc", True),
         ("/etc/ld.so.preload", f"{root}/ld.so.preload", True),
         ("/etc/vgpu/limits", f"{root}/limits/{aid}", True),
         ("/tmp/vgpu", f"{root}/containers/{aid}", False),

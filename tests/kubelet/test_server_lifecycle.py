@@ -409,3 +409,39 @@ def test_missing_device_plugin_dir_is_a_clear_error(backend: FakeBackend, plugin
     server = DevicePluginServer(backend, RESOURCE, plugin_dir / "absent")
     with pytest.raises(FileNotFoundError, match=r"device plugin directory .*absent"):
         server.start()
+
+
+def _dead_socket(path: Path) -> None:
+    """A socket file nobody listens on, as a SIGKILLed instance leaves it."""
+    import socket as sk
+
+    s = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+
+
+def test_start_removes_our_crashed_instances_sockets_and_nothing_else(
+    kubelet: KubeletEmulator, server: DevicePluginServer, plugin_dir: Path
+) -> None:
+    import socket as sk
+
+    ours = plugin_dir / "vgpu-nvidia.com-gpu-4242-a1b2c3.sock"
+    other_resource = plugin_dir / "vgpu-nvidia.com-gpu.shared-77-0f0f0f.sock"
+    foreign = plugin_dir / "nvidia-gpu.sock"
+    for p in (ours, other_resource, foreign):
+        _dead_socket(p)
+    regular = plugin_dir / "vgpu-nvidia.com-gpu-1-abcdef.sock.bak"
+    regular.write_text("not a socket")
+    live_path = plugin_dir / "vgpu-nvidia.com-gpu-99-123456.sock"
+    live = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    live.bind(str(live_path))
+    live.listen(1)
+    try:
+        server.start()
+        kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=5)
+        left = sockets_in(plugin_dir)
+    finally:
+        live.close()
+    assert ours.name not in left and other_resource.name not in left
+    assert {foreign.name, live_path.name, "kubelet.sock"} <= left
+    assert regular.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,8 +11,15 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
+from vgpu_plugin.kubelet.checkpoint import CheckpointEntry
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
-from vgpu_plugin.node.cleanup import Cleaner, CleanupPolicy, holders, store_relabeler
+from vgpu_plugin.node.cleanup import (
+    Cleaner,
+    CleanupPolicy,
+    holders,
+    store_relabeler,
+    store_release_marker,
+)
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 A = PodRef("ml", "infer-a", "server")
@@ -250,3 +258,129 @@ def test_the_background_loop_runs_passes_until_stopped(
     finally:
         cleaner.stop()
     assert store.get("x") is None
+
+
+# --- init containers: the kubelet's device checkpoint (issue 14, item 1) ---------------------
+
+
+def ck(uid: str, container: str, allocation_id: str, devices: tuple[str, ...]) -> CheckpointEntry:
+    return CheckpointEntry(uid, container, "nvidia.com/gpu", devices, (allocation_id,))
+
+
+def test_an_init_containers_allocation_stays_while_its_pod_lives() -> None:
+    """The kubelet gives the init container's devices to the app container after it (and
+    List shows only the app container): the init allocation is held through the checkpoint
+    whether or not a process of it runs, and goes when the pod goes."""
+    records = [rec("init", ("GPU-a-0",), 100), rec("main", ("GPU-a-0",), 101)]
+    checkpoint = [
+        ck("uid-1", "download", "init", ("GPU-a-0",)),
+        ck("uid-1", "server", "main", ("GPU-a-0",)),
+    ]
+    policy = CleanupPolicy(grace=60)
+    for t in (200, 1000, 5000):
+        d = policy.decide(records, {"GPU-a-0": A}, t, checkpoint)
+        assert d.gone == () and d.pending == {}
+        assert d.holders["init"] == PodRef("ml", "infer-a", "download")
+    # The pod is deleted: List drops it at once, the kubelet's file only at its next write.
+    assert policy.decide(records, {}, 6000, checkpoint).pending == {"init": 6060, "main": 6060}
+    assert set(policy.decide(records, {}, 6060, checkpoint).gone) == {"init", "main"}
+
+
+def test_without_the_checkpoint_the_init_allocation_would_be_taken_for_ended() -> None:
+    records = [rec("init", ("GPU-a-0",), 100), rec("main", ("GPU-a-0",), 101)]
+    policy = CleanupPolicy(grace=60)
+    policy.decide(records, {"GPU-a-0": A}, 200)
+    assert policy.decide(records, {"GPU-a-0": A}, 260).gone == ("init",)
+
+
+def test_an_init_container_on_a_kubelet_that_lists_it_is_held_either_way() -> None:
+    records = [rec("init", ("GPU-a-0",), 100), rec("main", ("GPU-a-1",), 101)]
+    checkpoint = [
+        ck("uid-1", "download", "init", ("GPU-a-0",)),
+        ck("uid-1", "server", "main", ("GPU-a-1",)),
+    ]
+    init = PodRef("ml", "infer-a", "download")
+    for cp in ([], checkpoint):
+        policy = CleanupPolicy(grace=60)
+        for t in (200, 1000):
+            d = policy.decide(records, {"GPU-a-0": init, "GPU-a-1": A}, t, cp)
+            assert d.gone == () and d.holders["init"] == init
+
+
+def test_a_pod_whose_only_gpu_container_is_an_init_container_is_held_by_the_checkpoint() -> None:
+    records = [rec("init", ("GPU-a-0",), 100)]
+    checkpoint = [ck("uid-9", "compile", "init", ("GPU-a-0",))]
+    policy = CleanupPolicy(grace=60)
+    for t in (200, 1000):
+        d = policy.decide(records, {}, t, checkpoint)
+        assert d.gone == () and d.holders["init"] == PodRef("", "uid-9", "compile")
+    # The kubelet rewrites its file without the pod: the allocation is over.
+    policy.decide(records, {}, 2000, [])
+    assert policy.decide(records, {}, 2060, []).gone == ("init",)
+
+
+def test_the_cleaner_marks_released_allocations_and_clears_the_mark_when_held_again(
+    node: tuple[Path, AllocationStore, Kubelet, list[float]],
+) -> None:
+    root, store, kubelet, now = node
+    materialise(root, "x")
+    store.add(rec("x", ("GPU-a-0",), created=900))
+    cleaner = make_cleaner(node, mark_released=store_release_marker(store))
+    kubelet.assignments = {"GPU-a-0": A}
+    cleaner.run_once()
+    assert store.get("x").released is None  # type: ignore[union-attr]
+    kubelet.assignments = {}
+    now[0] = 1010
+    cleaner.run_once()
+    assert store.get("x").released == 1010  # type: ignore[union-attr]
+    kubelet.assignments = {"GPU-a-0": A}
+    now[0] = 1020
+    cleaner.run_once()
+    assert store.get("x").released is None  # type: ignore[union-attr]
+
+
+def test_the_cleaner_reads_the_checkpoint_and_keeps_an_init_allocation(
+    node: tuple[Path, AllocationStore, Kubelet, list[float]], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, store, kubelet, now = node
+    files = materialise(root, "init")
+    store.add(rec("init", ("GPU-a-0",), created=900))
+    store.add(rec("main", ("GPU-a-0",), created=901))
+    kubelet.assignments = {"GPU-a-0": A}
+    entries = [ck("u", "download", "init", ("GPU-a-0",)), ck("u", "server", "main", ("GPU-a-0",))]
+    cleaner = make_cleaner(node, checkpoint=lambda: entries)
+    for t in (1000, 1100, 1200):
+        now[0] = t
+        assert cleaner.run_once().gone == ()
+    assert all(p.exists() for p in files) and store.get("init") is not None
+
+
+# --- orphans: files no record owns (issue 14, item 7) ----------------------------------------
+
+
+def test_orphaned_files_are_swept_but_never_fresh_owned_or_live_ones(
+    node: tuple[Path, AllocationStore, Kubelet, list[float]],
+) -> None:
+    root, store, _, now = node
+    old = time.time() - 3600
+    paths = {}
+    for aid in ("orphan", "fresh", "owned", "live"):
+        d, limits = materialise(root, aid)
+        paths[aid] = (d, limits)
+        if aid != "fresh":
+            for p in (d, limits):
+                os.utime(p, (old, old))
+    only_limits = root / "limits" / "x.tmp-123-abcd"  # a writer killed mid-write
+    only_limits.write_text("half")
+    os.utime(only_limits, (old, old))
+    foreign = root / "containers" / ".not-an-id"
+    foreign.mkdir()
+    os.utime(foreign, (old, old))
+    store.add(rec("owned", ("GPU-a-0",), created=time.time()))
+    now[0] = time.time()
+    cleaner = make_cleaner(node, still_running=lambda aid: aid == "live")
+    cleaner.run_once()
+    assert not any(p.exists() for p in paths["orphan"]) and not only_limits.exists()
+    for aid in ("fresh", "owned", "live"):
+        assert all(p.exists() for p in paths[aid]), aid
+    assert foreign.exists()

@@ -83,7 +83,7 @@ def test_install_creates_the_layout_and_a_second_run_changes_nothing(
     assert first.shim_path == root / "lib" / f"libvgpu.so.{first.version}"
     assert first.shim_path.read_bytes() == shim_build.read_bytes()
     assert first.shim_path.stat().st_mode & 0o777 == 0o755
-    assert (root / "ld.so.preload").read_text() == "/usr/local/vgpu/libvgpu.so\n"
+    assert (root / "ld.so.preload").read_text() == "/etc/vgpu/libvgpu.so\n"
     assert (root / "limits").is_dir() and (root / "containers").is_dir()
     assert first.changed and first.shim_written and first.preload_written
     # No temporary file is left behind.

@@ -275,3 +275,26 @@ def test_parse_address(address: str, parsed: tuple[str, int]) -> None:
 def test_parse_address_refuses(address: str) -> None:
     with pytest.raises(ValueError, match="not \\[HOST\\]:PORT"):
         metrics.parse_address(address)
+
+
+def test_an_ended_allocation_in_its_cleanup_grace_is_not_counted(node: Node) -> None:
+    """A pod deleted and created again: the old allocation waits out the grace, held by
+    nobody; the GPU counts only the new one's slices and limits (issue 14, item 11)."""
+    lim = GpuLimit(GPU_A, 8192 * MIB, 50)
+    old = replace(record("old", 100.0, lim, pod="infer-a", k=0), released=150.0)
+    node.store.add(old)
+    node.store.add(record("new", 160.0, lim, pod="infer-a", k=1))
+    scraped = node.scrape()
+    assert value(scraped, "vgpu_gpu_slices_allocated", gpu_uuid=GPU_A) == 1
+    assert value(scraped, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == 8192 * MIB
+    limits = samples(scraped, "vgpu_container_memory_limit_bytes", pod="infer-a")
+    assert [labels["allocation_id"] for labels, _ in limits] == ["new"]
+
+
+def test_an_ended_allocation_with_live_processes_still_counts(node: Node) -> None:
+    lim = GpuLimit(GPU_A, 8192 * MIB, 50)
+    node.store.add(replace(record("old", 100.0, lim, pod="infer-a"), released=150.0))
+    node.regions.put(node.root, "old", Snap((Dev(GPU_A, 100 * MIB),), (Proc(True, (100 * MIB,)),)))
+    scraped = node.scrape()
+    assert value(scraped, "vgpu_gpu_slices_allocated", gpu_uuid=GPU_A) == 1
+    assert value(scraped, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == 8192 * MIB

@@ -20,11 +20,12 @@ from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
+from vgpu_plugin.kubelet.checkpoint import read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
-from vgpu_plugin.node.cleanup import Cleaner, store_relabeler
+from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
@@ -151,6 +152,8 @@ class Plugin:
             still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
             grace=s.cleanup_grace,
             cdi_spec_dir=Path(s.cdi_spec_dir),
+            checkpoint=lambda: read_checkpoint(s.device_plugin_dir),
+            mark_released=store_release_marker(store),
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 

@@ -176,6 +176,8 @@ def _gpu_label(view: NodeView, uuid: str) -> str:
 
 def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
     who = str(a.pod) if a.pod else "(pod not known yet)"
+    if a.ended:
+        who += " (ended)"
     rows = []
     for i, g in enumerate(a.gpus or ()):
         compute = "unlimited" if g.compute_limit == 0 else f"{g.compute_limit}%"

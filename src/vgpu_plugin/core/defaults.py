@@ -13,7 +13,7 @@ LOCK_DIR: Final = "/tmp/vgpulock"  # per-GPU lock files, shared by every contain
 METRICS_ADDRESS: Final = ":9400"
 
 # Inside the container (the Allocate response's mounts).
-SHIM_PATH: Final = "/usr/local/vgpu/libvgpu.so"
+SHIM_PATH: Final = "/etc/vgpu/libvgpu.so"
 PRELOAD_PATH: Final = "/etc/ld.so.preload"
 LIMITS_PATH: Final = "/etc/vgpu/limits"
 CACHE_DIR: Final = "/tmp/vgpu"

@@ -11,11 +11,13 @@ What is advertised and allocated is the ``Backend``'s business (see ``backend.py
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import re
 import secrets
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,37 @@ log = logging.getLogger(__name__)
 
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 _MAX_SOCKET_PATH = 107
+# The names _socket_name makes: vgpu-<resource>-<pid>-<6 hex>.sock.
+_OUR_SOCKET = re.compile(r"^vgpu-[A-Za-z0-9_.-]+-[0-9]+-[0-9a-f]{6}\.sock$")
+
+
+def remove_stale_sockets(plugin_dir: Path) -> list[Path]:
+    """Removes the sockets that crashed instances of this plugin left in ``plugin_dir``: a
+    name of ours (``vgpu-<resource>-<pid>-<hex>.sock``), a socket, and nobody listening on it
+    (connect refused). Another plugin's files, and a live instance's socket (a rolling update),
+    are left alone. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        names = os.listdir(plugin_dir)
+    except OSError:
+        return removed
+    for name in names:
+        path = plugin_dir / name
+        if not _OUR_SOCKET.match(name) or not path.is_socket():
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(str(path))
+                continue  # someone serves on it
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                continue  # not clearly dead: keep it
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 class DevicePluginServer:
@@ -115,6 +148,8 @@ class DevicePluginServer:
             size,
             extra={"resource": self.resource_name, "list_bytes": size},
         )
+        for stale in remove_stale_sockets(self.plugin_dir):
+            log.info("removed %s, the socket of a plugin instance that is gone", stale)
         self._stopping.clear()
         self._feed.start()
         try:

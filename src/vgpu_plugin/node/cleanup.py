@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
+from vgpu_plugin.core.grant import check_allocation_id
+from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.cdi import remove_spec
+from vgpu_plugin.node.rmtree import remove_tree
 from vgpu_plugin.node.state import AllocationStore
 
 log = logging.getLogger(__name__)
@@ -42,12 +45,51 @@ class Allocation(Protocol):
     def created(self) -> float: ...
 
 
-def holders(records: Iterable[Allocation], assignments: Mapping[str, PodRef]) -> dict[str, PodRef]:
+def holders(
+    records: Iterable[Allocation],
+    assignments: Mapping[str, PodRef],
+    checkpoint: Sequence[CheckpointEntry] = (),
+    ended_pods: Collection[str] = (),
+) -> dict[str, PodRef]:
     """The container holding each allocation, by allocation id (absent: held by nobody).
 
-    The kubelet hands a device to a new container once the old one has released it, so when
-    several records name one device, the newest record is the one the current holder got.
+    From pod-resources ``List`` (``assignments``): the kubelet hands a device to a new
+    container once the old one has released it, so when several records name one device, the
+    newest record is the one the current holder got.
+
+    From the kubelet's device ``checkpoint``: an allocation its Allocate response named stays
+    held while the kubelet keeps the entry, whether or not ``List`` shows the container
+    (non-restartable init containers never show there), unless its pod is in ``ended_pods``
+    (pod UIDs known to be gone although the kubelet has not rewritten the file yet). Its
+    namespace and pod come from a sibling container that ``List`` shows, else the namespace
+    is empty and the pod is the pod's UID.
     """
+    records = list(records)
+    out = _list_holders(records, assignments)
+    if not checkpoint:
+        return out
+    names: dict[str, PodRef] = {}
+    for e in checkpoint:
+        for aid in e.allocation_ids:
+            if aid in out:
+                names[e.pod_uid] = out[aid]
+    by_allocation = {aid: e for e in checkpoint for aid in e.allocation_ids}
+    for r in records:
+        entry = by_allocation.get(r.allocation_id)
+        if r.allocation_id in out or entry is None or entry.pod_uid in ended_pods:
+            continue
+        pod = names.get(entry.pod_uid)
+        out[r.allocation_id] = (
+            PodRef(pod.namespace, pod.pod, entry.container)
+            if pod is not None
+            else PodRef("", entry.pod_uid, entry.container)
+        )
+    return out
+
+
+def _list_holders(
+    records: Sequence[Allocation], assignments: Mapping[str, PodRef]
+) -> dict[str, PodRef]:
     newest: dict[str, Allocation] = {}
     for r in records:
         for d in r.device_ids:
@@ -86,14 +128,20 @@ class CleanupPolicy:
         self.grace = grace
         self._unheld_since: dict[str, float] = {}
         self._available: bool | None = None
+        # Pod UIDs (from the checkpoint) seen holding something in List, and those that did
+        # and hold nothing there any more: gone, though the kubelet's file still names them.
+        self._listed_pods: set[str] = set()
+        self._ended_pods: set[str] = set()
 
     def decide(
         self,
         records: Sequence[Allocation],
         assignments: Mapping[str, PodRef] | None,
         now: float,
+        checkpoint: Sequence[CheckpointEntry] = (),
     ) -> CleanupDecision:
-        """``assignments`` None: pod-resources unavailable, so nothing is gone."""
+        """``assignments`` None: pod-resources unavailable, so nothing is gone. ``checkpoint``:
+        the kubelet's device checkpoint (empty: not known), see ``holders``."""
         available = assignments is not None
         changed = self._available != available and (self._available is not None or not available)
         self._available = available
@@ -101,7 +149,8 @@ class CleanupPolicy:
             # What happened while we could not look is unknown: every clock starts again.
             self._unheld_since.clear()
             return CleanupDecision((), {}, False, changed)
-        held = holders(records, assignments)
+        self._track_pods(records, assignments, checkpoint)
+        held = holders(records, assignments, checkpoint, self._ended_pods)
         ids = {r.allocation_id for r in records}
         for stale in set(self._unheld_since) - ids:
             del self._unheld_since[stale]
@@ -120,6 +169,21 @@ class CleanupPolicy:
                 pending[r.allocation_id] = due
         return CleanupDecision(tuple(gone), held, True, changed, pending)
 
+    def _track_pods(
+        self,
+        records: Sequence[Allocation],
+        assignments: Mapping[str, PodRef],
+        checkpoint: Sequence[CheckpointEntry],
+    ) -> None:
+        listed = _list_holders(records, assignments)
+        now_listed = {e.pod_uid for e in checkpoint for a in e.allocation_ids if a in listed}
+        self._ended_pods |= self._listed_pods - now_listed
+        self._ended_pods -= now_listed
+        self._listed_pods = (self._listed_pods | now_listed) - self._ended_pods
+        in_file = {e.pod_uid for e in checkpoint}
+        self._ended_pods &= in_file
+        self._listed_pods &= in_file
+
     def forget(self, allocation_id: str) -> None:
         self._unheld_since.pop(allocation_id, None)
 
@@ -128,18 +192,56 @@ def remove_allocation_files(
     host_root: Path, allocation_id: str, cdi_spec_dir: Path | None = None
 ) -> None:
     """Remove ``<root>/containers/<id>/``, ``<root>/limits/<id>`` and the allocation's CDI spec
-    in ``cdi_spec_dir``; missing ones are fine. Raises ValueError for an id that is not a safe
-    file name, OSError when removal fails."""
+    in ``cdi_spec_dir``; missing ones are fine. The dir is the tenant's: it is removed by dir
+    fds, without following its symlinks and whatever modes the tenant set on what it owns
+    (``rmtree``). What the kernel still refuses (files of another uid in a dir that uid made
+    read-only; we hold no capability) is renamed aside to ``containers/.unremovable-<id>`` with
+    an error, so the allocation ends. Raises ValueError for an id that is not a safe file name,
+    OSError when removal fails."""
     root = str(Path(host_root).absolute())
     directory = Path(host_allocation_dir(root, allocation_id))
     limits = Path(host_limits_path(root, allocation_id))
-    if directory.is_symlink():  # the dir is the container's to fill, never follow a link out
-        directory.unlink()
-    elif directory.exists():
-        shutil.rmtree(directory)
+    if os.path.lexists(directory):
+        try:
+            remove_tree(str(directory.parent), directory.name)
+        except PermissionError as exc:
+            aside = directory.with_name(f".unremovable-{allocation_id}")
+            os.rename(directory, aside)
+            log.error(
+                "cannot remove everything in %s (%s): moved it to %s; remove it by hand",
+                directory,
+                exc,
+                aside,
+                extra={"allocation_id": allocation_id},
+            )
     limits.unlink(missing_ok=True)
     if cdi_spec_dir is not None:
         remove_spec(cdi_spec_dir, allocation_id)
+
+
+def orphans(host_root: Path, owned: Collection[str], now: float, min_age: float) -> list[str]:
+    """Allocation ids whose dir (``containers/<id>``) or limits file (``limits/<id>``, or a
+    temporary file of one) exists although no record owns them: left by a kill or ENOSPC
+    between creating them and writing the record. Only entries older than ``min_age``
+    seconds count, so an Allocate in flight (files written, record not yet) is never one."""
+    found: set[str] = set()
+    for sub in ("containers", "limits"):
+        try:
+            entries = list(os.scandir(Path(host_root) / sub))
+        except OSError:
+            continue
+        for e in entries:
+            name = e.name
+            if name in owned or name in found:
+                continue
+            try:
+                check_allocation_id(name)
+                age = now - e.stat(follow_symlinks=False).st_mtime
+            except (ValueError, OSError):
+                continue
+            if age >= min_age:
+                found.add(name)
+    return sorted(found)
 
 
 def _labels_of(record: Allocation) -> PodRef | None:
@@ -156,6 +258,11 @@ class Cleaner:
     ``still_running(id)`` (optional) is asked before removing: an allocation whose region
     still has live processes is kept, whatever the kubelet says (a kubelet that lost its
     device checkpoint must not cost a running container its accounting).
+
+    ``checkpoint()`` (optional) reads the kubelet's device checkpoint (None: there is none);
+    an allocation it names is held while its pod lives (init containers: see ``holders``).
+    ``mark_released(id, when)`` (optional) records when an allocation was first seen held by
+    nobody (None: held again), so the node view counts only what something holds.
     """
 
     def __init__(
@@ -169,6 +276,8 @@ class Cleaner:
         grace: float = DEFAULT_GRACE,
         clock: Callable[[], float] = time.time,
         cdi_spec_dir: Path | None = None,
+        checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
+        mark_released: Callable[[str, float | None], object] | None = None,
     ) -> None:
         self.host_root = Path(host_root)
         self.cdi_spec_dir = cdi_spec_dir
@@ -179,6 +288,9 @@ class Cleaner:
         self._relabel = relabel
         self._still_running = still_running
         self._clock = clock
+        self._checkpoint = checkpoint
+        self._mark_released = mark_released
+        self._checkpoint_problem: str | None = None
         self._kept_running: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,7 +302,7 @@ class Cleaner:
         except PodResourcesUnavailable as exc:
             assignments, why = None, str(exc)
         records = self._records()
-        decision = self.policy.decide(records, assignments, self._clock())
+        decision = self.policy.decide(records, assignments, self._clock(), self._read_checkpoint())
         if decision.availability_changed:
             if decision.available:
                 log.info("pod-resources answers again: cleanup of ended containers resumes")
@@ -202,9 +314,36 @@ class Cleaner:
                 )
         if self._relabel is not None:
             self._apply_labels(records, decision.holders)
+        if self._mark_released is not None and decision.available:
+            self._apply_released(records, decision)
         for allocation_id in decision.gone:
             self._remove(allocation_id)
+        if decision.available:
+            self._sweep_orphans()
         return decision
+
+    def _sweep_orphans(self) -> None:
+        """Files no record owns; read the records after listing, so one written meanwhile
+        counts as owning its files."""
+        candidates = orphans(self.host_root, (), self._clock(), self.policy.grace)
+        if not candidates:
+            return
+        owned = {r.allocation_id for r in self._records()}
+        for allocation_id in candidates:
+            if allocation_id in owned:
+                continue
+            if self._still_running is not None and self._still_running(allocation_id):
+                continue  # a live region: never removed
+            try:
+                remove_allocation_files(self.host_root, allocation_id, self.cdi_spec_dir)
+            except (ValueError, OSError) as exc:
+                log.error("cannot remove the orphaned files of %s: %s", allocation_id, exc)
+                continue
+            log.info(
+                "removed the files of %s, which no allocation record owns",
+                allocation_id,
+                extra={"allocation_id": allocation_id},
+            )
 
     def _apply_labels(self, records: Sequence[Allocation], held: Mapping[str, PodRef]) -> None:
         assert self._relabel is not None
@@ -216,6 +355,36 @@ class Cleaner:
                 self._relabel(r.allocation_id, ref)
             except Exception:  # one bad record must not stop the pass
                 log.exception("cannot label allocation %s with %s", r.allocation_id, ref)
+
+    def _read_checkpoint(self) -> Sequence[CheckpointEntry]:
+        if self._checkpoint is None:
+            return ()
+        try:
+            entries = self._checkpoint()
+            problem = None if entries is not None else "the kubelet's device checkpoint is absent"
+        except CheckpointError as exc:
+            entries, problem = None, str(exc)
+        if problem != self._checkpoint_problem:
+            self._checkpoint_problem = problem
+            if problem is None:
+                log.info("reading the kubelet's device checkpoint: init containers are kept")
+            else:
+                log.warning(
+                    "%s: allocations of init containers are known only from pod-resources",
+                    problem,
+                    extra={"event": "checkpoint_unavailable"},
+                )
+        return entries or ()
+
+    def _apply_released(self, records: Sequence[Allocation], decision: CleanupDecision) -> None:
+        assert self._mark_released is not None
+        for r in records:
+            was = getattr(r, "released", None)
+            if r.allocation_id in decision.holders:
+                if was is not None:
+                    self._mark_released(r.allocation_id, None)
+            elif was is None:
+                self._mark_released(r.allocation_id, self._clock())
 
     def _remove(self, allocation_id: str) -> None:
         if self._still_running is not None and self._still_running(allocation_id):
@@ -278,3 +447,14 @@ def store_relabeler(store: AllocationStore) -> Callable[[str, PodRef], None]:
             )
 
     return relabel
+
+
+def store_release_marker(store: AllocationStore) -> Callable[[str, float | None], None]:
+    """``mark_released`` for a Cleaner over an AllocationStore."""
+
+    def mark(allocation_id: str, when: float | None) -> None:
+        record = store.get(allocation_id)
+        if record is not None:
+            store.add(dataclasses.replace(record, released=when))
+
+    return mark

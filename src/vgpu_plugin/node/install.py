@@ -230,7 +230,7 @@ def check_installed(host_root: Path, source: Path | None = None) -> Path:
 
 
 def shim_path_for(host_root: Path, source: Path | None = None) -> Path:
-    """The host path of the shim that Allocate mounts at /usr/local/vgpu/libvgpu.so."""
+    """The host path of the shim that Allocate mounts at /etc/vgpu/libvgpu.so."""
     return check_installed(host_root, source)
 
 

@@ -106,6 +106,8 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
         ALLOCATION_LABELS,
     )
     for a in view.allocations:
+        if a.ended:  # nothing holds it: its container is gone, its files wait for cleanup
+            continue
         ns, pod, ctr = (a.pod.namespace, a.pod.pod, a.pod.container) if a.pod else ("", "", "")
         invalid = a.region_state.startswith("invalid")
         for g in a.gpus:

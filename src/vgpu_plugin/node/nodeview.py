@@ -108,6 +108,9 @@ class AllocationView:
     processes_alive: int
     region_state: str  # 'ok', 'missing', 'invalid: …' or 'busy: …'
     created: float
+    # Held by no container (the cleaner's verdict) and no live process: waiting out the
+    # cleanup grace. Shown, but not counted in the GPUs' slices and limits.
+    ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,8 @@ def allocation_view(
         )
         for g in limits
     )
-    return AllocationView(record.allocation_id, pod, gpus, alive, state, record.created)
+    ended = record.released is not None and alive == 0
+    return AllocationView(record.allocation_id, pod, gpus, alive, state, record.created, ended)
 
 
 def build_view(
@@ -230,7 +234,8 @@ def build_view(
     notes: Sequence[str] = (),
 ) -> NodeView:
     """The node as one value. ``pods``: each allocation's container (default: what the records
-    were labelled with); an allocation absent from ``regions`` reads as region 'missing'."""
+    were labelled with); an allocation absent from ``regions`` reads as region 'missing'.
+    Ended allocations are listed but count in no GPU's slices, limits or usage."""
     missing = RegionProblem(REGION_MISSING)
     allocations = tuple(
         allocation_view(
@@ -240,8 +245,11 @@ def build_view(
         )
         for r in sorted(records, key=lambda r: (r.created, r.allocation_id))
     )
+    ended = {a.id for a in allocations if a.ended}
     slices: dict[str, set[str]] = {}
     for r in records:
+        if r.allocation_id in ended:
+            continue
         for d in r.device_ids:
             parsed = parse_device_id(d)
             if parsed is not None:
@@ -249,6 +257,8 @@ def build_view(
     limited: dict[str, int] = {}
     used: dict[str, int] = {}
     for a in allocations:
+        if a.ended:
+            continue
         for g in a.gpus:
             limited[g.uuid] = limited.get(g.uuid, 0) + g.memory_limit
             used[g.uuid] = used.get(g.uuid, 0) + (g.memory_used or 0)

@@ -183,8 +183,25 @@ class HealthWatcher:
                 log.debug("probe of %s failed: %s", uuid, exc)
                 out.append(self._tracker.lost(uuid, now))
             else:
+                if not self._tracker.healthy(uuid):
+                    action = _recovery_action(handle)
+                    if action is not None:
+                        self._tracker.recovery_action(uuid, action)
                 out.append(self._tracker.probe_ok(uuid, now))
         return out
+
+
+def _recovery_action(handle: Any) -> int | None:
+    """NVML's recovery action for the GPU (R550+ drivers), None where it is not reported."""
+    try:
+        field = pynvml.nvmlDeviceGetFieldValues(
+            handle, [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+        )[0]
+    except (pynvml.NVMLError, AttributeError, IndexError):
+        return None
+    if field.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    return int(field.value.uiVal)
 
 
 def nvml_facts() -> list[GpuFacts]:

@@ -59,6 +59,9 @@ class AllocationRecord:
     pod: str | None = None
     namespace: str | None = None
     container: str | None = None
+    # When the cleaner first saw it held by nobody (None: held, or not known yet); an ended
+    # allocation waits out the cleanup grace and is not counted as live meanwhile.
+    released: float | None = None
     # Kept so a newer writer's extra fields survive a round trip through this version.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -74,6 +77,8 @@ class AllocationRecord:
             namespace=self.namespace,
             container=self.container,
         )
+        if self.released is not None:
+            out["released"] = self.released
         return out
 
     @classmethod
@@ -90,6 +95,7 @@ class AllocationRecord:
             "pod",
             "namespace",
             "container",
+            "released",
         }
         try:
             allocation_id = _typed(raw["allocation_id"], str, "allocation_id")
@@ -115,6 +121,7 @@ class AllocationRecord:
             pod=_optional_str(raw.get("pod"), "pod"),
             namespace=_optional_str(raw.get("namespace"), "namespace"),
             container=_optional_str(raw.get("container"), "container"),
+            released=_optional_float(raw.get("released"), "released"),
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
@@ -127,6 +134,10 @@ def _typed(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
 
 def _optional_str(value: Any, name: str) -> str | None:
     return None if value is None else str(_typed(value, str, name))
+
+
+def _optional_float(value: Any, name: str) -> float | None:
+    return None if value is None else float(_typed(value, (int, float), name))
 
 
 def pack_record(record: AllocationRecord) -> bytes:

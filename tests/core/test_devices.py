@@ -95,6 +95,7 @@ def test_slice_memory_property_against_exact_arithmetic() -> None:
 def test_overrides_apply_per_gpu_and_are_recorded() -> None:
     config = parse_config(
         """
+version: v1
 sharing: {splitCount: 10}
 overrides:
   - match: {gpuModels: ["*A100*"]}

@@ -151,7 +151,7 @@ def test_preferred_allocation_packs_then_spreads(node: Node) -> None:
         f"{B}-1",
     ]
     spread = parse_config(
-        f"sharing: {{splitCount: 4, placement: spread}}\nhostRoot: {node.host_root}\n"
+        f"version: v1\nsharing: {{splitCount: 4, placement: spread}}\nhostRoot: {node.host_root}\n"
     )
     node.backend.apply_config(spread, {})
     chosen = node.kubelet.get_preferred_allocation(RES, available, size=2)
@@ -172,7 +172,7 @@ def test_new_split_is_advertised_and_old_allocations_keep_their_limits(node: Nod
     response = node.kubelet.allocate(RES, [f"{A}-0"])
     aid = response.container_responses[0].envs["VGPU_ALLOCATION_ID"]
     before = (node.host_root / "limits" / aid).read_text()
-    eight = parse_config(f"sharing: {{splitCount: 8}}\nhostRoot: {node.host_root}\n")
+    eight = parse_config(f"version: v1\nsharing: {{splitCount: 8}}\nhostRoot: {node.host_root}\n")
     node.backend.apply_config(eight, {})
     node.kubelet.wait_devices(RES, lambda d: len(d) == 16, timeout=5)
     assert (node.host_root / "limits" / aid).read_text() == before

@@ -38,13 +38,13 @@ def configmap(dir_: Path, text: str, generation: int) -> None:
 
 
 def test_symlink_swap_is_applied(tmp_path: Path) -> None:
-    configmap(tmp_path, "sharing: {splitCount: 4}\n", 1)
+    configmap(tmp_path, "version: v1\nsharing: {splitCount: 4}\n", 1)
     seen = Seen()
     w = ConfigWatcher(tmp_path / "config.yaml", None, seen)
     config, _ = w.load_initial()
     assert config.sharing.split_count == 4
     assert not w.poll()
-    configmap(tmp_path, "sharing: {splitCount: 8}\n", 2)
+    configmap(tmp_path, "version: v1\nsharing: {splitCount: 8}\n", 2)
     assert w.poll()
     assert [c.sharing.split_count for c, _ in seen.calls] == [8]
     assert w.current is not None and w.current[0].sharing.split_count == 8
@@ -55,24 +55,24 @@ def test_invalid_config_is_refused_and_the_old_one_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("sharing: {splitCount: 4}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 4}\n")
     seen = Seen()
     w = ConfigWatcher(path, None, seen)
     w.load_initial()
-    path.write_text("sharing: {splitCount: 0}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 0}\n")
     assert not w.poll()
     assert seen.calls == []
     assert w.current is not None and w.current[0].sharing.split_count == 4
     assert w.failures == 1
     assert "sharing.splitCount" in caplog.text and "keeping the running config" in caplog.text
     assert not w.poll(), "the same bad content is reported once, not every poll"
-    path.write_text("sharing: {splitCount: 2}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 2}\n")
     assert w.poll() and seen.calls[-1][0].sharing.split_count == 2
 
 
 def test_labels_file_change_triggers_reload(tmp_path: Path) -> None:
     path, labels = tmp_path / "config.yaml", tmp_path / "labels"
-    path.write_text("sharing: {splitCount: 4}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 4}\n")
     labels.write_text("zone=a\n")
     seen = Seen()
     w = ConfigWatcher(path, labels, seen)
@@ -84,7 +84,7 @@ def test_labels_file_change_triggers_reload(tmp_path: Path) -> None:
 
 def test_initial_invalid_config_raises(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("sharing: {splitCount: 999}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 999}\n")
     with pytest.raises(ConfigError, match="splitCount"):
         ConfigWatcher(path, None, Seen()).load_initial()
 

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_node(config, gpus, args.node_name, labels)
     print(f"{args.file}: valid. Plan for {source}:")
     print(render_plan(plan))
+    for line in config.ignored_flags:
+        print(f"NVIDIA flag {line}")
     try:
         size = check_list_size(advertised_devices(plan, {}))
     except ListTooLargeError as exc:

@@ -47,11 +47,13 @@ EXIT_NODE = 3
 
 
 class StartupError(RuntimeError):
-    """The plugin cannot start on this node; the message says what to fix."""
+    """The plugin cannot start on this node; the message says what to fix. ``wait``: rather
+    than exit, wait to be stopped (NVIDIA's ``failOnInitError: false``)."""
 
-    def __init__(self, message: str, code: int) -> None:
+    def __init__(self, message: str, code: int, wait: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.wait = wait
 
 
 def _with_host_root(config: Config, host_root: str | None) -> Config:
@@ -101,12 +103,16 @@ class Plugin:
         s = self.settings
         config, labels = _load_config(s, self._watcher)
         config = _with_host_root(config, s.host_root)
+        for line in config.ignored_flags:
+            log.warning("NVIDIA flag %s", line)
         try:
             with nvml_session():
                 gpus = discover()
         except NvmlUnavailable as exc:
             raise StartupError(
-                f"{exc}: is the NVIDIA driver loaded on this node?", EXIT_NODE
+                f"{exc}: is the NVIDIA driver loaded on this node?",
+                EXIT_NODE,
+                wait=not config.fail_on_init_error,
             ) from exc
         if not gpus:
             log.warning("NVML reports no GPU on this node: advertising no devices")
@@ -305,6 +311,11 @@ def run(settings: ServeSettings) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         plugin.stop()
+        if exc.wait:
+            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped.
+            log.info("failOnInitError is false: waiting, advertising nothing, until stopped")
+            plugin.wait()
+            return 0
         return exc.code
     plugin.wait()
     plugin.stop()

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from vgpu_plugin.core import defaults
-from vgpu_plugin.core.schema import resource_name_problem
+from vgpu_plugin.core.schema import FLAG_MATCHES, SCHEMA, resource_name_problem, show
 from vgpu_plugin.core.validate import check_tree
 from vgpu_plugin.core.yamltext import YamlProblem, load_yaml
 
@@ -121,6 +121,10 @@ class Config:
     health: HealthConfig = HealthConfig()
     # From NVIDIA's time-slicing format: Allocate refuses containers asking for several slices.
     fail_requests_greater_than_one: bool = False
+    # From NVIDIA's flags: false makes serve wait instead of exiting when NVML cannot start.
+    fail_on_init_error: bool = True
+    # NVIDIA's flags given that have no effect here, one line each (check-config prints them).
+    ignored_flags: tuple[str, ...] = ()
 
 
 class ConfigError(ValueError):
@@ -221,6 +225,8 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
     overrides = tuple(_override(i, item, errors) for i, item in enumerate(items))
     health = tree.get("health", {})
     defaults = HealthConfig()
+    flags: Mapping[str, Any] = tree.get("flags", {})
+    fail_on_init = flags.get("failOnInitError")
     return Config(
         version=tree.get("version", Config.version),
         resource_name=resource,
@@ -232,7 +238,26 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
             recovery_seconds=health.get("recoverySeconds", defaults.recovery_seconds),
         ),
         fail_requests_greater_than_one=fail_over_one,
+        fail_on_init_error=True if fail_on_init is None else fail_on_init,
+        ignored_flags=_ignored_flags(flags),
     )
+
+
+_NO_MATCH = object()
+
+
+def _ignored_flags(flags: Mapping[str, Any], prefix: str = "flags") -> tuple[str, ...]:
+    """``path: value: ignored (why)`` for every NVIDIA flag given that has no effect here."""
+    why = {spec.path: spec.ignored_why for spec in SCHEMA if spec.ignored_why}
+    out: list[str] = []
+    for key, value in flags.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.extend(_ignored_flags(value, path))
+        elif value is not None and path in why and FLAG_MATCHES.get(path, _NO_MATCH) != value:
+            shown = ", ".join(value) if isinstance(value, tuple) else show(value)
+            out.append(f"{path}: {shown}: ignored ({why[path]})")
+    return tuple(out)
 
 
 def _time_slicing(sliced: Mapping[str, Any], errors: list[str]) -> tuple[str, int] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -125,3 +127,63 @@ def test_nvidia_fail_on_init_error_false_waits_instead_of_exiting(tmp_path: Path
     assert waiting.poll() is None  # still up, advertising nothing
     waiting.send_signal(signal.SIGTERM)
     assert waiting.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--gpu-memory", "1.5g"], "--gpu-memory: '1.5g' is not a size"),
+        (["--gpus", "100000000"], "--gpus: must be 0..1024"),
+    ],
+)
+def test_check_config_refuses_bad_node_flags_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\n")
+    assert main(["check-config", str(cfg), "--no-nvml", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err
+
+
+def test_check_config_refuses_a_labels_file_that_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\n")
+    labels = tmp_path / "labels"
+    labels.write_bytes(b"zone=\xff\n")
+    assert main(["check-config", str(cfg), "--no-nvml", "--node-labels-file", str(labels)]) == 1
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)  # without the fix, serve blocks opening the FIFO (and ignores SIGTERM)
+def test_serve_refuses_a_fifo_config_or_labels_file(tmp_path: Path) -> None:
+    from vgpu_plugin.commands import serve
+    from vgpu_plugin.commands.settings import settings_from
+    from vgpu_plugin.node.config_watch import ConfigWatcher
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    good = tmp_path / "config.yaml"
+    good.write_text("version: v1\n")
+    for config, labels in [(fifo, None), (good, fifo)]:
+        settings = settings_from(
+            argparse.Namespace(config=str(config), node_labels_file=labels and str(labels)), {}
+        )
+        watcher = ConfigWatcher(settings.config, settings.node_labels_file, lambda c, n: None)
+        with pytest.raises(serve.StartupError) as caught:
+            serve._load_config(settings, watcher)
+        assert caught.value.code == serve.EXIT_CONFIG
+        assert "not a regular file (a FIFO)" in str(caught.value)
+
+
+def test_serve_refuses_a_state_dir_that_is_a_file(tmp_path: Path) -> None:
+    from vgpu_plugin.commands import serve
+
+    state = tmp_path / "state"
+    state.write_text("")
+    with pytest.raises(serve.StartupError) as caught:
+        serve._open_store(state)
+    assert caught.value.code == serve.EXIT_NODE
+    assert str(caught.value).startswith(f"state dir {state}: ")

@@ -546,3 +546,54 @@ def test_mig_resource_names_are_refused(text: str) -> None:
     assert (
         "is a MIG resource name; vgpu-plugin splits whole GPUs and serves no MIG devices" in error
     )
+
+
+# Bad input: one clear line, never a hang or a traceback -----------------------------------------
+
+
+@pytest.mark.timeout(30)  # without the fix, opening the FIFO waits forever
+def test_a_fifo_directory_loop_or_dangling_link_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("missing")
+    for name, why in [
+        ("fifo", "not a regular file (a FIFO)"),
+        ("dir", "not a regular file (a directory)"),
+        ("loop", "cannot read the file: Too many levels of symbolic links"),
+        ("dangling", "cannot read the file: No such file or directory"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            load_config(tmp_path / name)
+        assert str(caught.value) == f"{tmp_path / name}: {why}"
+
+
+def test_integers_too_long_to_convert_are_one_error() -> None:
+    (error,) = errors_of("sharing: {splitCount: " + "9" * 5000 + "}\n")
+    assert "integer of 5000 characters" in error and "line 2" in error
+
+
+def test_a_huge_value_or_key_is_never_echoed_whole() -> None:
+    huge = "x" * 10_000_000
+    for text in (
+        f"resourceName: '{huge}'\n",
+        f"? {huge}\n: 1\n",
+        f"sharing: {{placement: {huge}}}\n",
+    ):
+        (error,) = errors_of(text)
+        assert len(error) < 300 and "10000000 characters" in error
+
+
+def test_many_errors_are_listed_up_to_a_limit() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse("sharing:\n" + "".join(f"  k{i}: 1\n" for i in range(500)))
+    assert len(caught.value.errors) == 500
+    assert len(str(caught.value).splitlines()) == 1 + 20 + 1
+    assert str(caught.value).endswith("... and 480 more")
+
+
+@pytest.mark.timeout(60)  # O(n²) duplicate detection took 35 s on 60,000 keys
+def test_duplicate_keys_among_60000_are_found() -> None:
+    keys = "".join(f"  k{i}: 1\n" for i in range(60000))
+    (error,) = errors_of(f"sharing:\n{keys}  k59999: 2\n")
+    assert "duplicate key 'k59999'" in error

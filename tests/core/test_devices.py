@@ -173,6 +173,7 @@ def test_plan_gpu_rejects_an_unvalidated_compute() -> None:
         ("3", None),
         ("", None),
         (f"{UUID_A}-1 ", None),
+        (f"{UUID_A}-1\n", None),  # "$" would match before the newline
     ],
 )
 def test_parse_device_id(text: str, parsed: tuple[str, int] | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -118,7 +119,7 @@ class Plugin:
             log.warning("NVML reports no GPU on this node: advertising no devices")
         version = self._shim_version(config.host_root)
         _make_shared_dir(Path(s.lock_dir))
-        store = AllocationStore(s.state_dir)
+        store = _open_store(s.state_dir)
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir
@@ -282,6 +283,22 @@ def _make_shared_dir(path: Path) -> None:
         path.chmod(0o1777)
     except OSError as exc:
         raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
+
+
+def _open_store(state_dir: Path) -> AllocationStore:
+    """The allocation records, in a dir that must be writable now: finding out at the first
+    Allocate would fail a pod instead of the plugin's start."""
+    try:
+        store = AllocationStore(state_dir)
+        probe = state_dir / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(
+            f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",
+            EXIT_NODE,
+        ) from exc
+    return store
 
 
 def _installed_shim_version(host_root: str) -> str:

@@ -8,6 +8,8 @@ validated tree into frozen values and checks what spans several keys.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -127,6 +129,11 @@ class Config:
     ignored_flags: tuple[str, ...] = ()
 
 
+# The most errors a ConfigError's text lists (all stay in ``errors``): a file of 60,000 bad
+# keys must not make a log line of 60,000 lines.
+SHOWN_ERRORS = 20
+
+
 class ConfigError(ValueError):
     """The config is invalid. ``errors`` holds every problem as ``path: message``."""
 
@@ -136,10 +143,63 @@ class ConfigError(ValueError):
         if len(self.errors) == 1:
             text = f"{source}: {self.errors[0]}"
         else:
-            text = f"{source}: {len(self.errors)} errors:\n" + "\n".join(
-                f"  {e}" for e in self.errors
-            )
+            shown = [f"  {e}" for e in self.errors[:SHOWN_ERRORS]]
+            if len(self.errors) > SHOWN_ERRORS:
+                shown.append(f"  ... and {len(self.errors) - SHOWN_ERRORS} more")
+            text = f"{source}: {len(self.errors)} errors:\n" + "\n".join(shown)
         super().__init__(text)
+
+
+# A ConfigMap holds at most 1 MiB; anything larger is not a config.
+MAX_FILE_BYTES = 1 << 20
+
+
+class UnreadableFile(ValueError):
+    """A file cannot be read as text; the message says why (not the path: callers add it)."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def read_text_file(path: str | Path, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file at ``path`` (symlinks followed), never blocking:
+    a FIFO, a directory or a device is refused rather than read, and so is a file over
+    ``limit`` bytes. Raises :class:`UnreadableFile`."""
+    try:
+        # O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UnreadableFile(f"cannot read the file: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+            raise UnreadableFile(f"not a regular file ({kind})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise UnreadableFile(f"cannot read the file: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise UnreadableFile(f"larger than {limit} bytes")
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def default_config() -> Config:
@@ -167,12 +227,9 @@ def parse_config(text: str, source: str = "<config>") -> Config:
 def load_config(path: str | Path) -> Config:
     """Read and parse the file at ``path``; a symlink (ConfigMap mounts swap one) is followed."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], str(path)) from None
-    except UnicodeDecodeError as exc:
-        problem = f"not UTF-8 text: {exc.reason} at byte {exc.start}"
-        raise ConfigError([problem], str(path)) from None
+        text = read_text_file(path)
+    except UnreadableFile as exc:
+        raise ConfigError([str(exc)], str(path)) from None
     return parse_config(text, str(path))
 
 

@@ -69,6 +69,22 @@ class KeySpec:
         return self.path.rsplit(".", 1)[0] if "." in self.path else ""
 
 
+SHOWN_CHARS = 60
+
+
+def clip(value: object) -> str:
+    """``repr(value)``, cut to about 60 characters: an error quotes a 10 MB value by its start
+    and its length, never whole."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return (
+        text
+        if len(text) <= SHOWN_CHARS + 20
+        else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+    )
+
+
 def show(value: object) -> str:
     """A raw value as an error message quotes it, in YAML's words for null and booleans."""
     if value is None:
@@ -77,7 +93,7 @@ def show(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return "a map" if isinstance(value, dict) else "a list"
-    return repr(value)
+    return clip(value)
 
 
 def yaml_text(value: object) -> str:

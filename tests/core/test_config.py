@@ -28,7 +28,11 @@ H100 = PhysicalGpu(1, "GPU-bbbb-0002", "NVIDIA H100 80GB HBM3", 81559 << 20, 1, 
 
 
 def parse(text: str) -> Config:
-    return parse_config(textwrap.dedent(text))
+    """``text`` as a config, with ``version: v1`` first when it has none (tests of other keys)."""
+    text = textwrap.dedent(text)
+    if not any(line.startswith("version:") for line in text.splitlines()):
+        text = "version: v1\n" + text
+    return parse_config(text)
 
 
 def errors_of(text: str) -> list[str]:
@@ -76,8 +80,10 @@ def test_minimal_file_gives_the_defaults() -> None:
     )
 
 
-def test_version_may_be_left_out() -> None:
-    assert parse("sharing: {splitCount: 3}\n").sharing.split_count == 3
+def test_version_is_required() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config("sharing: {splitCount: 3}\n")
+    assert caught.value.errors == ["version: required"]
 
 
 @pytest.mark.parametrize(
@@ -158,7 +164,7 @@ def test_every_error_is_collected_not_just_the_first() -> None:
 
 def test_config_error_text_lists_every_error_and_the_source() -> None:
     with pytest.raises(ConfigError) as caught:
-        parse_config("sharing: {splitCount: 0, placement: x}\n", source="cm.yaml")
+        parse_config("version: v1\nsharing: {splitCount: 0, placement: x}\n", source="cm.yaml")
     text = str(caught.value)
     assert text.startswith("cm.yaml: 2 errors:")
     for error in caught.value.errors:
@@ -177,7 +183,11 @@ def test_config_error_text_lists_every_error_and_the_source() -> None:
             "gpuModels",
         ),
         ("health: {ignoredXid: [1]}", "health.ignoredXid", "ignoredXids"),
-        ("flags: {migStrategy: none}", "flags", None),
+        (
+            "flags: {migStrategy: none, plugin: {passDeviceSpec: true}}",
+            "flags.plugin.passDeviceSpec",
+            "passDeviceSpecs",
+        ),
     ],
 )
 def test_unknown_keys_are_rejected_by_name(
@@ -325,7 +335,7 @@ def test_time_slicing_may_be_combined_with_our_own_knobs() -> None:
 
 
 def test_time_slicing_with_two_resources_is_a_clear_error() -> None:
-    text = NVIDIA + "    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n"
+    text = NVIDIA + "    - name: example.com/gpu\n      replicas: 2\n"
     assert errors_of(text) == [
         "sharing.timeSlicing.resources: must list exactly one resource (vgpu-plugin serves one"
         " resource), got 2"
@@ -439,7 +449,7 @@ def test_load_config_follows_the_configmap_symlink_swap(tmp_path: Path) -> None:
 
 def test_load_config_names_the_file_in_its_errors(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
-    path.write_text("sharing: {splitCount: 0}\n")
+    path.write_text("version: v1\nsharing: {splitCount: 0}\n")
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.source == str(path)
@@ -453,3 +463,137 @@ def test_load_config_turns_unreadable_files_into_config_errors(tmp_path: Path) -
     binary.write_bytes(b"version: v1\n\xff\xfe")
     with pytest.raises(ConfigError, match="UTF-8"):
         load_config(binary)
+
+
+# NVIDIA's config file as its users write it ------------------------------------------------------
+
+NVIDIA_FLAGS = """
+version: v1
+flags:
+  migStrategy: "none"
+  failOnInitError: true
+  nvidiaDriverRoot: "/run/nvidia/driver"
+  gdsEnabled: null
+  plugin:
+    passDeviceSpecs: false
+    deviceListStrategy: "envvar"
+    deviceIDStrategy: "uuid"
+  gfd:
+    oneshot: false
+    sleepInterval: 60s
+sharing:
+  timeSlicing:
+    renameByDefault: false
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 10
+"""
+
+
+def test_nvidia_flags_block_is_accepted_and_the_ignored_flags_are_listed() -> None:
+    config = parse(NVIDIA_FLAGS)
+    assert config.sharing.split_count == 10
+    assert config.fail_on_init_error is True
+    # What vgpu-plugin does anyway (none, envvar, uuid, no device specs) is not listed.
+    assert config.ignored_flags == (
+        "flags.nvidiaDriverRoot: '/run/nvidia/driver': ignored (the plugin loads NVML from its"
+        " image's library path and passes no device nodes.)",
+        "flags.gfd.oneshot: false: ignored (gpu-feature-discovery's, not a device plugin's.)",
+        "flags.gfd.sleepInterval: '60s': ignored (gpu-feature-discovery's, not a device plugin's.)",
+    )
+
+
+def test_nvidia_flags_with_another_behaviour_than_ours_are_listed() -> None:
+    text = NVIDIA_FLAGS.replace('"envvar"', "[volume-mounts, envvar]").replace('"uuid"', "index")
+    text = text.replace("failOnInitError: true", "failOnInitError: false")
+    config = parse(text)
+    assert config.fail_on_init_error is False  # honoured, so never listed
+    paths = [line.split(":")[0] for line in config.ignored_flags]
+    assert "flags.plugin.deviceListStrategy" in paths
+    assert "flags.plugin.deviceIDStrategy" in paths
+    assert "flags.failOnInitError" not in paths
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            "flags: {migStrategy: mixed}",
+            "flags.migStrategy: vgpu-plugin splits whole GPUs and serves no MIG devices: must be"
+            " none, got 'mixed'",
+        ),
+        ("flags: {plugin: {deviceIDStrategy: serial}}", "must be uuid or index, got 'serial'"),
+        ("flags: {plugin: {deviceListStrategy: [envvar, x]}}", "deviceListStrategy[1]: must be"),
+        ("flags: {failOnInitError: maybe}", "flags.failOnInitError: must be true or false"),
+    ],
+)
+def test_nvidia_flags_are_checked(text: str, error: str) -> None:
+    (got,) = errors_of(text + "\n")
+    assert error in got
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        NVIDIA.replace("name: nvidia.com/gpu", "name: nvidia.com/mig-1g.5gb"),
+        NVIDIA.replace("name: nvidia.com/gpu", "name: mig-2g.10gb"),
+        NVIDIA.replace("name: nvidia.com/gpu", "name: gpu\n      rename: mig-1g.5gb"),
+        "resourceName: nvidia.com/mig-1g.5gb\n",
+    ],
+)
+def test_mig_resource_names_are_refused(text: str) -> None:
+    (error,) = errors_of(text)
+    assert (
+        "is a MIG resource name; vgpu-plugin splits whole GPUs and serves no MIG devices" in error
+    )
+
+
+# Bad input: one clear line, never a hang or a traceback -----------------------------------------
+
+
+@pytest.mark.timeout(30)  # without the fix, opening the FIFO waits forever
+def test_a_fifo_directory_loop_or_dangling_link_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("missing")
+    for name, why in [
+        ("fifo", "not a regular file (a FIFO)"),
+        ("dir", "not a regular file (a directory)"),
+        ("loop", "cannot read the file: Too many levels of symbolic links"),
+        ("dangling", "cannot read the file: No such file or directory"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            load_config(tmp_path / name)
+        assert str(caught.value) == f"{tmp_path / name}: {why}"
+
+
+def test_integers_too_long_to_convert_are_one_error() -> None:
+    (error,) = errors_of("sharing: {splitCount: " + "9" * 5000 + "}\n")
+    assert "integer of 5000 characters" in error and "line 2" in error
+
+
+def test_a_huge_value_or_key_is_never_echoed_whole() -> None:
+    huge = "x" * 10_000_000
+    for text in (
+        f"resourceName: '{huge}'\n",
+        f"? {huge}\n: 1\n",
+        f"sharing: {{placement: {huge}}}\n",
+    ):
+        (error,) = errors_of(text)
+        assert len(error) < 300 and "10000000 characters" in error
+
+
+def test_many_errors_are_listed_up_to_a_limit() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse("sharing:\n" + "".join(f"  k{i}: 1\n" for i in range(500)))
+    assert len(caught.value.errors) == 500
+    assert len(str(caught.value).splitlines()) == 1 + 20 + 1
+    assert str(caught.value).endswith("... and 480 more")
+
+
+@pytest.mark.timeout(60)  # O(n²) duplicate detection took 35 s on 60,000 keys
+def test_duplicate_keys_among_60000_are_found() -> None:
+    keys = "".join(f"  k{i}: 1\n" for i in range(60000))
+    (error,) = errors_of(f"sharing:\n{keys}  k59999: 2\n")
+    assert "duplicate key 'k59999'" in error

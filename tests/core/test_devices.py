@@ -95,6 +95,7 @@ def test_slice_memory_property_against_exact_arithmetic() -> None:
 def test_overrides_apply_per_gpu_and_are_recorded() -> None:
     config = parse_config(
         """
+version: v1
 sharing: {splitCount: 10}
 overrides:
   - match: {gpuModels: ["*A100*"]}
@@ -172,6 +173,7 @@ def test_plan_gpu_rejects_an_unvalidated_compute() -> None:
         ("3", None),
         ("", None),
         (f"{UUID_A}-1 ", None),
+        (f"{UUID_A}-1\n", None),  # "$" would match before the newline
     ],
 )
 def test_parse_device_id(text: str, parsed: tuple[str, int] | None) -> None:

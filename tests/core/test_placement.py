@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from vgpu_plugin.core.config import Config, Sharing
-from vgpu_plugin.core.devices import MIB, NodePlan, PhysicalGpu, plan_node
-from vgpu_plugin.core.placement import preferred_allocation
+from vgpu_plugin.core.config import Config, Match, Override, Sharing
+from vgpu_plugin.core.devices import MIB, GpuLimit, NodePlan, PhysicalGpu, plan_node
+from vgpu_plugin.core.placement import held_by_gpu, policy_for, preferred_allocation
 
 
 def uuid(i: int) -> str:
@@ -198,3 +198,43 @@ def test_fast_on_8_gpus_of_32_slices() -> None:
             preferred_allocation(plan, available, available[:1], size, policy)
         per_call = (time.perf_counter() - start) / (len(cases) * 4)
         assert per_call < 1e-3, f"{policy}: {per_call * 1e6:.0f} us per call"
+
+
+# What live allocations hold ----------------------------------------------------------------------
+
+
+def test_binpack_weighs_the_memory_held_not_the_free_ids() -> None:
+    # Split 4 -> 8 on 16 GiB GPUs: GPU 0's old slices hold all its memory, four new IDs look free.
+    plan = node(2, 8)
+    held = held_by_gpu([GpuLimit(uuid(0), 8192 * MIB, 0), GpuLimit(uuid(0), 8192 * MIB, 0)])
+    available = ids(0, 4, 5, 6, 7) + ids(1, *range(8))
+    assert preferred_allocation(plan, available, [], 2, "binpack", held) == ids(1, 0, 1)
+    # Half of GPU 0 held: it still has room for two slices, and is the fuller GPU.
+    half = held_by_gpu([GpuLimit(uuid(0), 8192 * MIB, 0)])
+    assert preferred_allocation(plan, available, [], 2, "binpack", half) == ids(0, 4, 5)
+    # Past every GPU's room the advice still answers, with what is offered.
+    full = held_by_gpu([GpuLimit(uuid(g), 16384 * MIB, 0) for g in (0, 1)])
+    assert len(preferred_allocation(plan, available, [], 3, "binpack", full)) == 3
+
+
+def test_spread_counts_held_compute_as_use() -> None:
+    physical = [PhysicalGpu(i, uuid(i), "G", 16384 * MIB, i, "b", 0) for i in range(2)]
+    config = Config(sharing=Sharing(split_count=4, compute="proportional"))
+    plan = plan_node(config, physical, "n", {})
+    # GPU 0 offers more IDs, but old allocations hold 75 % of its compute.
+    held = held_by_gpu([GpuLimit(uuid(0), 0, 75)])
+    available = ids(0, 0, 1, 2, 3) + ids(1, 2, 3)
+    assert preferred_allocation(plan, available, [], 1, "spread", held) == ids(1, 2)
+
+
+def test_the_policy_is_that_of_the_gpus_offered() -> None:
+    physical = [PhysicalGpu(i, uuid(i), f"M{i}", 16384 * MIB, i, "b", 0) for i in range(3)]
+    config = Config(
+        sharing=Sharing(split_count=4),
+        overrides=(Override(Match(gpu_models=("M1", "M2")), {"placement": "spread"}),),
+    )
+    plan = plan_node(config, physical, "n", {})
+    assert policy_for(plan, [uuid(1), uuid(2)]) == "spread"
+    assert policy_for(plan, [uuid(0), uuid(1)]) == "binpack"  # they disagree: the base
+    available = ids(1, 0, 1, 2, 3) + ids(2, 0, 1, 2, 3)
+    assert per_gpu(plan, preferred_allocation(plan, available, [], 2)) == {1: 1, 2: 1}

@@ -10,6 +10,7 @@ A100 = PhysicalGpu(0, "GPU-aaaa-0001", "NVIDIA A100-SXM4-80GB", 81920 * MIB, 0, 
 H100 = PhysicalGpu(1, "GPU-bbbb-0002", "NVIDIA H100 80GB HBM3", 81559 * MIB, 1, "b1", 1)
 
 CONFIG = """
+version: v1
 sharing: {splitCount: 4, compute: proportional}
 overrides:
   - match: {nodeNames: [other]}

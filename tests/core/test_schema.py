@@ -10,7 +10,6 @@ from vgpu_plugin.core.schema import SCHEMA, KeySpec, children
 
 # Where each defaulted leaf lands in Config: the test's own view, so a drift shows up here.
 CONFIG_FIELD = {
-    "version": lambda c: c.version,
     "resourceName": lambda c: c.resource_name,
     "sharing.splitCount": lambda c: c.sharing.split_count,
     "sharing.memoryScaling": lambda c: c.sharing.memory_scaling,
@@ -22,6 +21,7 @@ CONFIG_FIELD = {
     "health.recoverySeconds": lambda c: c.health.recovery_seconds,
     "deviceListStrategy": lambda c: c.device_list_strategy,
     "driverMemoryLimit": lambda c: c.driver_memory_limit,
+    "flags.failOnInitError": lambda c: c.fail_on_init_error,
 }
 
 
@@ -67,7 +67,7 @@ def test_each_leaf_default_passes_its_own_check(spec: KeySpec) -> None:
 
 
 def test_a_file_written_from_the_schema_defaults_parses_to_the_default_config() -> None:
-    tree: dict[str, object] = {}
+    tree: dict[str, object] = {"version": "v1"}  # required, so it has no default
     for spec in SCHEMA:
         if spec.path not in CONFIG_FIELD or spec.is_container:
             continue
@@ -84,8 +84,9 @@ def test_a_file_written_from_the_schema_defaults_parses_to_the_default_config() 
 def test_override_sharing_accepts_exactly_the_plain_sharing_keys() -> None:
     leaves = {k for k, s in children("sharing").items() if not s.is_container}
     assert leaves == {"splitCount", "memoryScaling", "compute", "placement"}
-    text = "overrides: [{match: {nodeNames: [a]}, sharing: {splitCount: 2, memoryScaling: 2," + (
-        " compute: 5, placement: spread}}]\n"
+    text = (
+        "version: v1\noverrides: [{match: {nodeNames: [a]}, sharing: {splitCount: 2,"
+        " memoryScaling: 2, compute: 5, placement: spread}}]\n"
     )
     assert len(parse_config(text).overrides[0].sharing) == len(leaves)
 

@@ -11,9 +11,13 @@ import grpc
 import pytest
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
+from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core.config import parse_config
-from vgpu_plugin.core.devices import PhysicalGpu
+from vgpu_plugin.core.devices import NodePlan, PhysicalGpu
+from vgpu_plugin.core.grant import Grant
 from vgpu_plugin.core.limits import parse_limits
+from vgpu_plugin.kubelet import plugin as plugin_module
+from vgpu_plugin.kubelet.backend import ListTooLargeError
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.node.health import HealthChange, Reason
@@ -150,7 +154,7 @@ def test_preferred_allocation_packs_then_spreads(node: Node) -> None:
         f"{B}-1",
     ]
     spread = parse_config(
-        f"sharing: {{splitCount: 4, placement: spread}}\nhostRoot: {node.host_root}\n"
+        f"version: v1\nsharing: {{splitCount: 4, placement: spread}}\nhostRoot: {node.host_root}\n"
     )
     node.backend.apply_config(spread, {})
     chosen = node.kubelet.get_preferred_allocation(RES, available, size=2)
@@ -171,9 +175,122 @@ def test_new_split_is_advertised_and_old_allocations_keep_their_limits(node: Nod
     response = node.kubelet.allocate(RES, [f"{A}-0"])
     aid = response.container_responses[0].envs["VGPU_ALLOCATION_ID"]
     before = (node.host_root / "limits" / aid).read_text()
-    eight = parse_config(f"sharing: {{splitCount: 8}}\nhostRoot: {node.host_root}\n")
+    eight = parse_config(f"version: v1\nsharing: {{splitCount: 8}}\nhostRoot: {node.host_root}\n")
     node.backend.apply_config(eight, {})
     node.kubelet.wait_devices(RES, lambda d: len(d) == 16, timeout=5)
     assert (node.host_root / "limits" / aid).read_text() == before
     again = node.kubelet.allocate(RES, [f"{A}-7"]).container_responses[0]
     assert again.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{81559 // 8}m"
+
+
+# Placement follows the overrides and what live allocations hold -------------------------------
+
+
+@pytest.mark.parametrize(
+    "match", ["{nodeNames: [node-1]}", "{gpuModels: ['*H100*']}", "{nodeLabels: {pool: a}}"]
+)
+def test_preferred_allocation_follows_a_per_node_or_per_gpu_placement_override(
+    node: Node, match: str
+) -> None:
+    config = parse_config(
+        f"version: v1\nsharing: {{splitCount: 4}}\nhostRoot: {node.host_root}\n"
+        f"overrides:\n  - match: {match}\n    sharing: {{placement: spread}}\n"
+    )
+    node.backend.apply_config(config, {"pool": "a"})
+    available = [f"{A}-0", f"{B}-0", f"{B}-1", f"{B}-2"]
+    chosen = node.kubelet.get_preferred_allocation(RES, available, size=2)
+    assert {c.rsplit("-", 1)[0] for c in chosen} == {A, B}
+
+
+def test_placement_weighs_what_live_allocations_hold_after_a_split_change(
+    tmp_path: Path,
+) -> None:
+    # Two 16 GiB GPUs split in 4; two pods of two slices fill GPU A (16384 MiB promised).
+    small = [
+        PhysicalGpu(0, A, "NVIDIA T4", 16384 * MIB, 0, "00000000:17:00.0", 0),
+        PhysicalGpu(1, B, "NVIDIA T4", 16384 * MIB, 1, "00000000:27:00.0", 0),
+    ]
+    root = tmp_path / "host"
+    four = parse_config(f"version: v1\nsharing: {{splitCount: 4}}\nhostRoot: {root}\n")
+    store = AllocationStore(tmp_path / "state")
+    backend = VgpuBackend(small, four, "node-1", {}, store, shim_version="0.1.0-abc")
+    for ids in ([f"{A}-0", f"{A}-1"], [f"{A}-2", f"{A}-3"]):
+        backend.allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+        )
+    eight = parse_config(f"version: v1\nsharing: {{splitCount: 8}}\nhostRoot: {root}\n")
+    backend.apply_config(eight, {})
+    # The kubelet still holds A-0..A-3 and offers the rest: A-4..A-7 look free, but A's
+    # memory is all promised. Both new 2-slice pods belong on B.
+    taken = {f"{A}-{k}" for k in range(4)}
+    for _ in range(2):
+        available = [s.id for s in backend.plan.all_slices() if s.id not in taken]
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=available, allocation_size=2
+                )
+            ]
+        )
+        chosen = list(backend.preferred_allocation(request).container_responses[0].deviceIDs)
+        assert {c.rsplit("-", 1)[0] for c in chosen} == {B}
+        backend.allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen)])
+        )
+        taken |= set(chosen)
+    # Once B is promised too, the advice still answers (it is advice): A's leftover IDs.
+    available = [s.id for s in backend.plan.all_slices() if s.id not in taken]
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=2)
+        ]
+    )
+    assert len(backend.preferred_allocation(request).container_responses[0].deviceIDs) == 2
+
+
+# One snapshot of config and plan --------------------------------------------------------------
+
+
+def test_a_refused_reload_is_never_visible(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+
+    def too_large(devices: list[pb.Device]) -> int:
+        seen.append(len(node.backend.plan.all_slices()))  # what a concurrent call would read
+        raise ListTooLargeError(len(devices), 5 << 20, 4 << 20)
+
+    monkeypatch.setattr(plugin_module, "check_list_size", too_large)
+    bigger = parse_config(f"version: v1\nsharing: {{splitCount: 16}}\nhostRoot: {node.host_root}\n")
+    with pytest.raises(ListTooLargeError):
+        node.backend.apply_config(bigger, {})
+    assert seen == [8]
+    assert len(node.backend.plan.all_slices()) == 8
+
+
+def test_allocate_reads_one_snapshot_across_a_reload(
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other_root = tmp_path / "other-root"
+    renamed = parse_config(
+        f"version: v1\nresourceName: example.com/gpu\nsharing: {{splitCount: 2}}\n"
+        f"hostRoot: {other_root}\n"
+    )
+    real_grant = plugin_module.grant
+    calls = 0
+
+    def grant_during_a_reload(plan: NodePlan, ids: list[str], aid: str) -> Grant:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            node.backend.apply_config(renamed, {})  # lands between the reads of one call
+        return real_grant(plan, ids, aid)
+
+    monkeypatch.setattr(plugin_module, "grant", grant_during_a_reload)
+    response = node.backend.allocate(
+        pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{A}-3"])])
+    )
+    (c,) = response.container_responses
+    assert c.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "20389m"  # the old plan's slice
+    assert all(not m.host_path.startswith(str(other_root)) for m in c.mounts)
+    (record,) = node.store.all()
+    assert record.resource_name == RES
+    assert not other_root.exists()

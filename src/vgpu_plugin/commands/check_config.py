@@ -30,8 +30,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-nvml", action="store_true", help="use the hypothetical node even here")
 
 
-def _hypothetical(args: argparse.Namespace) -> list[PhysicalGpu]:
-    memory = parse_size(args.gpu_memory, "--gpu-memory")
+MAX_GPUS = 1024
+EXIT_USAGE = 2
+
+
+def _hypothetical(args: argparse.Namespace, memory: int) -> list[PhysicalGpu]:
     return [
         PhysicalGpu(
             i,
@@ -46,11 +49,28 @@ def _hypothetical(args: argparse.Namespace) -> list[PhysicalGpu]:
     ]
 
 
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """Why the hypothetical node's flags are wrong, or None."""
+    if not 0 <= args.gpus <= MAX_GPUS:
+        return f"--gpus: must be 0..{MAX_GPUS}, got {args.gpus}"
+    try:
+        memory = parse_size(args.gpu_memory, "--gpu-memory")
+    except ValueError as exc:
+        return str(exc)
+    if memory < 1 << 20:
+        return f"--gpu-memory: must be at least 1m, got {args.gpu_memory!r}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = _usage_problem(args)
+    if problem is not None:
+        print(f"vgpu-plugin check-config: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         config = load_config(Path(args.file))
         labels = read_node_labels(Path(args.node_labels_file) if args.node_labels_file else None)
-    except (ConfigError, NodeLabelsError, OSError) as exc:
+    except (ConfigError, NodeLabelsError) as exc:
         print(f"{args.file}: invalid\n{exc}", file=sys.stderr)
         return 1
     source = "this node (NVML)"
@@ -62,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
         except NvmlUnavailable:
             gpus = []
     if not gpus:
-        gpus = _hypothetical(args)
+        gpus = _hypothetical(args, parse_size(args.gpu_memory))
         source = f"a hypothetical node of {args.gpus} x {args.gpu_model} (no NVML here)"
     plan = plan_node(config, gpus, args.node_name, labels)
     print(f"{args.file}: valid. Plan for {source}:")
     print(render_plan(plan))
+    for line in config.ignored_flags:
+        print(f"NVIDIA flag {line}")
     try:
         size = check_list_size(advertised_devices(plan, {}))
     except ListTooLargeError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -48,11 +49,13 @@ EXIT_NODE = 3
 
 
 class StartupError(RuntimeError):
-    """The plugin cannot start on this node; the message says what to fix."""
+    """The plugin cannot start on this node; the message says what to fix. ``wait``: rather
+    than exit, wait to be stopped (NVIDIA's ``failOnInitError: false``)."""
 
-    def __init__(self, message: str, code: int) -> None:
+    def __init__(self, message: str, code: int, wait: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.wait = wait
 
 
 def _with_host_root(config: Config, host_root: str | None) -> Config:
@@ -102,18 +105,22 @@ class Plugin:
         s = self.settings
         config, labels = _load_config(s, self._watcher)
         config = _with_host_root(config, s.host_root)
+        for line in config.ignored_flags:
+            log.warning("NVIDIA flag %s", line)
         try:
             with nvml_session():
                 gpus = discover()
         except NvmlUnavailable as exc:
             raise StartupError(
-                f"{exc}: is the NVIDIA driver loaded on this node?", EXIT_NODE
+                f"{exc}: is the NVIDIA driver loaded on this node?",
+                EXIT_NODE,
+                wait=not config.fail_on_init_error,
             ) from exc
         if not gpus:
             log.warning("NVML reports no GPU on this node: advertising no devices")
         version = self._shim_version(config.host_root)
         _make_shared_dir(Path(s.lock_dir))
-        store = AllocationStore(s.state_dir)
+        store = _open_store(s.state_dir)
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir,
@@ -283,6 +290,22 @@ def _make_shared_dir(path: Path) -> None:
         raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
 
 
+def _open_store(state_dir: Path) -> AllocationStore:
+    """The allocation records, in a dir that must be writable now: finding out at the first
+    Allocate would fail a pod instead of the plugin's start."""
+    try:
+        store = AllocationStore(state_dir)
+        probe = state_dir / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(
+            f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",
+            EXIT_NODE,
+        ) from exc
+    return store
+
+
 def _installed_shim_version(host_root: str) -> str:
     try:
         return installed_shim_version(Path(host_root))
@@ -310,6 +333,11 @@ def run(settings: ServeSettings) -> int:
     except StartupError as exc:
         log.error("cannot start: %s", exc)
         plugin.stop()
+        if exc.wait:
+            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped.
+            log.info("failOnInitError is false: waiting, advertising nothing, until stopped")
+            plugin.wait()
+            return 0
         return exc.code
     plugin.wait()
     plugin.stop()

@@ -105,7 +105,8 @@ def device_id(gpu_uuid: str, k: int) -> str:
     return f"{gpu_uuid}-{k}"
 
 
-_DEVICE_ID = re.compile(r"^(\S*[^\s-])-(0|[1-9][0-9]{0,5})$")
+# \Z, not $: "$" also matches before a final newline, and "<id>\n" is not an ID.
+_DEVICE_ID = re.compile(r"^(\S*[^\s-])-(0|[1-9][0-9]{0,5})\Z")
 
 
 def parse_device_id(text: str) -> tuple[str, int] | None:

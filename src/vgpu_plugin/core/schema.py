@@ -48,6 +48,8 @@ class KeySpec:
     required: bool = False
     same_keys_as: str = ""
     check: Check | None = field(default=None, compare=False, repr=False)
+    # For NVIDIA's flags that have no effect here: why (check-config reports them).
+    ignored_why: str = ""
 
     @property
     def is_container(self) -> bool:
@@ -67,6 +69,22 @@ class KeySpec:
         return self.path.rsplit(".", 1)[0] if "." in self.path else ""
 
 
+SHOWN_CHARS = 60
+
+
+def clip(value: object) -> str:
+    """``repr(value)``, cut to about 60 characters: an error quotes a 10 MB value by its start
+    and its length, never whole."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return (
+        text
+        if len(text) <= SHOWN_CHARS + 20
+        else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+    )
+
+
 def show(value: object) -> str:
     """A raw value as an error message quotes it, in YAML's words for null and booleans."""
     if value is None:
@@ -75,7 +93,7 @@ def show(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return "a map" if isinstance(value, dict) else "a list"
-    return repr(value)
+    return clip(value)
 
 
 def yaml_text(value: object) -> str:
@@ -158,10 +176,18 @@ _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 def resource_name_problem(name: str) -> str | None:
-    """Why ``name`` is not a Kubernetes extended resource name, or None when it is one."""
+    """Why ``name`` is not a Kubernetes extended resource name this plugin may advertise, or
+    None when it is one."""
     domain, slash, short = name.partition("/")
     if not slash or not domain or not short:
         return "must be <domain>/<name> (e.g. nvidia.com/gpu)"
+    if short.lower().startswith("mig-"):
+        # NVIDIA's MIG resources (nvidia.com/mig-1g.5gb) name GPU instances; ours would be
+        # slices of whole GPUs, and pods asking for a MIG profile would get something else.
+        return (
+            "is a MIG resource name; vgpu-plugin splits whole GPUs and serves no MIG devices"
+            " (use nvidia.com/gpu or a name of your own)"
+        )
     if len(domain) > 253 or not _DOMAIN.match(domain):
         return f"domain {domain!r} is not a DNS subdomain (lowercase letters, digits, - and .)"
     if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
@@ -200,6 +226,55 @@ def boolean(value: object) -> object:
     if not isinstance(value, bool):
         raise Invalid(f"must be true or false, got {show(value)}")
     return value
+
+
+def optional(check: Check) -> Check:
+    """``check``, letting null through as not given (NVIDIA's flags are Go pointers: null is
+    the same as leaving the key out)."""
+
+    def checked(value: object) -> object:
+        return None if value is None else check(value)
+
+    return checked
+
+
+def text(value: object) -> object:
+    if not isinstance(value, str):
+        raise Invalid(f"must be a string, got {show(value)}")
+    return value
+
+
+def text_or_number(value: object) -> object:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise Invalid(f"must be a string or a number, got {show(value)}")
+    return value
+
+
+def strategies(*choices: str) -> Check:
+    """One strategy or a list of them, each one of ``choices``; cleaned to a tuple."""
+    each = one_of(*choices)
+
+    def check(value: object) -> object:
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise Invalid(f"must be {_words(choices)} or a list of them, got an empty list")
+        for i, item in enumerate(items):
+            try:
+                each(item)
+            except Invalid as exc:
+                raise Invalid(exc.message, f"[{i}]" if isinstance(value, list) else "") from None
+        return tuple(items)
+
+    return check
+
+
+def mig_strategy(value: object) -> object:
+    if value in ("single", "mixed"):
+        raise Invalid(
+            f"vgpu-plugin splits whole GPUs and serves no MIG devices: must be none, got"
+            f" {show(value)}"
+        )
+    return one_of("none")(value)
 
 
 def string_list(value: object) -> object:
@@ -264,10 +339,123 @@ def _leaf(
     return KeySpec(path, type_, default, allowed, description, required=required, check=check)
 
 
+_NVIDIA_FLAG = "NVIDIA device plugin flag"
+_IGNORED = "Accepted and ignored (check-config lists it):"
+
+
+_Kind = tuple[str, str, Check]  # type, allowed, check
+
+
+def _flag(path: str, kind: _Kind, why: str) -> KeySpec:
+    type_, allowed, check = kind
+    description = f"{_NVIDIA_FLAG}. {_IGNORED} {why}"
+    return KeySpec(path, type_, None, allowed, description, check=optional(check), ignored_why=why)
+
+
+_BOOL: _Kind = ("boolean", "true | false", boolean)
+_TEXT: _Kind = ("string", "", text)
+_GFD = "gpu-feature-discovery's, not a device plugin's."
+
+NVIDIA_FLAGS: tuple[KeySpec, ...] = (
+    KeySpec(
+        "flags",
+        "map",
+        None,
+        "",
+        "NVIDIA device plugin's flags block (its config file v1), accepted so that its configs"
+        " load unchanged; the flags that mean something here are honoured, check-config lists"
+        " the others as ignored.",
+    ),
+    _leaf(
+        "flags.migStrategy",
+        "string",
+        None,
+        "none",
+        f"{_NVIDIA_FLAG}, honoured: none is what vgpu-plugin does (whole GPUs); single and"
+        " mixed are refused, as no MIG device is served.",
+        optional(mig_strategy),
+    ),
+    _leaf(
+        "flags.failOnInitError",
+        "boolean",
+        True,
+        "true | false",
+        f"{_NVIDIA_FLAG}, honoured: false makes serve wait (advertising nothing) instead of"
+        " exiting when NVML cannot be initialised.",
+        optional(boolean),
+    ),
+    _flag(
+        "flags.restartOnDeviceUnhealthy",
+        _BOOL,
+        "unhealthy GPUs are advertised Unhealthy and come back by themselves.",
+    ),
+    _flag(
+        "flags.nvidiaDriverRoot",
+        _TEXT,
+        "the plugin loads NVML from its image's library path and passes no device nodes.",
+    ),
+    _flag("flags.nvidiaDevRoot", _TEXT, "no device nodes are passed (the runtime does it)."),
+    _flag("flags.mpsRoot", _TEXT, "MPS is not used."),
+    _flag("flags.gdsEnabled", _BOOL, "no GPUDirect Storage devices are passed."),
+    _flag("flags.mofedEnabled", _BOOL, "no MOFED devices are passed."),
+    _flag("flags.gdrcopyEnabled", _BOOL, "no gdrcopy devices are passed."),
+    _flag("flags.useNodeFeatureAPI", _BOOL, _GFD),
+    _flag(
+        "flags.deviceDiscoveryStrategy",
+        _TEXT,
+        "GPUs are always found through NVML.",
+    ),
+    KeySpec("flags.plugin", "map", None, "", "NVIDIA device plugin's own flags."),
+    _flag(
+        "flags.plugin.passDeviceSpecs",
+        _BOOL,
+        "no device specs are passed; the NVIDIA runtime mounts the GPUs (false is what happens).",
+    ),
+    _flag(
+        "flags.plugin.deviceListStrategy",
+        (
+            "string or list of strings",
+            "envvar | volume-mounts | cdi-annotations | cdi-cri",
+            strategies("envvar", "volume-mounts", "cdi-annotations", "cdi-cri"),
+        ),
+        "the GPUs are always passed as NVIDIA_VISIBLE_DEVICES (envvar is what happens).",
+    ),
+    _flag(
+        "flags.plugin.deviceIDStrategy",
+        ("string", "uuid | index", one_of("uuid", "index")),
+        "NVIDIA_VISIBLE_DEVICES always names GPUs by UUID (uuid is what happens).",
+    ),
+    _flag("flags.plugin.cdiAnnotationPrefix", _TEXT, "CDI is not used."),
+    _flag("flags.plugin.nvidiaCTKPath", _TEXT, "CDI is not used."),
+    _flag("flags.plugin.containerDriverRoot", _TEXT, "no driver files are passed."),
+    KeySpec("flags.gfd", "map", None, "", "gpu-feature-discovery's flags."),
+    _flag("flags.gfd.oneshot", _BOOL, _GFD),
+    _flag("flags.gfd.noTimestamp", _BOOL, _GFD),
+    _flag("flags.gfd.sleepInterval", ("string or number", "", text_or_number), _GFD),
+    _flag("flags.gfd.outputFile", _TEXT, _GFD),
+    _flag("flags.gfd.machineTypeFile", _TEXT, _GFD),
+)
+
+# The value of an ignored flag at which vgpu-plugin does what the flag asks anyway; a flag
+# given with another value (or any value, for those not here) is reported as ignored.
+FLAG_MATCHES: Mapping[str, object] = {
+    "flags.plugin.passDeviceSpecs": False,
+    "flags.plugin.deviceListStrategy": ("envvar",),
+    "flags.plugin.deviceIDStrategy": "uuid",
+}
+
 _RESOURCE = "<domain>/<name>"
 
 SCHEMA: tuple[KeySpec, ...] = (
-    _leaf("version", "string", "v1", "v1", "Schema version of this file.", one_of("v1")),
+    _leaf(
+        "version",
+        "string",
+        None,
+        "v1",
+        "Schema version of this file.",
+        one_of("v1"),
+        required=True,
+    ),
     _leaf(
         "resourceName",
         "string",
@@ -481,6 +669,7 @@ SCHEMA: tuple[KeySpec, ...] = (
         "Seconds without a new critical XID after which an unhealthy GPU is healthy again.",
         number_above(0.0, inclusive=True),
     ),
+    *NVIDIA_FLAGS,
 )
 
 

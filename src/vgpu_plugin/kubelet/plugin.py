@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
@@ -22,7 +23,7 @@ from vgpu_plugin.core.allocation import ContainerSpec, container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import NodePlan, PhysicalGpu, plan_node
 from vgpu_plugin.core.grant import Grant, InvalidRequest, grant, new_allocation_id
-from vgpu_plugin.core.placement import preferred_allocation
+from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
 from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import write_atomically
@@ -44,6 +45,16 @@ def advertised_devices(plan: NodePlan, unhealthy: Mapping[str, str]) -> list[pb.
         )
         out.extend(pb.Device(ID=s.id, health=health, topology=topology) for s in g.slices)
     return out
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A config and the plan made from it, published together and only once checked: every
+    call reads one snapshot, once, so a reload can never pair one config's plan with another's
+    host root or resource name, nor show a plan that was refused."""
+
+    config: Config
+    plan: NodePlan
 
 
 class VgpuBackend:
@@ -72,19 +83,21 @@ class VgpuBackend:
         self._generation = 0
         self._seen_generation = 0
         self._unhealthy: dict[str, str] = {}
-        self._config = config
-        self._plan = plan_node(config, self._gpus, node_name, node_labels)
-        check_list_size(self.devices())
+        self._snapshot = self._checked(config, node_labels)
 
     # --- what is advertised ---------------------------------------------------------------
 
     @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    @property
     def config(self) -> Config:
-        return self._config
+        return self._snapshot.config
 
     @property
     def plan(self) -> NodePlan:
-        return self._plan
+        return self._snapshot.plan
 
     @property
     def unhealthy(self) -> dict[str, str]:
@@ -95,7 +108,7 @@ class VgpuBackend:
         return default_options()
 
     def devices(self) -> list[pb.Device]:
-        return advertised_devices(self._plan, self._unhealthy)
+        return advertised_devices(self._snapshot.plan, self._unhealthy)
 
     def wait_for_change(self, timeout: float) -> bool:
         with self._cond:
@@ -110,20 +123,21 @@ class VgpuBackend:
             self._generation += 1
             self._cond.notify_all()
 
-    def apply_config(self, config: Config, node_labels: Mapping[str, str]) -> NodePlan:
-        """Re-plan under a new config; raises (keeping the old plan) if it cannot be served.
-        Running containers keep their limits: those live in their own limits files."""
+    def _checked(self, config: Config, node_labels: Mapping[str, str]) -> Snapshot:
+        """The snapshot for ``config``; raises if its device list cannot be served."""
         plan = plan_node(config, self._gpus, self._node_name, node_labels)
-        old_plan, old_config = self._plan, self._config
-        self._plan, self._config = plan, config
-        try:
-            check_list_size(self.devices())
-        except ValueError:
-            self._plan, self._config = old_plan, old_config
-            raise
-        if plan != old_plan:
+        check_list_size(advertised_devices(plan, self._unhealthy))
+        return Snapshot(config, plan)
+
+    def apply_config(self, config: Config, node_labels: Mapping[str, str]) -> NodePlan:
+        """Re-plan under a new config; raises (nothing published) if it cannot be served.
+        Running containers keep their limits: those live in their own limits files."""
+        snapshot = self._checked(config, node_labels)
+        old = self._snapshot
+        self._snapshot = snapshot  # one reference swap: readers see the old or the new pair
+        if snapshot.plan != old.plan:
             self._changed()
-        return plan
+        return snapshot.plan
 
     def apply_health(self, changes: Sequence[HealthChange]) -> None:
         unhealthy = dict(self._unhealthy)
@@ -147,8 +161,8 @@ class VgpuBackend:
     def preferred_allocation(
         self, request: pb.PreferredAllocationRequest
     ) -> pb.PreferredAllocationResponse:
-        plan = self._plan
-        policy = self._config.sharing.placement
+        plan = self._snapshot.plan
+        held = self._held()
         responses = []
         for creq in request.container_requests:
             chosen = preferred_allocation(
@@ -156,13 +170,21 @@ class VgpuBackend:
                 list(creq.available_deviceIDs),
                 list(creq.must_include_deviceIDs),
                 int(creq.allocation_size),
-                policy,
+                held=held,
             )
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=responses)
 
+    def _held(self) -> dict[str, Held]:
+        """Memory and compute per GPU that the recorded allocations hold (their limits were
+        fixed at admission, whatever the split has become since). One the cleaner marked
+        released is held by no container the kubelet knows: its slices are free again."""
+        live = (r for r in self._store.all() if r.released is None)
+        return held_by_gpu(lim for r in live for lim in r.limits)
+
     def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
-        plan = self._plan
+        snapshot = self._snapshot
+        plan, host_root = snapshot.plan, snapshot.config.host_root
         if not request.container_requests:
             raise BackendError.invalid("Allocate request has no container requests")
         # Decide everything first: a refused request writes nothing.
@@ -172,11 +194,11 @@ class VgpuBackend:
                 g = grant(plan, list(creq.devices_ids), new_allocation_id())
                 spec = container_spec(
                     g,
-                    self._host_root,
+                    host_root,
                     self._shim_version,
                     self._lock_dir,
-                    self._config.device_list_strategy,
-                    self._config.driver_memory_limit,
+                    snapshot.config.device_list_strategy,
+                    snapshot.config.driver_memory_limit,
                 )
             except (InvalidRequest, ValueError) as exc:
                 raise BackendError.invalid(f"container request {i}: {exc}") from exc
@@ -184,7 +206,7 @@ class VgpuBackend:
         written: list[tuple[Grant, ContainerSpec]] = []
         try:
             for g, spec in prepared:
-                self._materialise(g, spec)
+                self._materialise(g, spec, plan.resource_name)
                 written.append((g, spec))
         except OSError as exc:
             for g, spec in written:
@@ -227,11 +249,7 @@ class VgpuBackend:
 
     # --- host files -----------------------------------------------------------------------
 
-    @property
-    def _host_root(self) -> str:
-        return self._config.host_root
-
-    def _materialise(self, g: Grant, spec: ContainerSpec) -> None:
+    def _materialise(self, g: Grant, spec: ContainerSpec, resource_name: str) -> None:
         """The rw dir, the read-only limits file and the record exist before we answer."""
         alloc_dir = Path(spec.allocation_dir)
         alloc_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +263,7 @@ class VgpuBackend:
             AllocationRecord(
                 allocation_id=g.allocation_id,
                 device_ids=g.device_ids,
-                resource_name=self._plan_resource(),
+                resource_name=resource_name,
                 created=self._clock(),
                 limits=tuple(x.limit for x in g.gpus),
             )
@@ -256,6 +274,3 @@ class VgpuBackend:
         Path(spec.limits_path).unlink(missing_ok=True)
         cdi_files.remove_spec(self._cdi_spec_dir, g.allocation_id)
         self._store.remove(g.allocation_id)
-
-    def _plan_resource(self) -> str:
-        return self._plan.resource_name

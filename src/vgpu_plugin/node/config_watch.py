@@ -2,7 +2,9 @@
 
 A ConfigMap update swaps a symlink (``..data``) rather than rewriting the file, so the watcher
 compares the *content* behind the path, not the inode it once opened. A valid new config is
-handed to ``on_config``; an invalid one is logged with every error and the old one stays.
+handed to ``on_config``; an invalid one, or a path that cannot be read (a swap to a missing
+target, a directory, a loop, a FIFO), is logged once and counted, and the old one stays.
+Files are read without ever blocking (``read_text_file``), so no file can stall the thread.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from vgpu_plugin.core.config import Config, ConfigError, parse_config
+from vgpu_plugin.core.config import (
+    Config,
+    ConfigError,
+    UnreadableFile,
+    parse_config,
+    read_text_file,
+)
+from vgpu_plugin.core.schema import clip
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +41,7 @@ def parse_node_labels(text: str, source: str = "<labels>") -> dict[str, str]:
             continue
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
-            raise NodeLabelsError(f"{source}:{number}: expected key=value, got {raw!r}")
+            raise NodeLabelsError(f"{source}:{number}: expected key=value, got {clip(raw)}")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] == '"':
             value = value[1:-1]
@@ -41,18 +50,24 @@ def parse_node_labels(text: str, source: str = "<labels>") -> dict[str, str]:
 
 
 def read_node_labels(path: Path | None) -> dict[str, str]:
+    """The labels in the file at ``path`` ({} for None); NodeLabelsError naming the file."""
     if path is None:
         return {}
-    return parse_node_labels(path.read_text(), str(path))
+    try:
+        text = read_text_file(path)
+    except UnreadableFile as exc:
+        raise NodeLabelsError(f"{path}: {exc}") from None
+    return parse_node_labels(text, str(path))
 
 
 def _digest(path: Path | None) -> str | None:
+    """What the path holds now: a hash of its content, or why it cannot be read."""
     if path is None:
         return None
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None  # mid-swap or removed: try again next poll
+        return hashlib.sha256(read_text_file(path).encode()).hexdigest()
+    except UnreadableFile as exc:
+        return f"unreadable: {exc}"
 
 
 class ConfigWatcher:
@@ -85,7 +100,11 @@ class ConfigWatcher:
     def load_initial(self) -> tuple[Config, Mapping[str, str]]:
         """Read both files now; raises ConfigError/NodeLabelsError/OSError if unusable."""
         seen = (_digest(self.config_path), _digest(self.labels_path))
-        config = parse_config(self.config_path.read_text(), str(self.config_path))
+        try:
+            text = read_text_file(self.config_path)
+        except UnreadableFile as exc:
+            raise ConfigError([str(exc)], str(self.config_path)) from None
+        config = parse_config(text, str(self.config_path))
         labels = read_node_labels(self.labels_path)
         self._seen = seen
         self.current = (config, labels)
@@ -94,13 +113,17 @@ class ConfigWatcher:
     def poll(self) -> bool:
         """Check once; True when a new valid config was applied."""
         seen = (_digest(self.config_path), _digest(self.labels_path))
-        if seen == self._seen or seen[0] is None:
-            return False
+        if seen == self._seen:
+            return False  # unchanged, or still the same problem (reported once)
         self._seen = seen
         try:
-            config = parse_config(self.config_path.read_text(), str(self.config_path))
+            try:
+                text = read_text_file(self.config_path)
+            except UnreadableFile as exc:
+                raise ConfigError([str(exc)], str(self.config_path)) from None
+            config = parse_config(text, str(self.config_path))
             labels = read_node_labels(self.labels_path)
-        except (ConfigError, NodeLabelsError, OSError) as exc:
+        except (ConfigError, NodeLabelsError) as exc:
             self.failures += 1
             log.error("config reload refused, keeping the running config: %s", exc)
             if self._on_error is not None:

@@ -24,7 +24,7 @@ from vgpu_plugin.node import native
 from vgpu_plugin.node.install import install_shim
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
 from vgpu_plugin.sim.process import ProcessRuntime
-from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime
+from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime, Runtime
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 from vgpu_plugin.sim.toolkit import ToolkitSettings
 from vgpu_plugin.sim.toolkit import apply as apply_toolkit
@@ -111,7 +111,7 @@ class EmulatedNode:
             lambda: [(RES, [d.ID for d in self.kubelet.devices(RES) or []])],
         )
         containers = workdir / "containers"
-        self.runtime: RuncRuntime | ProcessRuntime = (
+        self.runtime: Runtime = (
             RuncRuntime(containers) if runtime == "runc" else ProcessRuntime(containers, runtime)
         )
         self.plugin: subprocess.Popen[bytes] | None = None

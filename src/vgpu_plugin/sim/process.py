@@ -19,14 +19,14 @@ import contextlib
 import os
 import shlex
 import shutil
-import signal
+import signal as signal_module
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.core.defaults import CONTAINER_LOCK_DIR, LIMITS_PATH, SHIM_PATH
-from vgpu_plugin.sim.runc import DEFAULT_PATH, ContainerConfig, runc_unavailable_reason
+from vgpu_plugin.sim.runc import DEFAULT_PATH, ContainerConfig, Runtime, runc_unavailable_reason
 
 RUNTIMES = ("runc", "namespace", "preload")
 
@@ -117,7 +117,7 @@ def namespace_script(config: ContainerConfig, bundle: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-class ProcessRuntime:
+class ProcessRuntime(Runtime):
     """The :class:`RuncRuntime` interface (start, run, kill, remove) over plain processes."""
 
     def __init__(self, workdir: Path, kind: str) -> None:
@@ -154,24 +154,11 @@ class ProcessRuntime:
         self._procs[config.name] = proc
         return proc
 
-    def run(
-        self, config: ContainerConfig, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]:
-        proc = self.start(config)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(config.name)
-            out, err = proc.communicate()
-        finally:
-            self.remove(config.name)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-    def kill(self, name: str, signal_name: str = "KILL") -> None:
+    def kill(self, name: str, signal: str = "KILL") -> None:
         proc = self._procs.get(name)
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, getattr(signal, f"SIG{signal_name}"))
+                os.killpg(proc.pid, signal_module.Signals[f"SIG{signal}"])
 
     def remove(self, name: str) -> None:
         self.kill(name)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,7 +111,35 @@ def oci_spec(config: ContainerConfig, rootfs: Path) -> dict[str, object]:
     }
 
 
-class RuncRuntime:
+class Runtime(ABC):
+    """Runs containers by name: runc here, plain processes in sim/process.py."""
+
+    @abstractmethod
+    def start(self, config: ContainerConfig) -> subprocess.Popen[str]:
+        """Start the container; its stdout/stderr are the Popen's pipes."""
+
+    @abstractmethod
+    def kill(self, name: str, signal: str = "KILL") -> None: ...
+
+    @abstractmethod
+    def remove(self, name: str) -> None: ...
+
+    def run(
+        self, config: ContainerConfig, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run to completion; the container is removed afterwards."""
+        proc = self.start(config)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(config.name)
+            out, err = proc.communicate()
+        finally:
+            self.remove(config.name)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class RuncRuntime(Runtime):
     """Creates bundles under ``workdir`` and runs them with runc."""
 
     def __init__(self, workdir: Path) -> None:
@@ -164,20 +193,6 @@ class RuncRuntime:
             stdin=subprocess.DEVNULL,
             text=True,
         )
-
-    def run(
-        self, config: ContainerConfig, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]:
-        """Run to completion; the container is removed afterwards."""
-        proc = self.start(config)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(config.name)
-            out, err = proc.communicate()
-        finally:
-            self._cleanup(config.name)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def kill(self, name: str, signal: str = "KILL") -> None:
         subprocess.run(

@@ -112,6 +112,24 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    """The DRA driver (docs/dra.md): whether it runs, its name, its GPUs (globs of UUIDs or
+    indexes), and the request policies of the memory (bytes) and compute (percent) capacities."""
+
+    enabled: bool = False
+    driver_name: str = "gpu.vgpu-plugin.io"
+    gpus: tuple[str, ...] = ("*",)
+    memory: tuple[int, int, int] = (1 << 30, 256 << 20, 256 << 20)  # default, minimum, step
+    compute: tuple[int, int, int] = (10, 1, 1)
+
+    def serves(self, gpu: PhysicalGpu) -> bool:
+        """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
+        if not self.enabled:
+            return False
+        return any(fnmatchcase(gpu.uuid, p) or fnmatchcase(str(gpu.index), p) for p in self.gpus)
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = "v1"
     resource_name: str = defaults.RESOURCE_NAME
@@ -124,6 +142,7 @@ class Config:
     driver_memory_limit: bool = True
     # From NVIDIA's time-slicing format: Allocate refuses containers asking for several slices.
     fail_requests_greater_than_one: bool = False
+    dra: DraConfig = DraConfig()
 
 
 class ConfigError(ValueError):
@@ -237,6 +256,30 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
         fail_requests_greater_than_one=fail_over_one,
         device_list_strategy=tree.get("deviceListStrategy", Config.device_list_strategy),
         driver_memory_limit=tree.get("driverMemoryLimit", Config.driver_memory_limit),
+        dra=_dra(tree.get("dra", {}), errors),
+    )
+
+
+def _dra(tree: Mapping[str, Any], errors: list[str]) -> DraConfig:
+    base = DraConfig()
+    policies = []
+    for key, names, default in (
+        ("memory", ("default", "minimum", "step"), base.memory),
+        ("compute", ("default", "minimum", "step"), base.compute),
+    ):
+        sub = tree.get(key, {})
+        d, lo, step = (sub.get(n, v) for n, v in zip(names, default, strict=True))
+        if d < lo or (d - lo) % step:
+            errors.append(
+                f"dra.{key}.default: {d} must be minimum ({lo}) plus a multiple of step ({step})"
+            )
+        policies.append((d, lo, step))
+    return DraConfig(
+        enabled=tree.get("enabled", base.enabled),
+        driver_name=tree.get("driverName", base.driver_name),
+        gpus=tuple(tree.get("gpus", base.gpus)),
+        memory=policies[0],
+        compute=policies[1],
     )
 
 

@@ -121,7 +121,7 @@ class DraServer:
         registry_dir: Path | str = dra.REGISTRY_DIR,
         plugins_dir: Path | str = dra.PLUGINS_DIR,
         *,
-        on_registered: Callable[[], None] | None = None,
+        on_registered: Callable[[], object] | None = None,
         poll_interval: float = 0.5,
         max_workers: int = 8,
     ) -> None:

@@ -118,7 +118,7 @@ class DraConfig:
 
     enabled: bool = False
     driver_name: str = "gpu.vgpu-plugin.io"
-    gpus: tuple[str, ...] = ("*",)
+    gpus: tuple[str, ...] = ("all",)
     memory: tuple[int, int, int] = (1 << 30, 256 << 20, 256 << 20)  # default, minimum, step
     compute: tuple[int, int, int] = (10, 1, 1)
 
@@ -126,7 +126,10 @@ class DraConfig:
         """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
         if not self.enabled:
             return False
-        return any(fnmatchcase(gpu.uuid, p) or fnmatchcase(str(gpu.index), p) for p in self.gpus)
+        return any(
+            p == "all" or fnmatchcase(gpu.uuid, p) or fnmatchcase(str(gpu.index), p)
+            for p in self.gpus
+        )
 
 
 @dataclass(frozen=True)

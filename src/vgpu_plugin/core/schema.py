@@ -524,16 +524,16 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "dra.gpus",
         "list of strings",
-        ("*",),
-        "glob patterns",
-        "GPUs served by DRA, by UUID or index ('0', 'GPU-709f*'); '*': all of them.",
+        ("all",),
+        "all, or glob patterns",
+        "GPUs served by DRA, by UUID or index ('0', 'GPU-709f*'); all: every GPU.",
         _gpu_selectors,
     ),
     KeySpec("dra.memory", "map", None, "", "The request policy of a GPU's memory capacity."),
     _leaf(
         "dra.memory.default",
         "string or integer",
-        "1Gi",
+        1 << 30,
         "size",
         "Memory a claim gets when it does not ask (also an extended-resource request's).",
         _bytes_quantity,
@@ -541,7 +541,7 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "dra.memory.minimum",
         "string or integer",
-        "256Mi",
+        256 << 20,
         "size",
         "The least memory a claim may ask for.",
         _bytes_quantity,
@@ -549,7 +549,7 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "dra.memory.step",
         "string or integer",
-        "256Mi",
+        256 << 20,
         "size",
         "A claim's memory is rounded up to minimum + a multiple of this.",
         _bytes_quantity,

@@ -98,3 +98,15 @@ def test_the_contract_checker_sees_imports_inside_functions(tmp_path: Path) -> N
     found = imports(PACKAGE / "commands" / "demo.py")
     assert ("vgpu_plugin.sim.demo", False) in found
     assert ("vgpu_plugin.node.native", True) in found
+
+
+def test_the_kubernetes_client_is_imported_in_one_module() -> None:
+    """The DRA driver's API-server access is one module; the rest of the plugin never talks
+    to the API server (docs/architecture.md)."""
+    users = {
+        str(path.relative_to(PACKAGE))
+        for path in sources()
+        for module, _ in imports(path)
+        if module.split(".")[0] == "kubernetes"
+    }
+    assert users == {"node/kubeapi.py"}

@@ -22,6 +22,15 @@ CONFIG_FIELD = {
     "deviceListStrategy": lambda c: c.device_list_strategy,
     "driverMemoryLimit": lambda c: c.driver_memory_limit,
     "flags.failOnInitError": lambda c: c.fail_on_init_error,
+    "dra.enabled": lambda c: c.dra.enabled,
+    "dra.driverName": lambda c: c.dra.driver_name,
+    "dra.gpus": lambda c: c.dra.gpus,
+    "dra.memory.default": lambda c: c.dra.memory[0],
+    "dra.memory.minimum": lambda c: c.dra.memory[1],
+    "dra.memory.step": lambda c: c.dra.memory[2],
+    "dra.compute.default": lambda c: c.dra.compute[0],
+    "dra.compute.minimum": lambda c: c.dra.compute[1],
+    "dra.compute.step": lambda c: c.dra.compute[2],
 }
 
 

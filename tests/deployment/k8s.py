@@ -29,6 +29,8 @@ def versions() -> tuple[str, str]:
     return f"{floor.group(1)}.0", f"{kubernetes_validate.latest_version()}.0"
 
 
+# resource.k8s.io/v1, with consumable capacity, is served from Kubernetes 1.34 on.
+DRA_OLDEST = "1.34.0"
 _STR = {"type": "string"}
 SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -105,7 +107,12 @@ def validate(obj: Obj) -> None:
     if obj.get("kind") == "ServiceMonitor":
         jsonschema.Draft7Validator(SERVICE_MONITOR_SCHEMA).validate(obj)
         return
-    for version in versions():
+    oldest, newest = versions()
+    dra = str(obj.get("apiVersion", "")).startswith("resource.k8s.io/")
+    if dra or "resourceClaims" in (obj.get("spec") or {}):
+        # DRA's objects (docs/dra.md) exist from Kubernetes 1.34 on, whatever the chart's floor.
+        oldest = max(oldest, DRA_OLDEST, key=lambda v: tuple(map(int, v.split("."))))
+    for version in (oldest, newest):
         kubernetes_validate.validate(obj, version, strict=True)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from vgpu_plugin.commands.logs import setup_logging
+from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
@@ -100,6 +101,7 @@ class Plugin:
         self._metrics: PluginMetrics | None = None
         self._metrics_server: MetricsServer | None = None
         self._cleaner: Cleaner | None = None
+        self._dra: DraRunner | None = None
 
     def start(self) -> None:
         s = self.settings
@@ -121,6 +123,16 @@ class Plugin:
         version = self._shim_version(config.host_root)
         _make_shared_dir(Path(s.lock_dir))
         store = _open_store(s.state_dir)
+        gpus, dra_gpus = split_gpus(config, gpus)
+        if config.dra.enabled:
+            try:
+                self._dra = DraRunner(
+                    config, dra_gpus, s.node_name, s.state_dir, version, s.lock_dir,
+                    s.cdi_spec_dir,
+                )  # fmt: skip
+                self._dra.start()
+            except (RuntimeError, OSError) as exc:
+                raise StartupError(f"DRA driver: {exc}", EXIT_NODE) from exc
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir,
@@ -140,12 +152,13 @@ class Plugin:
             )
         log.info("%d allocation records on file in %s", len(store.all()), s.state_dir)
         tracker = self._tracker = HealthTracker(
-            [g.uuid for g in gpus],
+            [g.uuid for g in gpus] + [g.uuid for g in dra_gpus],
             ignored_xids=frozenset(config.health.ignored_xids),
             recovery_seconds=config.health.recovery_seconds,
         )
         self._start_metrics(store)
-        self._health = HealthWatcher(tracker, [g.uuid for g in gpus], self._on_health)
+        watched = [g.uuid for g in gpus] + [g.uuid for g in dra_gpus]
+        self._health = HealthWatcher(tracker, watched, self._on_health)
         self._health.start()
         self._server = self._new_server(config.resource_name)
         self._server.start()
@@ -215,6 +228,9 @@ class Plugin:
     def _on_health(self, changes: list[HealthChange]) -> None:
         assert self.backend is not None
         self.backend.apply_health(changes)
+        if self._dra is not None:
+            for c in changes:
+                self._dra.apply_health(c.uuid, c.healthy)
         if self._metrics is not None:
             for c in changes:
                 self._metrics.health_changed(c.healthy)
@@ -248,6 +264,8 @@ class Plugin:
             return
         if self._metrics is not None:
             self._metrics.config_reloaded(True)
+        if self._dra is not None:
+            self._dra.apply_config(config)
         if self._tracker is not None:
             # Health settings apply from the next event on.
             self._tracker.ignored_xids = frozenset(config.health.ignored_xids)
@@ -277,6 +295,8 @@ class Plugin:
             self._server.stop()
         if self._health is not None:
             self._health.stop()
+        if self._dra is not None:
+            self._dra.stop()
         log.info("stopped")
 
 

@@ -114,6 +114,27 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    """The DRA driver (docs/dra.md): whether it runs, its name, its GPUs (globs of UUIDs or
+    indexes), and the request policies of the memory (bytes) and compute (percent) capacities."""
+
+    enabled: bool = False
+    driver_name: str = "gpu.vgpu-plugin.io"
+    gpus: tuple[str, ...] = ("all",)
+    memory: tuple[int, int, int] = (1 << 30, 256 << 20, 256 << 20)  # default, minimum, step
+    compute: tuple[int, int, int] = (10, 1, 1)
+
+    def serves(self, gpu: PhysicalGpu) -> bool:
+        """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
+        if not self.enabled:
+            return False
+        return any(
+            p == "all" or fnmatchcase(gpu.uuid, p) or fnmatchcase(str(gpu.index), p)
+            for p in self.gpus
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = "v1"
     resource_name: str = defaults.RESOURCE_NAME
@@ -130,6 +151,7 @@ class Config:
     fail_on_init_error: bool = True
     # NVIDIA's flags given that have no effect here, one line each (check-config prints them).
     ignored_flags: tuple[str, ...] = ()
+    dra: DraConfig = DraConfig()
 
 
 # The most errors a ConfigError's text lists (all stay in ``errors``): a file of 60,000 bad
@@ -302,6 +324,30 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
         driver_memory_limit=tree.get("driverMemoryLimit", Config.driver_memory_limit),
         fail_on_init_error=True if fail_on_init is None else fail_on_init,
         ignored_flags=_ignored_flags(flags),
+        dra=_dra(tree.get("dra", {}), errors),
+    )
+
+
+def _dra(tree: Mapping[str, Any], errors: list[str]) -> DraConfig:
+    base = DraConfig()
+    policies = []
+    for key, names, default in (
+        ("memory", ("default", "minimum", "step"), base.memory),
+        ("compute", ("default", "minimum", "step"), base.compute),
+    ):
+        sub = tree.get(key, {})
+        d, lo, step = (sub.get(n, v) for n, v in zip(names, default, strict=True))
+        if d < lo or (d - lo) % step:
+            errors.append(
+                f"dra.{key}.default: {d} must be minimum ({lo}) plus a multiple of step ({step})"
+            )
+        policies.append((d, lo, step))
+    return DraConfig(
+        enabled=tree.get("enabled", base.enabled),
+        driver_name=tree.get("driverName", base.driver_name),
+        gpus=tuple(tree.get("gpus", base.gpus)),
+        memory=policies[0],
+        compute=policies[1],
     )
 
 

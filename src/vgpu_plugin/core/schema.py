@@ -327,6 +327,29 @@ def device_list_strategy(value: object) -> object:
         raise Invalid(str(exc)) from None
 
 
+def _dns_subdomain(value: object) -> object:
+    if not isinstance(value, str) or not re.match(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$", value):
+        raise Invalid(f"{show(value)} is not a lowercase DNS subdomain (e.g. gpu.example.com)")
+    if "." not in value:
+        raise Invalid(f"{show(value)} needs a domain (e.g. gpu.example.com)")
+    return value
+
+
+def _bytes_quantity(value: object) -> object:
+    """A byte size as Kubernetes writes it (``256Mi``, ``1Gi``) or a plain number of bytes."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    m = re.match(r"^([1-9][0-9]*)(Ki|Mi|Gi|Ti)?$", text) if isinstance(text, str) else None
+    if m is None:
+        raise Invalid(f"{show(value)} is not a size (e.g. 256Mi, 1Gi, or bytes)")
+    return int(m.group(1)) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[m.group(2)]
+
+
+def _gpu_selectors(value: object) -> object:
+    items = string_list(value)
+    assert isinstance(items, tuple)
+    return items
+
+
 def _leaf(
     path: str,
     type_: str,
@@ -670,6 +693,81 @@ SCHEMA: tuple[KeySpec, ...] = (
         number_above(0.0, inclusive=True),
     ),
     *NVIDIA_FLAGS,
+    KeySpec("dra", "map", None, "", "The DRA driver (docs/dra.md): pods claim amounts of a GPU."),
+    _leaf(
+        "dra.enabled",
+        "boolean",
+        False,
+        "true | false",
+        "Serve the DRA driver for the GPUs in dra.gpus; the device plugin keeps the others.",
+        boolean,
+    ),
+    _leaf(
+        "dra.driverName",
+        "string",
+        "gpu.vgpu-plugin.io",
+        "DNS subdomain",
+        "The driver's name in ResourceSlices, DeviceClasses and claims.",
+        _dns_subdomain,
+    ),
+    _leaf(
+        "dra.gpus",
+        "list of strings",
+        ("all",),
+        "all, or glob patterns",
+        "GPUs served by DRA, by UUID or index ('0', 'GPU-709f*'); all: every GPU.",
+        _gpu_selectors,
+    ),
+    KeySpec("dra.memory", "map", None, "", "The request policy of a GPU's memory capacity."),
+    _leaf(
+        "dra.memory.default",
+        "string or integer",
+        1 << 30,
+        "size",
+        "Memory a claim gets when it does not ask (also an extended-resource request's).",
+        _bytes_quantity,
+    ),
+    _leaf(
+        "dra.memory.minimum",
+        "string or integer",
+        256 << 20,
+        "size",
+        "The least memory a claim may ask for.",
+        _bytes_quantity,
+    ),
+    _leaf(
+        "dra.memory.step",
+        "string or integer",
+        256 << 20,
+        "size",
+        "A claim's memory is rounded up to minimum + a multiple of this.",
+        _bytes_quantity,
+    ),
+    KeySpec("dra.compute", "map", None, "", "The request policy of a GPU's compute capacity."),
+    _leaf(
+        "dra.compute.default",
+        "integer",
+        10,
+        "1..100",
+        "Compute share (percent) a claim gets when it does not ask.",
+        int_in(1, 100),
+    ),
+    _leaf(
+        "dra.compute.minimum",
+        "integer",
+        1,
+        "1..100",
+        "The least compute a claim may ask for.",
+        int_in(1, 100),
+    ),
+    _leaf(
+        "dra.compute.step",
+        "integer",
+        1,
+        "1..100",
+        "A claim's compute is rounded up to this step.",
+        int_in(1, 100),
+    ),
 )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pynvml
 
 from vgpu_plugin.core.devices import PhysicalGpu
+from vgpu_plugin.core.dra import DeviceFacts
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.nodeview import GpuFacts
 
@@ -237,3 +238,24 @@ def memory_info(index: int = 0) -> tuple[int, int]:
     with nvml_session():
         mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
         return int(mem.total), int(mem.used)
+
+
+def device_facts() -> dict[str, DeviceFacts]:
+    """Each GPU's compute capability and the driver's version, by UUID, for the DRA driver's
+    ResourceSlice attributes; what NVML cannot say is left empty. Raises NvmlUnavailable."""
+    out: dict[str, DeviceFacts] = {}
+    with nvml_session():
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError:
+            driver = ""
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            try:
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+                cc = f"{int(major)}.{int(minor)}"
+            except pynvml.NVMLError:
+                cc = ""
+            out[uuid] = DeviceFacts(cc, driver)
+    return out

@@ -19,7 +19,13 @@ from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef
-from vgpu_plugin.node.nodeview import GpuFacts, NodeView, build_view, region_path
+from vgpu_plugin.node.nodeview import (
+    DRIVER_LIMIT_KEY,
+    GpuFacts,
+    NodeView,
+    build_view,
+    region_path,
+)
 from vgpu_plugin.node.state import STATE_FILE_NAME, AllocationRecord, AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
@@ -29,9 +35,15 @@ RES = "nvidia.com/gpu"
 
 
 def rec(
-    alloc_id: str, created: float, devices: tuple[str, ...], *limits: GpuLimit, **pod: str
+    alloc_id: str,
+    created: float,
+    devices: tuple[str, ...],
+    *limits: GpuLimit,
+    driver: str | None = None,
+    **pod: str,
 ) -> AllocationRecord:
-    return AllocationRecord(alloc_id, devices, RES, created, limits, **pod)
+    extra = {} if driver is None else {DRIVER_LIMIT_KEY: driver}
+    return AllocationRecord(alloc_id, devices, RES, created, limits, **pod, extra=extra)
 
 
 @dataclass
@@ -70,12 +82,16 @@ def node(tmp_path: Path) -> SyntheticNode:
             (f"{GPU_A}-0", f"{GPU_B}-0", f"{GPU_B}-1"),
             GpuLimit(GPU_A, 20389 * MIB, 25),
             GpuLimit(GPU_B, 40778 * MIB, 50),
+            driver="not requested: its GPUs have different limits (the hook applies one to all)",
             namespace="ml",
             pod="infer-a",
             container="server",
         )
     )
-    store.add(rec("alloc-2", 200, (f"{GPU_A}-1",), GpuLimit(GPU_A, 20389 * MIB, 0)))
+    # alloc-2 asked the driver to hold it too; alloc-3's record predates that state.
+    store.add(
+        rec("alloc-2", 200, (f"{GPU_A}-1",), GpuLimit(GPU_A, 20389 * MIB, 0), driver="requested")
+    )
     store.add(rec("alloc-3", 300, (f"{GPU_A}-2",), GpuLimit(GPU_A, 20389 * MIB, 25)))
     n.region(
         "alloc-1",
@@ -104,7 +120,10 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
     containers = lines[lines.index("Containers") + 1 :]
     assert containers[0].split()[:3] == ["NAMESPACE/POD/CONTAINER", "ALLOCATION", "GPU"]
     first = ["ml/infer-a/server", "alloc-1", GPU_A, "1024/20389", "25%", "2", "ok"]
-    assert containers[1].split() == first
+    assert containers[1].split()[:7] == first
+    assert containers[1].split("ok", 1)[1].strip() == (
+        "not requested: its GPUs have different limits (the hook applies one to all)"
+    )
     assert containers[2].split() == [GPU_B, "300/40778", "50%"]
     assert containers[3].split() == [
         "(pod",
@@ -117,6 +136,7 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "unlimited",
         "0",
         "missing",
+        "requested",
     ]
     assert containers[4].split()[:7] == [
         "(pod",
@@ -128,6 +148,7 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "-/20389",
     ]
     assert "invalid: region file: bad magic 'garbage'" in containers[4]
+    assert containers[4].endswith("unknown")  # a record from before the driver limit
     assert "warning: allocation alloc-3: region invalid: region file: bad magic" in text
     assert "note: NVML not queried" in text
     assert "no-kubelet.sock does not exist" in text
@@ -148,6 +169,8 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
     assert list(a1) == sorted(a1)
     assert a1 == {
         "created": 100.0,
+        "driver_memory_limit": "not requested: its GPUs have different limits"
+        " (the hook applies one to all)",
         "ended": False,
         "gpus": [
             {
@@ -172,6 +195,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
     }
     a2, a3 = doc["allocations"][1:]
     assert (a2["pod"], a2["region_state"], a2["gpus"][0]["memory_used"]) == (None, "missing", 0)
+    assert (a2["driver_memory_limit"], a3["driver_memory_limit"]) == ("requested", "unknown")
     assert a3["region_state"].startswith("invalid: ") and a3["gpus"][0]["memory_used"] is None
     gpu_a = doc["gpus"][0]
     assert gpu_a == {

@@ -12,6 +12,7 @@ from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.node.cleanup import Cleaner
+from vgpu_plugin.node.nodeview import driver_limit_of
 from vgpu_plugin.node.state import AllocationStore
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
@@ -47,6 +48,17 @@ def test_the_default_names_the_gpu_by_a_mount_and_sets_the_driver_limit(tmp_path
     assert c.envs["NVIDIA_GPU_MEMORY_LIMIT"] == c.envs["NVIDIA_GPU_MEMORY_REQUEST"] == "20389"
     assert not list(c.cdi_devices) and not dict(c.annotations)
     assert not (tmp_path / "cdi").exists()
+
+
+def test_the_record_keeps_what_was_asked_of_the_driver(tmp_path: Path) -> None:
+    """status and the metrics show it per container (docs/contracts.md#driver-memory-limit)."""
+    on = backend(tmp_path / "on")
+    allocate(on)
+    off = backend(tmp_path / "off", "driverMemoryLimit: false\n")
+    allocate(off)
+    assert [driver_limit_of(r) for b in (on, off) for r in b._store.all()] == ["requested", "off"]
+    for r in AllocationStore(tmp_path / "on" / "state").all():  # read back from the file
+        assert driver_limit_of(r) == "requested"
 
 
 def test_cdi_writes_one_spec_per_allocation_and_cleanup_removes_it(tmp_path: Path) -> None:

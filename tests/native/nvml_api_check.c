@@ -73,6 +73,13 @@ static void print_layout(void) {
     OFF(nvmlEventData_t, eventType);
     OFF(nvmlEventData_t, eventData);
     OFF(nvmlEventData_t, gpuInstanceId);
+    SZ(nvmlSetMemoryLimits_v1_t);
+    OFF(nvmlSetMemoryLimits_v1_t, softLimit);
+    OFF(nvmlSetMemoryLimits_v1_t, hardLimit);
+    SZ(nvmlGetMemoryLimits_v1_t);
+    OFF(nvmlGetMemoryLimits_v1_t, hardLimit);
+    OFF(nvmlGetMemoryLimits_v1_t, currentUsed);
+    VAL(NVML_DEVICE_MEMORY_LIMIT_MAX);
     VAL(nvmlMemory_v2);
     VAL(nvmlPciInfoExt_v1);
     VAL(NVML_ERROR_DRIVER_NOT_LOADED);

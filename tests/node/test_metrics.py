@@ -16,7 +16,13 @@ from synthetic_regions import Dev, Proc, Snap
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
-from vgpu_plugin.node.nodeview import GpuFacts, NodeView, region_path, view_provider
+from vgpu_plugin.node.nodeview import (
+    DRIVER_LIMIT_KEY,
+    GpuFacts,
+    NodeView,
+    region_path,
+    view_provider,
+)
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
@@ -46,7 +52,12 @@ class Regions:
 
 
 def record(
-    alloc_id: str, created: float, *limits: GpuLimit, pod: str | None = None, k: int = 0
+    alloc_id: str,
+    created: float,
+    *limits: GpuLimit,
+    pod: str | None = None,
+    k: int = 0,
+    driver: str | None = None,
 ) -> AllocationRecord:
     devices = tuple(f"{lim.uuid}-{k}" for lim in limits)
     return AllocationRecord(
@@ -58,6 +69,7 @@ def record(
         namespace="ml" if pod else None,
         pod=pod,
         container="server" if pod else None,
+        extra={} if driver is None else {DRIVER_LIMIT_KEY: driver},
     )
 
 
@@ -184,6 +196,28 @@ def test_an_allocation_is_exported_from_its_record_until_the_record_is_dropped(
     assert value(got, "vgpu_container_memory_limit_bytes", allocation_id="fresh", pod="p") > 0
     node.store.remove("fresh")
     assert samples(node.scrape(), "vgpu_container_memory_limit_bytes") == []
+
+
+def test_the_driver_limit_is_its_memory_limit_where_requested_else_0(node: Node) -> None:
+    node.store.add(record("asked", 1, GpuLimit(GPU_A, 1000 * MIB, 0), driver="requested"))
+    node.store.add(record("off", 2, GpuLimit(GPU_A, 1000 * MIB, 0), k=1, driver="off"))
+    node.store.add(
+        record(
+            "mixed",
+            3,
+            GpuLimit(GPU_A, 1000 * MIB, 0),
+            GpuLimit(GPU_B, 2000 * MIB, 0),
+            k=2,
+            driver="not requested: its GPUs have different limits (the hook applies one to all)",
+        )
+    )
+    node.store.add(record("old", 4, GpuLimit(GPU_A, 1000 * MIB, 0), k=3))  # before the state
+    got = node.scrape()
+    name = "vgpu_container_driver_memory_limit_bytes"
+    assert value(got, name, allocation_id="asked") == 1000 * MIB
+    assert value(got, name, allocation_id="off") == 0
+    assert [v for _, v in samples(got, name, allocation_id="mixed")] == [0, 0]
+    assert value(got, name, allocation_id="old") == 0
 
 
 def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:

@@ -223,6 +223,22 @@ typedef struct nvmlProcessInfo_v2_st {
     unsigned int computeInstanceId; /* 0xFFFFFFFF without MIG */
 } nvmlProcessInfo_v2_t, nvmlProcessInfo_t;
 
+/* Per-cgroup memory limits (NVML 13.4+). No version field: the _v1 is in the function names. */
+#define NVML_DEVICE_MEMORY_LIMIT_MAX 0xFFFFFFFFFFFFFFFF
+
+typedef struct {
+    const char *nameSpace;        /* full sysfs path of the cgroup: /sys/fs/cgroup/<path> */
+    unsigned long long softLimit; /* bytes */
+    unsigned long long hardLimit; /* bytes; soft 0 and hard NVML_DEVICE_MEMORY_LIMIT_MAX clear */
+} nvmlSetMemoryLimits_v1_t;
+
+typedef struct {
+    const char *nameSpace;          /* [in] */
+    unsigned long long softLimit;   /* [out] */
+    unsigned long long hardLimit;   /* [out] */
+    unsigned long long currentUsed; /* [out] bytes the cgroup's processes hold on the GPU */
+} nvmlGetMemoryLimits_v1_t;
+
 /* --- events ------------------------------------------------------------------------------- */
 
 #define nvmlEventTypeNone 0x0000000000000000LL
@@ -292,6 +308,8 @@ nvmlReturn_t DECLDIR nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device
                                                              nvmlProcessInfo_t *infos);
 nvmlReturn_t DECLDIR nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
                                                               nvmlProcessInfo_t *infos);
+nvmlReturn_t DECLDIR nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimits_v1_t *limits);
+nvmlReturn_t DECLDIR nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimits_v1_t *limits);
 
 /* --- events ------------------------------------------------------------------------------- */
 

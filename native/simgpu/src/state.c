@@ -147,6 +147,7 @@ int simgpu_reap_locked(struct simgpu_node *node, int fd, int self_slot) {
         }
         p->pid = 0;
         p->start_time = 0;
+        p->cgroup[0] = 0;
         atomic_store(&p->state, SIMGPU_SLOT_FREE);
         ofd_lock(fd, node->lock_base + (uint64_t)i, F_UNLCK);
         freed++;
@@ -181,6 +182,7 @@ static int register_self(struct simgpu_node *node, int fd) {
     memset(p->contexts, 0, sizeof p->contexts);
     p->pid = (int32_t)getpid();
     p->start_time = proc_start_time();
+    simgpu_cgroup_self(p->cgroup);
     atomic_store(&p->state, SIMGPU_SLOT_LIVE);
     simgpu_unlock(node);
     return slot;
@@ -229,16 +231,24 @@ int simgpu_self_slot(void) { return simgpu_node() ? g_att.slot : -1; }
 
 /* --- memory ------------------------------------------------------------------------------ */
 
+/* The GPU's physical memory can hold `bytes` more, and so can the hard limit of this process's
+ * cgroup there (nvmlDeviceSetMemoryLimits_v1), if it has one. */
+static int charge_fits_locked(const struct simgpu_node *node, uint32_t gpu, uint64_t bytes) {
+    const struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    return g->used <= g->cfg.total_memory && g->cfg.total_memory - g->used >= bytes &&
+           simgpu_cgroup_admits_locked(node, g_att.slot, gpu, bytes);
+}
+
 int simgpu_mem_charge(uint32_t gpu, uint64_t bytes) {
     struct simgpu_node *node = simgpu_node();
     if (!node || gpu >= node->gpu_count) return -1;
     simgpu_lock(node);
-    struct simgpu_gpu_shared *g = &node->gpus[gpu];
-    if (g->cfg.total_memory - g->used < bytes) {
+    if (!charge_fits_locked(node, gpu, bytes)) {
         simgpu_reap_locked(node, g_att.fd, g_att.slot);
     }
     int rc = -1;
-    if (g->used <= g->cfg.total_memory && g->cfg.total_memory - g->used >= bytes) {
+    if (charge_fits_locked(node, gpu, bytes)) {
+        struct simgpu_gpu_shared *g = &node->gpus[gpu];
         g->used += bytes;
         node->procs[g_att.slot].used[gpu] += bytes;
         rc = 0;

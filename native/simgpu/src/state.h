@@ -18,9 +18,11 @@
 
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
-#define SIMGPU_STATE_VERSION 2u
+#define SIMGPU_STATE_VERSION 3u /* 3: per-cgroup memory limits (cgroup_limits.c) */
 #define SIMGPU_BUSY_RING 2048
 #define SIMGPU_XID_RING 64
+#define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
+#define SIMGPU_CGROUP_PATH 512   /* bytes of a cgroup v2 path ("/kubepods/..."), NUL included */
 
 enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
 
@@ -57,6 +59,16 @@ struct simgpu_proc_shared {
     uint64_t start_time; /* field 22 of /proc/self/stat: tells pid reuse apart */
     uint64_t used[SIMGPU_MAX_GPUS];
     uint32_t contexts[SIMGPU_MAX_GPUS];
+    char cgroup[SIMGPU_CGROUP_PATH]; /* its cgroup v2 path, "" unknown (cgroup_limits.c) */
+};
+
+/* A memory limit the driver holds a cgroup to on one GPU (nvmlDeviceSetMemoryLimits_v1). */
+struct simgpu_cgroup_limit {
+    uint32_t in_use; /* node lock */
+    uint32_t gpu;    /* physical index */
+    uint64_t soft;   /* bytes; reported, not enforced (no memory pressure is modelled) */
+    uint64_t hard;   /* bytes */
+    char cgroup[SIMGPU_CGROUP_PATH];
 };
 
 struct simgpu_node {
@@ -69,6 +81,7 @@ struct simgpu_node {
     uint64_t owners;    /* timeline owner names handed out (node lock) */
     struct simgpu_gpu_shared gpus[SIMGPU_MAX_GPUS];
     struct simgpu_proc_shared procs[SIMGPU_MAX_PROCS];
+    struct simgpu_cgroup_limit cgroup_limits[SIMGPU_CGROUP_LIMITS];
 };
 
 /* --- this process's attachment ------------------------------------------------------------ */
@@ -148,6 +161,34 @@ struct simgpu_proc_usage {
 /* The live processes with memory or a context on physical GPU `gpu`, dead ones reaped first:
  * fills out[0..max) in slot order and returns how many there are (may be more than max). */
 uint32_t simgpu_gpu_processes(uint32_t gpu, struct simgpu_proc_usage *out, uint32_t max);
+
+/* --- per-cgroup memory limits (cgroup_limits.c), what nvmlDeviceSetMemoryLimits_v1 sets ------ */
+
+/* The calling process's cgroup v2 path: SIMGPU_CGROUP when set (a simulation knob: tests
+ * cannot always move processes between cgroups), else the "0::<path>" line of
+ * /proc/self/cgroup; "" when neither gives one. Canonical: "/" or "/a/b", no trailing '/'. */
+void simgpu_cgroup_self(char out[SIMGPU_CGROUP_PATH]);
+/* The cgroup path of an NVML nameSpace (the cgroup's full sysfs path, "/sys/fs/cgroup<path>"):
+ * 0, or -1 when it is not under /sys/fs/cgroup or too long. */
+int simgpu_cgroup_of_namespace(const char *name_space, char out[SIMGPU_CGROUP_PATH]);
+
+enum {
+    SIMGPU_LIMIT_OK = 0,
+    SIMGPU_LIMIT_INVALID = -1, /* soft > hard, or a limit above the GPU's memory */
+    SIMGPU_LIMIT_FULL = -2,    /* no room in the node's table */
+    SIMGPU_LIMIT_NONE = -3,    /* no limit set for that cgroup on that GPU */
+    SIMGPU_LIMIT_NO_NODE = -4,
+};
+#define SIMGPU_LIMIT_MAX UINT64_MAX /* hard limit "none": soft 0 and hard MAX clear a limit */
+
+/* Set (or, soft 0 and hard SIMGPU_LIMIT_MAX, clear) the limit of `cgroup` on physical GPU `gpu`. */
+int simgpu_cgroup_limit_set(uint32_t gpu, const char *cgroup, uint64_t soft, uint64_t hard);
+/* The limit of exactly `cgroup` on `gpu`, and the bytes its processes (those of its
+ * descendants included) hold there now, dead processes reaped first. */
+int simgpu_cgroup_limit_get(uint32_t gpu, const char *cgroup, uint64_t *soft, uint64_t *hard, uint64_t *used);
+/* Whether slot `slot` may charge `bytes` more on `gpu`: no limit on its cgroup or an ancestor
+ * would go over its hard limit. Node lock held. */
+int simgpu_cgroup_admits_locked(const struct simgpu_node *node, int slot, uint32_t gpu, uint64_t bytes);
 
 /* --- versions the simulated driver reports (both fronts must agree) ---------------------- */
 

@@ -190,6 +190,7 @@ def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
                 compute,
                 str(a.processes_alive) if i == 0 else "",
                 a.region_state if i == 0 else "",
+                a.driver_memory_limit if i == 0 else "",
             ]
         )
     return rows
@@ -223,6 +224,7 @@ def render_status(view: NodeView) -> str:
             "COMPUTE",
             "PROCS",
             "REGION",
+            "DRIVER LIMIT",
         )
         out += ["  " + line for line in _table(headers, rows)]
     else:

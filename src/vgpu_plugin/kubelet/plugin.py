@@ -28,6 +28,7 @@ from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_o
 from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import write_atomically
 from vgpu_plugin.node.health import HealthChange
+from vgpu_plugin.node.nodeview import DRIVER_LIMIT_KEY
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ class VgpuBackend:
                 resource_name=resource_name,
                 created=self._clock(),
                 limits=tuple(x.limit for x in g.gpus),
+                extra={DRIVER_LIMIT_KEY: spec.driver_limit},
             )
         )
 

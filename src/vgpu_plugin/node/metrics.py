@@ -105,6 +105,13 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
         "0 when the container's region exists but cannot be read or trusted (usage unknown)",
         ALLOCATION_LABELS,
     )
+    driver = _gauge(
+        "vgpu_container_driver_memory_limit_bytes",
+        "memory limit the plugin asked the driver to hold the container to on this GPU"
+        " (NVIDIA_GPU_MEMORY_LIMIT, for the toolkit's apply-cuda-memory-limits hook);"
+        " 0 = not requested. Requested, not confirmed applied",
+        ALLOCATION_LABELS,
+    )
     for a in view.allocations:
         if a.ended:  # nothing holds it: its container is gone, its files wait for cleanup
             continue
@@ -118,7 +125,8 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
             compute.add_metric(labels, g.compute_limit)
             procs.add_metric(labels, g.processes)
             region.add_metric(labels, 0 if invalid else 1)
-    yield from (used, limit, compute, procs, region)
+            driver.add_metric(labels, g.memory_limit if a.driver_limit_requested else 0)
+    yield from (used, limit, compute, procs, region, driver)
 
 
 def _gpu_families(view: NodeView) -> Iterator[GaugeMetricFamily]:

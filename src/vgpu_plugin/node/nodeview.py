@@ -18,12 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
 from vgpu_plugin.core.devices import GpuLimit, NodePlan, parse_device_id
 from vgpu_plugin.kubelet.podresources import PodRef
 from vgpu_plugin.node.state import AllocationRecord
 
 REGION_OK = "ok"
 REGION_MISSING = "missing"
+
+# What Allocate asked of the driver's own memory limit for the container (ContainerSpec's
+# ``driver_limit``: 'requested', 'off' or 'not requested: <why>'), kept in the record under
+# this key (``AllocationRecord.extra``, which round-trips fields the record class does not
+# name). What was *requested*: whether the node's toolkit applied it is not known here.
+DRIVER_LIMIT_KEY = "driver_memory_limit"
+DRIVER_LIMIT_UNKNOWN = "unknown"  # a record written before the plugin recorded it
 
 
 # --- what is read from a region (``region.RegionSnapshot`` has this shape) -------------------
@@ -111,6 +119,12 @@ class AllocationView:
     # Held by no container (the cleaner's verdict) and no live process: waiting out the
     # cleanup grace. Shown, but not counted in the GPUs' slices and limits.
     ended: bool = False
+    # The driver memory limit Allocate requested (DRIVER_LIMIT_KEY above).
+    driver_memory_limit: str = DRIVER_LIMIT_UNKNOWN
+
+    @property
+    def driver_limit_requested(self) -> bool:
+        return self.driver_memory_limit == DRIVER_LIMIT_SET
 
 
 @dataclass(frozen=True)
@@ -174,6 +188,11 @@ def _record_pod(record: AllocationRecord) -> PodRef | None:
     return PodRef(record.namespace, record.pod, record.container)
 
 
+def driver_limit_of(record: AllocationRecord) -> str:
+    value = record.extra.get(DRIVER_LIMIT_KEY)
+    return value if isinstance(value, str) and value else DRIVER_LIMIT_UNKNOWN
+
+
 def _limits(record: AllocationRecord) -> list[GpuLimit]:
     """The limit per GPU; from the device IDs when the record
     carries no limits (then both are 0: unknown)."""
@@ -223,7 +242,10 @@ def allocation_view(
         for g in limits
     )
     ended = record.released is not None and alive == 0
-    return AllocationView(record.allocation_id, pod, gpus, alive, state, record.created, ended)
+    return AllocationView(
+        record.allocation_id, pod, gpus, alive, state, record.created, ended,
+        driver_limit_of(record),
+    )  # fmt: skip
 
 
 def build_view(

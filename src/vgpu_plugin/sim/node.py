@@ -26,7 +26,7 @@ from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulat
 from vgpu_plugin.sim.process import ProcessRuntime
 from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime, Runtime
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
-from vgpu_plugin.sim.toolkit import ToolkitSettings
+from vgpu_plugin.sim.toolkit import ToolkitSettings, set_memory_limits_with
 from vgpu_plugin.sim.toolkit import apply as apply_toolkit
 
 RES = defaults.RESOURCE_NAME
@@ -237,6 +237,7 @@ class EmulatedNode:
             self.toolkit,
             [g.uuid for g in self.node.gpus()],
             admitted.cdi_devices if admitted is not None else (),
+            set_memory_limits=set_memory_limits_with(self.node.env()),
         )
 
     def run_unallocated(

@@ -16,19 +16,37 @@ The toolkit's decision, as its settings document it:
 - otherwise ``NVIDIA_VISIBLE_DEVICES`` names them, but only for a privileged container or where
   ``accept-nvidia-visible-devices-envvar-when-unprivileged = true`` (the toolkit's default);
   with it false, an unprivileged container's own env gets it nothing.
+
+It also plays the toolkit's ``apply-cuda-memory-limits`` CDI hook
+(docs/contracts.md#driver-memory-limit): when the container's envs carry both
+``NVIDIA_GPU_MEMORY_REQUEST`` and ``NVIDIA_GPU_MEMORY_LIMIT`` (whole MiB) and it gets GPUs, the
+hook calls
+``nvmlDeviceSetMemoryLimits_v1`` on each of them for the container's cgroup (request: soft
+limit, limit: hard limit, in bytes), so the driver holds the container to it. The hook is a
+process of its own, as the real one is (``python -m vgpu_plugin.sim.toolkit``, through
+simgpu's NVML). A simulated container's cgroup is ``/kubepods/vgpu-sim/<container name>``; it
+reaches the container as ``SIMGPU_CGROUP``, which simgpu takes for the process's cgroup (under
+a cgroup namespace the container's own ``/proc/self/cgroup`` says only ``/``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
-from collections.abc import Sequence
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin.core import cdi
-from vgpu_plugin.core.allocation import Mount
+from vgpu_plugin.core.allocation import MEMORY_LIMIT_ENV, MEMORY_REQUEST_ENV, Mount
 from vgpu_plugin.sim.runc import ContainerConfig
+
+MIB = 1 << 20
+CGROUP_ENV = "SIMGPU_CGROUP"
+SYSFS_CGROUP = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,9 @@ class ToolkitSettings:
     accept_envvar_when_unprivileged: bool = False
     accept_volume_mounts: bool = True
     cdi_spec_dirs: tuple[Path, ...] = ()
+    # The apply-cuda-memory-limits hook: in the toolkit's generated CDI specs wherever the
+    # toolkit has it (NVIDIA's PR #2075), with nothing to configure; False: an older toolkit.
+    apply_cuda_memory_limits: bool = True
 
 
 UNSAFE_DEFAULTS = ToolkitSettings(accept_envvar_when_unprivileged=True, accept_volume_mounts=False)
@@ -68,14 +89,38 @@ def _expand(ids: Sequence[str], physical: Sequence[str]) -> list[str]:
     return [i for i in ids if i and i not in ("none", "void")]
 
 
+SetMemoryLimits = Callable[[str, Sequence[str], int, int], None]
+"""Calls the driver for the hook: (cgroup nameSpace, GPU UUIDs, soft bytes, hard bytes)."""
+
+
+def container_cgroup(name: str) -> str:
+    """The simulated cgroup v2 path of the container ``name``."""
+    return f"/kubepods/vgpu-sim/{name}"
+
+
+def memory_limits(envs: Mapping[str, str]) -> tuple[int, int] | None:
+    """The hook's (soft, hard) bytes from the container's envs, or None when it does nothing
+    (not both set). A value that is not a whole number of MiB fails the container."""
+    request, limit = envs.get(MEMORY_REQUEST_ENV), envs.get(MEMORY_LIMIT_ENV)
+    if request is None or limit is None:
+        return None
+    try:
+        return int(request) * MIB, int(limit) * MIB
+    except ValueError as exc:
+        raise RuntimeError(f"apply-cuda-memory-limits: bad value: {exc}") from exc
+
+
 def apply(
     config: ContainerConfig,
     settings: ToolkitSettings,
     physical: Sequence[str],
     cdi_devices: Sequence[str] = (),
     privileged: bool = False,
+    set_memory_limits: SetMemoryLimits | None = None,
 ) -> ContainerConfig:
-    """The container as the runtime starts it: CDI edits applied, the GPUs decided."""
+    """The container as the runtime starts it: CDI edits applied, the GPUs decided, and the
+    memory-limit hook run where it applies (``set_memory_limits`` reaches the node's driver;
+    without one the hook has no driver to call and does nothing)."""
     envs = dict(config.envs)
     mounts = list(config.mounts)
     gpus: list[str] = []
@@ -96,4 +141,61 @@ def apply(
         gpus.extend(_expand(envs.get(cdi.VISIBLE_DEVICES_ENV, "").split(","), physical))
     decided = [g for g in dict.fromkeys(gpus) if g in physical]
     envs[cdi.VISIBLE_DEVICES_ENV] = ",".join(decided) or "void"
+    limits = memory_limits(envs)
+    if settings.apply_cuda_memory_limits and limits and decided and set_memory_limits:
+        cgroup = container_cgroup(config.name)
+        set_memory_limits(SYSFS_CGROUP + cgroup, decided, *limits)
+        envs[CGROUP_ENV] = cgroup
     return dataclasses.replace(config, envs=envs, mounts=mounts)
+
+
+def set_memory_limits_with(env: Mapping[str, str]) -> SetMemoryLimits:
+    """The hook's driver call, as a process of its own on the node of ``env`` (simgpu's)."""
+
+    def call(name_space: str, uuids: Sequence[str], soft: int, hard: int) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "vgpu_plugin.sim.toolkit", name_space, str(soft), str(hard),
+             *uuids],
+            env=dict(env), capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:  # the runtime fails the container, as on a real node
+            raise RuntimeError(f"apply-cuda-memory-limits failed: {proc.stderr.strip()}")
+
+    return call
+
+
+# --- the hook process: NVML through ctypes (any pynvml version; NVML 13.4's entry points) ----
+
+
+class _SetLimits(ctypes.Structure):
+    _fields_ = [  # nvmlSetMemoryLimits_v1_t
+        ("nameSpace", ctypes.c_char_p),
+        ("softLimit", ctypes.c_ulonglong),
+        ("hardLimit", ctypes.c_ulonglong),
+    ]
+
+
+def _hook(argv: Sequence[str]) -> int:
+    name_space, soft, hard, *uuids = argv
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    rc = nvml.nvmlInit_v2()
+    if rc != 0:
+        print(f"nvmlInit: NVML error {rc}", file=sys.stderr)
+        return 1
+    try:
+        for uuid in uuids:
+            handle = ctypes.c_void_p()
+            rc = nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle))
+            if rc == 0:
+                limits = _SetLimits(name_space.encode(), int(soft), int(hard))
+                rc = nvml.nvmlDeviceSetMemoryLimits_v1(handle, ctypes.byref(limits))
+            if rc != 0:
+                print(f"{uuid}: nvmlDeviceSetMemoryLimits_v1: NVML error {rc}", file=sys.stderr)
+                return 1
+    finally:
+        nvml.nvmlShutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_hook(sys.argv[1:]))

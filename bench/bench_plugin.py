@@ -2,24 +2,39 @@
 
 Runs the real `vgpu-plugin serve` process on simgpu, drives it with the kubelet emulator over
 its real unix socket, and prints: time from start to registered, the ListAndWatch message size,
-Allocate and GetPreferredAllocation p50/p99 over N calls each, and the plugin's RSS.
+GetPreferredAllocation and Allocate p50/p99 over N calls each with ``--records`` allocation
+records already on file (one caller, as the kubelet calls), Allocate again while two scrapers
+read the metrics endpoint in a loop, then with 8 callers at once (and the scrapers), one
+Allocate of 1,000 container requests, and the plugin's RSS at start and at the end.
 
-    VGPU_NATIVE_DIR=build/native-release python bench/bench_plugin.py [--calls 1000]
+    VGPU_NATIVE_DIR=build/native-release python bench/bench_plugin.py [--calls 1000] \
+        [--records 2000]
+
+The records on file are seeded as an ``allocations.msgpack`` (the format before the journal),
+which every version reads: the current one imports it at start.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
+
+from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.backend import list_and_watch_size
 from vgpu_plugin.node.install import install_shim
+from vgpu_plugin.node.state import AllocationRecord
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
@@ -38,52 +53,160 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def seed_records(state_dir: Path, n: int, device_ids: list[str]) -> None:
+    """``n`` records as the plugin before the journal wrote them (``allocations.msgpack``)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(3)
+    records = []
+    for i in range(n):
+        devices = tuple(rng.sample(device_ids, rng.choice([1, 2])))
+        uuid = devices[0].rsplit("-", 1)[0]
+        r = AllocationRecord(
+            f"seed-{i:06d}", devices, RES, time.time() - n + i,
+            (GpuLimit(uuid, 1024 * MIB, 0),), pod=f"pod-{i}", namespace="bench", container="main",
+        )  # fmt: skip
+        records.append(r.to_wire())
+    payload = {"format": "vgpu-plugin/allocations", "version": 1, "records": records}
+    (state_dir / "allocations.msgpack").write_bytes(msgpack.packb(payload, use_bin_type=True))
+
+
+def report(name: str, xs: list[float], target: str = " (target p99 <= 5 ms)") -> None:
+    print(f"{name}: p50 {statistics.median(xs):.2f} ms, p99 {pct(xs, 99):.2f} ms "
+          f"over {len(xs)} calls{target}")  # fmt: skip
+
+
+class Scrapers:
+    """Threads reading the metrics endpoint back to back, as Prometheus replicas would."""
+
+    def __init__(self, url: str, n: int) -> None:
+        self.url = url
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(n)]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            with urllib.request.urlopen(self.url, timeout=30) as r:
+                r.read()
+            self.times.append((time.perf_counter() - t) * 1e3)
+
+    def __enter__(self) -> Scrapers:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+def timed_calls(n: int, call: Callable[[], object]) -> list[float]:
+    out: list[float] = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--records", type=int, default=2000, help="records on file at start")
+    ap.add_argument("--scrapers", type=int, default=2)
+    ap.add_argument("--callers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1000, help="container requests in one Allocate")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
-    node = Node.create(work / "simgpu", [GpuSpec(numa_node=i // 4) for i in range(8)])
+    gpus = [GpuSpec(numa_node=i // 4) for i in range(8)]
+    node = Node.create(work / "simgpu", gpus)
     install_shim(work / "host")
     (work / "config.yaml").write_text("version: v1\nsharing: {splitCount: 32}\n")
     plugin_dir = short_tmp_dir()
-    kubelet = KubeletEmulator(plugin_dir)
+    kubelet = KubeletEmulator(plugin_dir, call_timeout=600)
     kubelet.start()
+    port = free_port()
     cmd = [sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(work / "config.yaml"),
            "--device-plugin-dir", str(plugin_dir), "--host-root", str(work / "host"),
            "--state-dir", str(work / "state"), "--lock-dir", str(work / "locks"),
-           "--metrics-address", "127.0.0.1:0", "--log-level", "warning"]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=node.env())
+           "--metrics-address", f"127.0.0.1:{port}", "--log-level", "warning"]  # fmt: skip
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        kubelet.wait_registrations(1, timeout=60)
+        if args.records:
+            # The device IDs are known only once the plugin advertises them: start it once.
+            proc = subprocess.Popen(cmd, env=node.env())
+            ids = [d.ID for d in kubelet.wait_devices(RES, lambda d: len(d) == 256, timeout=60)]
+            proc.terminate()
+            proc.wait(10)
+            kubelet.stop()
+            kubelet = KubeletEmulator(plugin_dir, call_timeout=600)
+            kubelet.start()
+            seed_records(work / "state", args.records, ids)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=node.env())
+        kubelet.wait_registrations(1, timeout=120)
         t_registered = time.perf_counter() - t0
         devices = kubelet.wait_devices(RES, lambda d: len(d) == 256, timeout=30)
         ids = [d.ID for d in devices]
+        rss_start = rss_mib(proc.pid)
         rng = random.Random(7)
-        pref: list[float] = []
-        for _ in range(args.calls):
-            available = rng.sample(ids, 128)
-            t = time.perf_counter()
-            kubelet.get_preferred_allocation(RES, available, size=rng.choice([1, 2, 4]))
-            pref.append((time.perf_counter() - t) * 1e3)
-        alloc: list[float] = []
-        for _ in range(args.calls):
-            chosen = rng.sample(ids, rng.choice([1, 2, 3]))
-            t = time.perf_counter()
-            kubelet.allocate(RES, chosen)
-            alloc.append((time.perf_counter() - t) * 1e3)
-        print(f"node: 8 simulated GPUs x 32 slices = {len(ids)} devices")
+        url = f"http://127.0.0.1:{port}/metrics"
+        pref = timed_calls(
+            args.calls,
+            lambda: kubelet.get_preferred_allocation(
+                RES, rng.sample(ids, 128), size=rng.choice([1, 2, 4])
+            ),
+        )
+
+        def one() -> object:
+            return kubelet.allocate(RES, rng.sample(ids, rng.choice([1, 2, 3])))
+
+        alloc = timed_calls(args.calls, one)
+        with Scrapers(url, args.scrapers) as scrapers:
+            scraped = timed_calls(args.calls, one)
+        scrape_times = list(scrapers.times)
+        per_caller = max(1, args.calls // args.callers)
+        concurrent: list[float] = []
+        with Scrapers(url, args.scrapers):
+            threads = [
+                threading.Thread(target=lambda: concurrent.extend(timed_calls(per_caller, one)))
+                for _ in range(args.callers)
+            ]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        t_start = time.perf_counter()
+        kubelet.allocate(RES, *[[rng.choice(ids)] for _ in range(args.batch)])
+        t_batch = time.perf_counter() - t_start
+        rss_end = rss_mib(proc.pid)
+        total = args.records + 3 * args.calls + per_caller * args.callers + args.batch
+        print(f"node: 8 simulated GPUs x 32 slices = {len(ids)} devices; "
+              f"{args.records} records on file at start")  # fmt: skip
         print(f"start to registered: {t_registered * 1e3:.0f} ms")
         print(f"ListAndWatch message: {list_and_watch_size(devices)} bytes (limit 4194304)")
-        for name, xs in (("GetPreferredAllocation", pref), ("Allocate", alloc)):
-            print(f"{name}: p50 {statistics.median(xs):.2f} ms, p99 {pct(xs, 99):.2f} ms "
-                  f"over {len(xs)} calls (target p99 <= 5 ms)")  # fmt: skip
-        print(f"plugin RSS after {2 * args.calls} calls: {rss_mib(proc.pid):.1f} MiB "
-              "(target <= 80 MB)")  # fmt: skip
+        report("GetPreferredAllocation", pref)
+        report("Allocate, one caller", alloc)
+        report(f"Allocate, one caller, {args.scrapers} scrapers", scraped)
+        report(f"Allocate, {args.callers} callers, {args.scrapers} scrapers", concurrent)
+        if scrape_times:
+            report("metrics scrape (during the one-caller run)", scrape_times, "")
+        print(f"one Allocate of {args.batch} container requests: {t_batch:.2f} s (target < 5 s)")
+        print(f"plugin RSS: {rss_start:.1f} MiB at start, {rss_end:.1f} MiB with {total} "
+              "records (target <= 80 MB, flat)")  # fmt: skip
     finally:
-        proc.terminate()
-        proc.wait(10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
         kubelet.stop()
     return 0
 

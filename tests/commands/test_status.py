@@ -26,7 +26,7 @@ from vgpu_plugin.node.nodeview import (
     build_view,
     region_path,
 )
-from vgpu_plugin.node.state import STATE_FILE_NAME, AllocationRecord, AllocationStore
+from vgpu_plugin.node.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
@@ -276,12 +276,12 @@ def test_the_kubelet_names_containers_and_counts_slices(
 def test_a_refused_state_file_is_reported_and_left_in_place(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    (state / STATE_FILE_NAME).write_bytes(b"\xc1 not msgpack")
+    (state / JOURNAL_FILE_NAME).write_bytes(b"\xc1 not a journal")
     view = collect_view(tmp_path / "host", state, tmp_path / "none.sock", nvml=False)
     assert view.allocations == ()
-    assert any("not valid msgpack" in n for n in view.notes)
-    assert (state / STATE_FILE_NAME).read_bytes() == b"\xc1 not msgpack"
-    assert [p.name for p in state.iterdir()] == [STATE_FILE_NAME]
+    assert any("not a vgpu-plugin allocations journal" in n for n in view.notes)
+    assert (state / JOURNAL_FILE_NAME).read_bytes() == b"\xc1 not a journal"
+    assert [p.name for p in state.iterdir()] == [JOURNAL_FILE_NAME]
     assert "no allocations" in render_status(view)
 
 

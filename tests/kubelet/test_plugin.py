@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,3 +295,60 @@ def test_allocate_reads_one_snapshot_across_a_reload(
     (record,) = node.store.all()
     assert record.resource_name == RES
     assert not other_root.exists()
+
+
+# Scale --------------------------------------------------------------------------------------
+
+
+def test_an_allocate_of_1000_containers_is_one_store_write_and_one_sync_per_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "host"
+    config = parse_config(f"version: v1\nsharing: {{splitCount: 4}}\nhostRoot: {root}\n")
+    store = AllocationStore(tmp_path / "state")
+    backend = VgpuBackend(gpus(), config, "node-1", {}, store, shim_version="0.1.0-abc")
+    synced: list[str] = []
+
+    def spy(real: Callable[[int], None]) -> Callable[[int], None]:
+        def sync(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        return sync
+
+    monkeypatch.setattr(os, "fsync", spy(os.fsync))
+    monkeypatch.setattr(os, "fdatasync", spy(os.fdatasync))
+    ids = [s.id for s in backend.plan.all_slices()]
+    request = pb.AllocateRequest(
+        container_requests=[
+            pb.ContainerAllocateRequest(devices_ids=[ids[i % len(ids)]]) for i in range(1000)
+        ]
+    )
+    response = backend.allocate(request)
+    aids = [c.envs["VGPU_ALLOCATION_ID"] for c in response.container_responses]
+    assert len(set(aids)) == 1000
+    assert {r.allocation_id for r in AllocationStore(tmp_path / "state").all()} == set(aids)
+    assert all((root / "limits" / aid).is_file() for aid in aids)
+    state_dir = str(tmp_path / "state")
+    assert [p for p in synced if p.startswith(state_dir)] == [f"{state_dir}/allocations.journal"]
+    assert synced.count(str(root / "limits")) == 1
+    assert synced.count(str(root / "containers")) == 1
+    # Every limits file's own content is synced before the record names it.
+    assert sum(p.startswith(f"{root}/limits/") for p in synced) == 1000
+
+
+def test_a_failed_record_write_leaves_no_files_and_no_record(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdatasync", full)
+    with pytest.raises(grpc.RpcError) as info:
+        node.kubelet.allocate(RES, [f"{A}-0"], [f"{A}-1"])
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "No space left" in (info.value.details() or "")
+    monkeypatch.undo()
+    assert node.store.all() == []
+    assert not any((node.host_root / "limits").iterdir())
+    assert not any((node.host_root / "containers").iterdir())

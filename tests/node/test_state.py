@@ -1,9 +1,13 @@
-"""Allocation records: round trip, crash safety, refusing bad files, two writer processes."""
+"""Allocation records: round trip, crash safety, refusing bad files, two writer processes,
+migration from the single-file store, readers without the lock."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,12 +19,20 @@ import msgpack
 import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
+from vgpu_plugin.node import state
 from vgpu_plugin.node.state import (
-    STATE_FILE_NAME,
+    HEADER,
+    JOURNAL_FILE_NAME,
+    LEGACY_FILE_NAME,
     AllocationRecord,
     AllocationStore,
     StateFileError,
+    check_header,
     decode,
+    frame,
+    put_entry,
+    read_records,
+    scan,
 )
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -70,56 +82,331 @@ def test_add_replaces_the_same_allocation_id(tmp_path: Path) -> None:
     assert [r.pod for r in store.all()] == ["p"]
 
 
+def journal_changes(path: Path) -> list[tuple[str, object]]:
+    data = path.read_bytes()
+    check_header(path, data)
+    found = scan(data[len(HEADER) :])
+    assert not found.damage and not found.tail
+    return found.changes
+
+
 def test_unknown_fields_from_a_newer_writer_survive(tmp_path: Path) -> None:
+    AllocationStore(tmp_path).add(record(1))
+    wire = record(2).to_wire()
+    wire["future_field"] = [1, 2]
+    with open(tmp_path / JOURNAL_FILE_NAME, "ab") as f:
+        f.write(frame(msgpack.packb(["put", wire])))
     store = AllocationStore(tmp_path)
-    store.add(record(1))
-    path = tmp_path / STATE_FILE_NAME
-    payload = msgpack.unpackb(path.read_bytes())
-    payload["records"][0]["future_field"] = [1, 2]
-    path.write_bytes(msgpack.packb(payload))
-    store.add(record(2))
-    raw = msgpack.unpackb(path.read_bytes())["records"]
-    assert raw[0]["future_field"] == [1, 2]
+    old = store.get("alloc-0002")
+    assert old is not None
+    store.add(dataclasses.replace(old, pod="p"))  # relabelled by this version
+    store._compact()  # and rewritten whole
+    (_, kept) = journal_changes(tmp_path / JOURNAL_FILE_NAME)[-1]
+    assert isinstance(kept, AllocationRecord) and kept.pod == "p"
+    assert kept.to_wire()["future_field"] == [1, 2]
 
 
-def test_a_writer_killed_mid_write_never_loses_the_old_records(tmp_path: Path) -> None:
+def test_released_survives_replacement_compaction_and_restart(tmp_path: Path) -> None:
+    store = AllocationStore(tmp_path, compact_min=4)
+    for n in range(12):
+        store.add(record(n))
+    store.add(dataclasses.replace(record(3), released=1234.5))
+    for n in range(12):
+        if n != 3:
+            assert store.remove(f"alloc-{n:04d}")
+    # 13 puts and 11 deletes for one record: compacted (once the dead outnumbered the live).
+    changes = journal_changes(tmp_path / JOURNAL_FILE_NAME)
+    assert len(changes) <= 4
+    assert changes[0] == ("put", dataclasses.replace(record(3), released=1234.5))
+    (only,) = AllocationStore(tmp_path).all()
+    assert only.allocation_id == "alloc-0003" and only.released == 1234.5
+    (read,), problem = read_records(tmp_path)
+    assert read.released == 1234.5 and problem is None
+
+
+def test_add_many_is_one_durable_write_and_all_or_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = AllocationStore(tmp_path)
-    store.add(record(1))
-    store.add(record(2))
-    ready = tmp_path / "ready"
-    # A second process starts writing record 3, then hangs inside the rename, holding the
-    # lock with its tmp file fsynced but not renamed; it is then killed with SIGKILL.
-    child = run_python(
-        """
-        import os, sys, time
-        from pathlib import Path
-        from vgpu_plugin.node import state
-        store = state.AllocationStore(sys.argv[1])
-        def hang(src, dst):
-            Path(sys.argv[2]).write_text("x")
-            time.sleep(60)
-        os.replace = hang
-        store.add(state.AllocationRecord("alloc-0003", ("d",), "nvidia.com/gpu", 1.0))
-        """,
-        str(tmp_path),
-        str(ready),
+    store.add(record(0))
+    size = (tmp_path / JOURNAL_FILE_NAME).stat().st_size
+    syncs: list[int] = []
+    real = os.fdatasync
+
+    def failing(fd: int) -> None:
+        syncs.append(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError, match="No space"):
+        store.add_many(record(n) for n in range(1, 500))
+    assert len(syncs) == 1
+    assert (tmp_path / JOURNAL_FILE_NAME).stat().st_size == size  # cut back: nothing half there
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0000"]
+
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    store.add_many(record(n) for n in range(1, 500))
+    assert len(syncs) == 2  # 499 records, one sync
+    assert len(AllocationStore(tmp_path).all()) == 500
+
+
+# --- crashes ------------------------------------------------------------------------------------
+
+# Applies random changes and reports each on stdout: "begin <change>" before, "done" once the
+# store call returned (acknowledged). Small compact_min: SIGKILLs land in compactions too.
+_WRITER = """
+import dataclasses, json, random, sys
+from vgpu_plugin.node import state
+store = state.AllocationStore(sys.argv[1], compact_min=8)
+rng = random.Random(int(sys.argv[2]))
+n = int(sys.argv[2]) * 100_000
+def say(*words):
+    print(json.dumps(words), flush=True)
+say("ready", [r.allocation_id for r in store.all()])
+while True:
+    live = [r.allocation_id for r in store.all()]
+    kind = rng.choice(["batch", "batch", "release", "remove"] if live else ["batch"])
+    if kind == "batch":
+        ids = [f"a{n + i}" for i in range(rng.choice([1, 3, 40]))]
+        n += len(ids)
+        say("begin", "put", ids)
+        store.add_many(
+            state.AllocationRecord(i, ("GPU-x-0",), "nvidia.com/gpu", 1.0, pod="p" * 300)
+            for i in ids
+        )
+    elif kind == "release":
+        aid = rng.choice(live)
+        say("begin", "release", [aid])
+        store.add(dataclasses.replace(store.get(aid), released=2.0))
+    else:
+        aid = rng.choice(live)
+        say("begin", "remove", [aid])
+        assert store.remove(aid)
+    say("done")
+"""
+
+
+def test_sigkill_at_random_points_loses_no_acknowledged_record_and_tears_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rng = random.Random(14)
+    want: dict[str, bool] = {}  # acknowledged: allocation id -> released
+    in_flight = 0  # rounds killed inside a store call
+    for round_ in range(1, 21):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(tmp_path), str(round_)],
+            env=dict(os.environ, PYTHONPATH=str(SRC)),
+            stdout=subprocess.PIPE,
+        )
+        assert writer.stdout is not None
+        kind, at_start = json.loads(writer.stdout.readline())
+        assert kind == "ready" and set(at_start) >= set(want)
+        time.sleep(rng.uniform(0.0, 0.3))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
+        pending: list[object] | None = None
+        for line in writer.stdout.read().decode().splitlines():
+            words = json.loads(line)
+            if words[0] == "begin":
+                pending = words[1:]
+                continue
+            assert words == ["done"] and pending is not None
+            op, ids = pending
+            for aid in ids:  # type: ignore[union-attr]
+                if op == "put":
+                    want[aid] = False
+                elif op == "release":
+                    want[aid] = True
+                else:
+                    del want[aid]
+            pending = None
+        writer.stdout.close()
+
+        # A reader without the lock first (it repairs nothing), then the next plugin.
+        read, problem = read_records(tmp_path)
+        assert problem is None
+        with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.state"):
+            store = AllocationStore(tmp_path)
+        assert store.quarantined == [], "a crash must never look like damage"
+        got = {r.allocation_id: r.released is not None for r in store.all()}
+        # The change in flight when the kill came may or may not have landed, whole.
+        if pending is not None:
+            in_flight += 1
+            op, ids = pending
+            for aid in ids:  # type: ignore[union-attr]
+                if op == "put" and aid in got:
+                    want[aid] = got[aid]
+                elif op == "release" and got.get(aid):
+                    want[aid] = True
+                elif op == "remove" and aid not in got:
+                    del want[aid]
+        assert got == want, f"round {round_}"
+        assert {r.allocation_id for r in read} <= set(got) | set(ids if pending else ())
+        assert all(r.pod == "p" * 300 for r in store.all())
+        store.close()
+    assert len(want) > 20 and in_flight >= 10  # the kills did land inside writes
+    assert not list(tmp_path.glob(f"{JOURNAL_FILE_NAME}.tmp-*"))
+
+
+def test_a_torn_last_entry_is_cut_off_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    AllocationStore(tmp_path).add_many([record(1), record(2)])
+    path = tmp_path / JOURNAL_FILE_NAME
+    whole = put_entry(record(3))
+    with open(path, "ab") as f:
+        f.write(whole[: len(whole) // 2])  # a writer killed mid-append
+    records, problem = read_records(tmp_path)  # as an append in progress: not there yet
+    assert [r.allocation_id for r in records] == ["alloc-0001", "alloc-0002"] and problem is None
+    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.state"):
+        store = AllocationStore(tmp_path)
+    assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
+    assert store.quarantined == []
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"dropped the last {len(whole) // 2} bytes of {path}" in line
+    store.add(record(4))  # appended after the cut, readable by everyone
+    assert [r.allocation_id for r in read_records(tmp_path)[0]] == ["alloc-0001", "alloc-0002",
+                                                                     "alloc-0004"]  # fmt: skip
+
+
+# --- damage and foreign files -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"\xc1\xc1 not a journal at all", "not a vgpu-plugin allocations journal"),
+        (b"", "not a vgpu-plugin allocations journal"),
+        (b"vgpu-plugin/allocations journal v9\n", "journal version 9"),
+    ],
+)
+def test_a_foreign_journal_is_refused_and_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
+) -> None:
+    path = tmp_path / JOURNAL_FILE_NAME
+    path.write_bytes(content)
+    assert reason in (read_records(tmp_path)[1] or "")  # readers report, and move nothing
+    assert path.read_bytes() == content
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.state"):
+        store = AllocationStore(tmp_path)
+    assert store.all() == []
+    (aside,) = store.quarantined
+    assert aside.name.startswith(f"{JOURNAL_FILE_NAME}.corrupt-")
+    assert aside.read_bytes() == content  # kept for a human, never silently dropped
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in line and str(aside) in line and reason in line
+    store.add(record(1))  # and the plugin carries on with a fresh journal
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (b"\x00" * 37, "37 bytes that are no journal entry"),
+        (frame(msgpack.packb(["put", {"x": 1}])), "malformed record"),
+        (frame(msgpack.packb(["rename", "a", "b"])), "not a journal change"),
+        (frame(msgpack.packb(["compact", 1])), "unknown change 'compact'"),
+    ],
+)
+def test_damage_between_entries_is_kept_aside_and_the_intact_entries_stay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: bytes, reason: str
+) -> None:
+    AllocationStore(tmp_path).add(record(1))
+    path = tmp_path / JOURNAL_FILE_NAME
+    with open(path, "ab") as f:
+        f.write(bad + put_entry(record(2)))
+    content = path.read_bytes()
+    records, problem = read_records(tmp_path)
+    assert [r.allocation_id for r in records] == ["alloc-0001", "alloc-0002"]
+    assert problem is not None and reason in problem and str(path) in problem
+    assert path.read_bytes() == content  # a reader repairs nothing
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.state"):
+        store = AllocationStore(tmp_path)
+    assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
+    (aside,) = store.quarantined
+    assert aside.read_bytes() == content
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert (
+        reason in line
+        and str(aside) in line
+        and f"at byte {len(HEADER) + len(put_entry(record(1)))}" in line
     )
-    try:
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            assert child.poll() is None, "writer exited early"
-            assert time.monotonic() < deadline, "writer never reached the rename"
-            time.sleep(0.01)
-        leftovers = list(tmp_path.glob(f"{STATE_FILE_NAME}.tmp-*"))
-        assert len(leftovers) == 1  # the half-done write is really there
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
+    assert len(journal_changes(path)) == 2  # rewritten without the damage
+    assert read_records(tmp_path) == (store.all(), None)
 
-    reopened = AllocationStore(tmp_path)  # the kernel released the dead writer's lock
-    assert [r.allocation_id for r in reopened.all()] == ["alloc-0001", "alloc-0002"]
-    assert not list(tmp_path.glob(f"{STATE_FILE_NAME}.tmp-*")), "stale tmp file not cleaned"
-    assert reopened.quarantined == []
+
+def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
+    AllocationStore(tmp_path)
+    code = """
+        import sys
+        from vgpu_plugin.node import state
+        store = state.AllocationStore(sys.argv[1], compact_min=4)
+        tag = sys.argv[2]
+        for i in range(40):
+            store.add(state.AllocationRecord(f"{tag}-{i}", (f"d{i}",), "nvidia.com/gpu", i))
+        for i in range(0, 40, 4):
+            assert store.remove(f"{tag}-{i}")
+        """
+    writers = [run_python(code, str(tmp_path), tag) for tag in ("a", "b", "c")]
+    for writer in writers:
+        assert writer.wait(60) == 0
+    got = {r.allocation_id for r in AllocationStore(tmp_path).all()}
+    want = {f"{t}-{i}" for t in ("a", "b", "c") for i in range(40) if i % 4}
+    assert got == want
+
+
+# --- migration from allocations.msgpack ---------------------------------------------------------
+
+
+def legacy_file(records: list[AllocationRecord], **extra: object) -> bytes:
+    wires = [r.to_wire() for r in records]
+    for w in wires:
+        w.update(extra)
+    payload = {"format": "vgpu-plugin/allocations", "version": 1, "records": wires}
+    return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def test_the_single_file_store_is_imported_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = [
+        record(1, pod="infer-0", namespace="ml", container="server"),
+        record(2, released=1_700_000_500.0),
+    ]
+    legacy = tmp_path / LEGACY_FILE_NAME
+    legacy.write_bytes(legacy_file(old, future_field=7))
+    # status or metrics from this version before the plugin restarts: the old file is read
+    assert read_records(tmp_path) == (old, None)
+    with caplog.at_level(logging.INFO, logger="vgpu_plugin.node.state"):
+        store = AllocationStore(tmp_path)
+    assert store.all() == old
+    assert store.all()[1].released == 1_700_000_500.0
+    assert store.all()[0].extra == {"future_field": 7}
+    assert not legacy.exists()
+    assert (tmp_path / f"{LEGACY_FILE_NAME}.migrated").read_bytes() == legacy_file(
+        old, future_field=7
+    )
+    assert any("imported 2 allocation records" in r.getMessage() for r in caplog.records)
+    store.remove("alloc-0001")
+    # Imported once: a restart does not bring the removed record back.
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0002"]
+    assert [r.allocation_id for r in read_records(tmp_path)[0]] == ["alloc-0002"]
+
+
+def test_records_an_older_plugin_writes_during_a_rolling_update_are_imported(
+    tmp_path: Path,
+) -> None:
+    store = AllocationStore(tmp_path)
+    store.add(record(1))
+    # The old plugin, still running, writes its (new) file again beside the journal.
+    (tmp_path / LEGACY_FILE_NAME).write_bytes(legacy_file([record(2)]))
+    assert [r.allocation_id for r in read_records(tmp_path)[0]] == ["alloc-0001", "alloc-0002"]
+    assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
+    assert (tmp_path / f"{LEGACY_FILE_NAME}.migrated").exists()
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == [
+        "alloc-0001",
+        "alloc-0002",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -140,10 +427,10 @@ def test_a_writer_killed_mid_write_never_loses_the_old_records(tmp_path: Path) -
         ),
     ],
 )
-def test_corrupt_or_foreign_file_is_refused_and_moved_aside(
+def test_a_corrupt_or_foreign_old_file_is_refused_and_moved_aside(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
 ) -> None:
-    path = tmp_path / STATE_FILE_NAME
+    path = tmp_path / LEGACY_FILE_NAME
     path.write_bytes(content)
     with pytest.raises(StateFileError, match=reason) as err:
         decode(path, content)
@@ -153,30 +440,39 @@ def test_corrupt_or_foreign_file_is_refused_and_moved_aside(
         store = AllocationStore(tmp_path)
     assert store.all() == []
     (aside,) = store.quarantined
-    assert aside.name.startswith(f"{STATE_FILE_NAME}.corrupt-")
+    assert aside.name.startswith(f"{LEGACY_FILE_NAME}.corrupt-")
     assert aside.read_bytes() == content  # kept for a human, never silently dropped
     (line,) = [r.getMessage() for r in caplog.records]
     assert str(path) in line and str(aside) in line and reason in line
-
-    store.add(record(1))  # and the plugin carries on with a fresh file
+    store.add(record(1))
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]
 
 
-def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
-    AllocationStore(tmp_path)
-    code = """
-        import sys
-        from vgpu_plugin.node import state
-        store = state.AllocationStore(sys.argv[1])
-        tag = sys.argv[2]
-        for i in range(40):
-            store.add(state.AllocationRecord(f"{tag}-{i}", (f"d{i}",), "nvidia.com/gpu", i))
-        for i in range(0, 40, 4):
-            assert store.remove(f"{tag}-{i}")
-        """
-    writers = [run_python(code, str(tmp_path), tag) for tag in ("a", "b", "c")]
-    for writer in writers:
-        assert writer.wait(60) == 0
-    got = {r.allocation_id for r in AllocationStore(tmp_path).all()}
-    want = {f"{t}-{i}" for t in ("a", "b", "c") for i in range(40) if i % 4}
-    assert got == want
+# --- readers without the lock -------------------------------------------------------------------
+
+
+def test_a_reader_decodes_only_what_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AllocationStore(tmp_path, compact_min=4)
+    store.add_many(record(n) for n in range(200))
+    scanned: list[int] = []
+    real_scan = state.scan
+
+    def counting(buf: bytes, base: int = 0) -> state.Scan:
+        scanned.append(len(buf))
+        return real_scan(buf, base)
+
+    monkeypatch.setattr(state, "scan", counting)
+    first, _ = read_records(tmp_path)
+    assert len(first) == 200 and len(scanned) == 1
+    for _ in range(5):  # scrapes while nothing changes: no decoding at all
+        assert read_records(tmp_path) == (first, None)
+    assert len(scanned) == 1
+    store.add(record(200))
+    again, _ = read_records(tmp_path)
+    assert len(again) == 201 and scanned[-1] == len(put_entry(record(200)))
+    for n in range(195):  # enough dead entries to compact: a new file, read whole
+        store.remove(f"alloc-{n:04d}")
+    after, problem = read_records(tmp_path)
+    assert after == store.all() and len(after) == 6 and problem is None

@@ -21,9 +21,10 @@ def tmp_pattern(path: Path) -> str:
     return f"{path.name}{TMP_MARK}*"
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_atomically(path: Path, data: bytes, mode: int = 0o600, sync_dir: bool = True) -> None:
     """Replace ``path`` with a new file holding ``data`` with permissions ``mode``: tmp file in
-    the same dir, fsync, rename, fsync of the dir (the rename is durable only then)."""
+    the same dir, fsync, rename, fsync of the dir (the rename is durable only then). With
+    ``sync_dir`` False the caller fsyncs the dir itself (``fsync_dir``), once for many files."""
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -37,7 +38,13 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the renames and creations done in ``directory`` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -20,11 +20,14 @@ def spec_path(spec_dir: str | Path, allocation_id: str) -> Path:
     return Path(spec_dir) / cdi.spec_file_name(allocation_id)
 
 
-def write_spec(spec_dir: str | Path, allocation_id: str, spec: dict[str, Any]) -> Path:
-    """Write the allocation's spec (mode 0644: the runtime reads it); creates the dir."""
+def write_spec(
+    spec_dir: str | Path, allocation_id: str, spec: dict[str, Any], sync_dir: bool = True
+) -> Path:
+    """Write the allocation's spec (mode 0644: the runtime reads it); creates the dir. With
+    ``sync_dir`` False the caller fsyncs the dir (once for many specs)."""
     path = spec_path(spec_dir, allocation_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, (json.dumps(spec, indent=1) + "\n").encode(), 0o644)
+    write_atomically(path, (json.dumps(spec, indent=1) + "\n").encode(), 0o644, sync_dir)
     return path
 
 

@@ -1,11 +1,29 @@
 """Allocation records, persisted in the state dir so a restarted plugin knows what it handed out.
 
-One msgpack file (``allocations.msgpack``) holds every record. Every change is a
-read-modify-write under an exclusive file lock (``allocations.lock``), so two plugin processes
-(a rolling DaemonSet update) cannot lose each other's records, and every write is atomic (tmp
-file + fsync + rename + fsync of the dir), so a crash leaves either the old or the new file.
-A file that is not ours or cannot be decoded is never silently dropped: it is moved aside to
-``<file>.corrupt-<unix time>`` and logged, and the store starts empty.
+The records live in an append-only journal, ``allocations.journal``: a header line, then one
+entry per change (a record stored or replaced, or one dropped), each framed as a mark, its
+length and a CRC-32 of both, then the msgpack payload. A change costs one append and one
+``fdatasync`` whatever the number of records (``add_many`` writes a whole Allocate's records in
+one), and a write is acknowledged only once it is synced. When the journal holds more dead
+entries than live records (and at least ``compact_min``), it is rewritten with the live records
+only (tmp file, fsync, rename, fsync of the dir); Allocate's writes never compact.
+
+Crashes: a writer killed mid-append leaves an incomplete entry at the end, never acknowledged;
+the next writer (under the lock) truncates it and logs it. Bytes that do not frame an entry
+*followed* by entries that do are damage, not an unfinished write: the whole journal is copied
+aside to ``allocations.journal.corrupt-<unix time>``, the error is logged, and the journal is
+rewritten from the entries that are intact. A journal that is not ours (no header) is moved
+aside the same way and the store starts empty. Nothing is silently dropped.
+
+Every change happens under an exclusive file lock (``allocations.lock``), after catching up
+with what other processes appended, so two plugin processes (a rolling DaemonSet update) never
+lose each other's records. Readers without the lock (``read_records``: status, metrics) read
+only what was appended since their last look, and nothing when the journal did not change.
+
+The store before the journal kept every record in ``allocations.msgpack``, rewritten whole on
+every change. When that file is found (at start, or written by an older plugin during a
+rolling update) its records are imported into the journal and it is renamed
+``allocations.msgpack.migrated``.
 """
 
 from __future__ import annotations
@@ -13,9 +31,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import struct
 import threading
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,20 +46,32 @@ import msgpack
 
 from vgpu_plugin.core import defaults
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.node.atomicfile import tmp_pattern, write_atomically
+from vgpu_plugin.node.atomicfile import fsync_dir, tmp_pattern, write_atomically
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path(defaults.STATE_DIR)
-STATE_FILE_NAME = "allocations.msgpack"
+JOURNAL_FILE_NAME = "allocations.journal"
 LOCK_FILE_NAME = "allocations.lock"
-# Marks the file as ours; a file without it is foreign and is refused.
+# The store before the journal: imported at start, then renamed with MIGRATED_SUFFIX.
+LEGACY_FILE_NAME = "allocations.msgpack"
+MIGRATED_SUFFIX = ".migrated"
+# Marks the legacy file as ours; a file without it is foreign and is refused.
 FORMAT_NAME = "vgpu-plugin/allocations"
 FORMAT_VERSION = 1
 
+HEADER_PREFIX = b"vgpu-plugin/allocations journal v"
+JOURNAL_VERSION = 1
+HEADER = HEADER_PREFIX + f"{JOURNAL_VERSION}\n".encode()
+ENTRY_MARK = b"\xd8\x1fVR"
+# mark, payload length, CRC-32 of the length's four bytes and the payload.
+_FRAME = struct.Struct("<4sII")
+MAX_ENTRY = 1 << 20
+PUT, DELETE = "put", "del"
+
 
 class StateFileError(Exception):
-    """The state file is corrupt, foreign or of an unknown version."""
+    """A state file is corrupt, foreign or of an unknown version."""
 
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"state file {path}: {reason}")
@@ -140,31 +173,133 @@ def _optional_float(value: Any, name: str) -> float | None:
     return None if value is None else float(_typed(value, (int, float), name))
 
 
-def pack_record(record: AllocationRecord) -> bytes:
-    data: bytes = msgpack.packb(record.to_wire(), use_bin_type=True)
-    return data
+def _sorted(records: Iterable[AllocationRecord]) -> list[AllocationRecord]:
+    return sorted(records, key=lambda r: (r.created, r.allocation_id))
 
 
-def encode(records: dict[str, AllocationRecord], packed: dict[str, bytes] | None = None) -> bytes:
-    """The file's bytes. ``packed`` holds records already encoded (by allocation id), so a
-    change re-encodes only what changed: Allocate must not cost O(records) of Python work."""
-    packer = msgpack.Packer(use_bin_type=True)
-    head = [
-        packer.pack_map_header(3),
-        packer.pack("format"),
-        packer.pack(FORMAT_NAME),
-        packer.pack("version"),
-        packer.pack(FORMAT_VERSION),
-        packer.pack("records"),
-        packer.pack_array_header(len(records)),
-    ]
-    cache = packed if packed is not None else {}
-    body = [cache.get(k) or pack_record(r) for k, r in records.items()]
-    return b"".join(head + body)
+# --- the journal's bytes ------------------------------------------------------------------
+
+
+def frame(payload: bytes) -> bytes:
+    """One journal entry holding ``payload``."""
+    size = struct.pack("<I", len(payload))
+    return _FRAME.pack(ENTRY_MARK, len(payload), zlib.crc32(size + payload)) + payload
+
+
+def put_entry(record: AllocationRecord) -> bytes:
+    return frame(msgpack.packb([PUT, record.to_wire()], use_bin_type=True))
+
+
+def delete_entry(allocation_id: str) -> bytes:
+    return frame(msgpack.packb([DELETE, allocation_id], use_bin_type=True))
+
+
+Change = tuple[str, AllocationRecord | str]
+
+
+@dataclass
+class Scan:
+    """What ``scan`` found in a stretch of journal."""
+
+    changes: list[Change] = field(default_factory=list)
+    entries: int = 0
+    # Where reading stopped: the end of the last whole entry, before any unfinished one.
+    end: int = 0
+    # Bytes after ``end`` that do not (yet) frame an entry: an append in progress or torn.
+    tail: int = 0
+    # Damage: (offset, why) of each stretch that is not an entry although entries follow it,
+    # or of an entry whose content is not a record.
+    damage: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _entry_at(buf: bytes | memoryview, pos: int) -> int:
+    """The length of the whole entry framed at ``pos`` (0: none there, or not whole yet)."""
+    if len(buf) - pos < _FRAME.size:
+        return 0
+    mark, length, crc = _FRAME.unpack_from(buf, pos)
+    length = int(length)
+    start, stop = pos + _FRAME.size, pos + _FRAME.size + length
+    if mark != ENTRY_MARK or not 0 < length <= MAX_ENTRY or stop > len(buf):
+        return 0
+    if zlib.crc32(buf[start:stop], zlib.crc32(buf[pos + 4 : pos + 8])) != crc:
+        return 0
+    return _FRAME.size + length
+
+
+def _next_entry(buf: bytes, pos: int) -> int | None:
+    """The offset of the next whole entry after ``pos``, if any."""
+    at = buf.find(ENTRY_MARK, pos + 1)
+    while at >= 0:
+        if _entry_at(buf, at):
+            return at
+        at = buf.find(ENTRY_MARK, at + 1)
+    return None
+
+
+def _decode_change(payload: bytes | memoryview) -> Change:
+    """One entry's payload as (PUT, record) or (DELETE, id); ValueError when it is neither."""
+    try:
+        op, arg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as err:  # msgpack raises several unrelated types on garbage
+        raise ValueError(f"not a journal change ({err})") from err
+    if op == PUT:
+        return PUT, AllocationRecord.from_wire(arg)
+    if op == DELETE and isinstance(arg, str):
+        return DELETE, arg
+    raise ValueError(f"unknown change {op!r}")
+
+
+def scan(buf: bytes, base: int = 0) -> Scan:
+    """Every change in ``buf`` (journal bytes starting at file offset ``base``)."""
+    out = Scan()
+    view = memoryview(buf)
+    pos = 0
+    while pos < len(buf):
+        size = _entry_at(view, pos)
+        if not size:
+            nxt = _next_entry(buf, pos)
+            if nxt is None:  # the end: an append in progress, or one a crash cut short
+                out.tail = len(buf) - pos
+                break
+            out.damage.append((base + pos, f"{nxt - pos} bytes that are no journal entry"))
+            pos = nxt
+            continue
+        out.entries += 1
+        try:
+            out.changes.append(_decode_change(view[pos + _FRAME.size : pos + size]))
+        except ValueError as err:
+            out.damage.append((base + pos, str(err)))
+        pos += size
+    out.end = base + pos
+    return out
+
+
+def check_header(path: Path, head: bytes) -> None:
+    """Raises StateFileError unless ``head`` (the file's first bytes) is our header."""
+    if head.startswith(HEADER_PREFIX) and b"\n" in head:
+        version = head[len(HEADER_PREFIX) : head.index(b"\n")].decode(errors="replace")
+        if version != str(JOURNAL_VERSION):
+            raise StateFileError(path, f"journal version {version}, this plugin reads 1")
+    if not head.startswith(HEADER):
+        raise StateFileError(path, "not a vgpu-plugin allocations journal (no header)")
+
+
+def apply(records: dict[str, AllocationRecord], changes: Iterable[Change]) -> None:
+    for op, arg in changes:
+        if op == PUT:
+            assert isinstance(arg, AllocationRecord)
+            records[arg.allocation_id] = arg
+        else:
+            assert isinstance(arg, str)
+            records.pop(arg, None)
+
+
+# --- the file before the journal ----------------------------------------------------------
 
 
 def decode(path: Path, data: bytes) -> dict[str, AllocationRecord]:
-    """Decodes the file's bytes; raises StateFileError (naming ``path``) on anything odd."""
+    """Decodes an ``allocations.msgpack``; raises StateFileError (naming ``path``) on anything
+    odd."""
     try:
         payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as err:  # msgpack raises several unrelated types on garbage
@@ -188,115 +323,385 @@ def decode(path: Path, data: bytes) -> dict[str, AllocationRecord]:
     return records
 
 
+def _aside(path: Path, suffix: str) -> Path:
+    """A free name beside ``path`` for keeping it: ``<name><suffix>``, numbered if taken."""
+    aside = path.with_name(f"{path.name}{suffix}")
+    n = 0
+    while os.path.lexists(aside):  # two in one second must not overwrite each other
+        n += 1
+        aside = path.with_name(f"{path.name}{suffix}-{n}")
+    return aside
+
+
+# --- the store ----------------------------------------------------------------------------
+
+
 class AllocationStore:
     """The allocation records of this node, shared safely by every plugin process."""
 
-    def __init__(self, state_dir: Path | str = DEFAULT_STATE_DIR, lock_timeout: float = 10.0):
+    def __init__(
+        self,
+        state_dir: Path | str = DEFAULT_STATE_DIR,
+        lock_timeout: float = 10.0,
+        compact_min: int = 1024,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.state_dir / STATE_FILE_NAME
+        self.path = self.state_dir / JOURNAL_FILE_NAME
+        self.legacy_path = self.state_dir / LEGACY_FILE_NAME
+        self.compact_min = compact_min
         self._flock = filelock.FileLock(self.state_dir / LOCK_FILE_NAME, timeout=lock_timeout)
         # flock is per open file; this keeps our own threads from racing on one FileLock.
         self._mutex = threading.RLock()
-        # Where a refused file was moved, if one was; for status output and tests.
+        # Where refused or damaged files were kept, if any; for status output and tests.
         self.quarantined: list[Path] = []
-        # The last bytes read or written and what they decode to: a read that finds the same
-        # bytes skips decoding. Compared by content, so another process's write is never missed.
-        self._seen_bytes: bytes | None = None
-        self._seen_records: dict[str, AllocationRecord] = {}
-        self._packed: dict[str, bytes] = {}
-        with self._locked():
+        # The journal as far as read: its fd (kept open, so its inode is never reused while
+        # we compare by it), inode, the offset read up to and the entries in it.
+        self._fd: int | None = None
+        self._ino = 0
+        self._offset = 0
+        self._entries = 0
+        self._records: dict[str, AllocationRecord] = {}
+        self._sorted: list[AllocationRecord] | None = None
+        with self._mutex, self._flock:
             self._remove_stale_tmp()
-            self._load()
+            self._sync()
+
+    # --- the API ----------------------------------------------------------------------------
 
     def add(self, record: AllocationRecord) -> None:
         """Stores ``record``, replacing any record with the same allocation id."""
         with self._locked():
-            records = self._load()
-            records[record.allocation_id] = record
-            self._packed[record.allocation_id] = pack_record(record)
-            self._write(records)
+            replaced = record.allocation_id in self._records
+            self._add_many([record])
+            if replaced:
+                self._maybe_compact()
+
+    def add_many(self, records: Iterable[AllocationRecord]) -> None:
+        """Stores ``records`` (replacing those with the same ids) in one durable write: when this
+        returns all of them are on disk; when it raises, none was acknowledged."""
+        with self._locked():
+            self._add_many(list(records))
 
     def remove(self, allocation_id: str) -> bool:
         """Drops a record; returns whether it existed."""
         with self._locked():
-            records = self._load()
-            if records.pop(allocation_id, None) is None:
+            if allocation_id not in self._records:
                 return False
-            self._write(records)
+            self._append([delete_entry(allocation_id)])
+            del self._records[allocation_id]
+            self._sorted = None
+            self._maybe_compact()
             return True
 
     def get(self, allocation_id: str) -> AllocationRecord | None:
         with self._locked():
-            return self._load().get(allocation_id)
+            return self._records.get(allocation_id)
 
     def all(self) -> list[AllocationRecord]:
         """Every record, oldest first."""
         with self._locked():
-            return sorted(self._load().values(), key=lambda r: (r.created, r.allocation_id))
+            if self._sorted is None:
+                self._sorted = _sorted(self._records.values())
+            return list(self._sorted)
+
+    def close(self) -> None:
+        with self._mutex:
+            self._close_fd()
+
+    # --- under the lock -----------------------------------------------------------------
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """Holds the lock, caught up with every change any process has made."""
         with self._mutex, self._flock:
+            self._sync()
             yield
 
-    def _write(self, records: dict[str, AllocationRecord]) -> None:
-        self._packed = {k: v for k, v in self._packed.items() if k in records}
-        data = encode(records, self._packed)
-        write_atomically(self.path, data)
-        self._seen_bytes, self._seen_records = data, dict(records)
+    def _add_many(self, records: list[AllocationRecord]) -> None:
+        if not records:
+            return
+        self._append([put_entry(r) for r in records])
+        for r in records:
+            self._records[r.allocation_id] = r
+        self._sorted = None
 
-    def _load(self) -> dict[str, AllocationRecord]:
-        """Reads the file (caller holds the lock); a bad file is quarantined, not fatal."""
+    def _append(self, entries: list[bytes]) -> None:
+        """Appends and syncs ``entries``; on failure the journal is cut back to where it was."""
+        assert self._fd is not None
+        data = b"".join(entries)
         try:
-            data = self.path.read_bytes()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fdatasync(self._fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._offset)
+            raise
+        self._offset += len(data)
+        self._entries += len(entries)
+
+    def _sync(self) -> None:
+        """Catch up with the journal and import a legacy file (caller holds the lock)."""
+        try:
+            st = os.stat(self.path)
         except FileNotFoundError:
-            return {}
-        if data == self._seen_bytes:
-            return dict(self._seen_records)
+            st = None
+        if st is None or self._fd is None or st.st_ino != self._ino or st.st_size < self._offset:
+            self._reload()
+        elif st.st_size > self._offset:
+            self._read_on(reload=False)
+        if os.path.lexists(self.legacy_path):
+            self._import_legacy()
+
+    def _reload(self) -> None:
+        """Read the journal from the start (another process rewrote it, or at start)."""
+        self._close_fd()
+        self._records, self._sorted = {}, None
+        self._offset = self._entries = 0
         try:
-            records = decode(self.path, data)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._create([])
+            return
+        self._fd, self._ino = fd, os.fstat(fd).st_ino
+        head = os.pread(fd, len(HEADER) + 16, 0)
+        try:
+            check_header(self.path, head)
         except StateFileError as err:
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            n = 0
-            while aside.exists():  # two refusals in one second must not overwrite each other
-                n += 1
-                aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{n}")
+            self._close_fd()
+            aside = _aside(self.path, f".corrupt-{int(time.time())}")
             os.replace(self.path, aside)
+            self._refused(err.reason, aside, "starting with no allocation records")
+            self._create([])
+            return
+        self._offset = len(HEADER)
+        self._read_on(reload=True)
+
+    def _read_on(self, reload: bool) -> None:
+        """Apply what was appended since ``_offset``; repair what a crash or damage left."""
+        assert self._fd is not None
+        size = os.fstat(self._fd).st_size
+        found = scan(os.pread(self._fd, size - self._offset, self._offset), self._offset)
+        apply(self._records, found.changes)
+        self._sorted = None
+        self._entries += found.entries
+        self._offset = found.end
+        if found.damage:
+            aside = _aside(self.path, f".corrupt-{int(time.time())}")
+            shutil.copyfile(self.path, aside)
+            where = "; ".join(f"at byte {at}: {why}" for at, why in found.damage)
+            self._refused(where, aside, "keeping every intact entry")
+            self._compact()
+        elif found.tail:
+            # We hold the lock, so no append is in progress: a writer died mid-append, before
+            # its write was acknowledged.
+            os.ftruncate(self._fd, self._offset)
+            os.fsync(self._fd)
+            log.warning(
+                "dropped the last %d bytes of %s: an unacknowledged append a crash cut short",
+                found.tail,
+                self.path,
+                extra={"state_file": str(self.path)},
+            )
+        if reload:
+            self._maybe_compact()
+
+    def _refused(self, reason: str, aside: Path, outcome: str) -> None:
+        self.quarantined.append(aside)
+        log.error(
+            "refused %s (%s); kept it as %s and %s",
+            self.path,
+            reason,
+            aside,
+            outcome,
+            extra={"state_file": str(self.path), "moved_to": str(aside)},
+        )
+
+    def _create(self, records: Iterable[AllocationRecord]) -> None:
+        """Replace the journal with one holding ``records`` only, atomically, and open it."""
+        records = list(records)
+        data = b"".join([HEADER, *(put_entry(r) for r in records)])
+        write_atomically(self.path, data)
+        self._close_fd()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        self._ino = os.fstat(self._fd).st_ino
+        self._offset, self._entries = len(data), len(records)
+        self._records = {r.allocation_id: r for r in records}
+        self._sorted = None
+
+    def _maybe_compact(self) -> None:
+        if self._entries - len(self._records) > max(self.compact_min, len(self._records)):
+            self._compact()
+
+    def _compact(self) -> None:
+        before = self._entries
+        self._create(_sorted(self._records.values()))
+        log.info(
+            "compacted %s: %d entries -> %d records",
+            self.path,
+            before,
+            len(self._records),
+            extra={"state_file": str(self.path)},
+        )
+
+    def _import_legacy(self) -> None:
+        """Move the records of an ``allocations.msgpack`` into the journal (migration)."""
+        path = self.legacy_path
+        try:
+            records = decode(path, path.read_bytes())
+        except FileNotFoundError:
+            return
+        except StateFileError as err:
+            aside = _aside(path, f".corrupt-{int(time.time())}")
+            os.replace(path, aside)
             self.quarantined.append(aside)
             log.error(
-                "refused %s (%s); moved it to %s and starting with no allocation records",
-                self.path,
+                "refused %s (%s); moved it to %s: its allocation records are not imported",
+                path,
                 err.reason,
                 aside,
-                extra={"state_file": str(self.path), "moved_to": str(aside)},
+                extra={"state_file": str(path), "moved_to": str(aside)},
             )
-            return {}
-        self._seen_bytes, self._seen_records = data, dict(records)
-        self._packed = {k: pack_record(r) for k, r in records.items()}
-        return records
+            return
+        self._add_many(list(records.values()))
+        aside = _aside(path, MIGRATED_SUFFIX)
+        os.replace(path, aside)
+        fsync_dir(self.state_dir)
+        log.info(
+            "imported %d allocation records from %s into %s; the old file is kept as %s",
+            len(records),
+            path,
+            self.path,
+            aside,
+            extra={"state_file": str(self.path), "moved_to": str(aside)},
+        )
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _remove_stale_tmp(self) -> None:
         # Writers hold the lock while their tmp file exists, so under the lock any tmp file
         # is left over from a crash and safe to delete.
-        for tmp in self.state_dir.glob(tmp_pattern(self.path)):
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-                log.info("removed %s, left by a writer that died mid-write", tmp)
+        for name in (self.path, self.legacy_path):
+            for tmp in self.state_dir.glob(tmp_pattern(name)):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                    log.info("removed %s, left by a writer that died mid-write", tmp)
+
+
+# --- readers without the lock ---------------------------------------------------------------
+
+
+class JournalReader:
+    """The records of one state dir for a reader that takes no lock and repairs nothing
+    (status, metrics): each ``read`` costs one ``stat`` when nothing changed, and decodes only
+    what was appended since the last one."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir) / JOURNAL_FILE_NAME
+        self.legacy_path = Path(state_dir) / LEGACY_FILE_NAME
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._ino = 0
+        self._offset = 0
+        self._records: dict[str, AllocationRecord] = {}
+        self._problem: str | None = None
+        self._legacy_key: tuple[int, int, int] | None = None
+        self._legacy: dict[str, AllocationRecord] = {}
+        self._legacy_problem: str | None = None
+        self._sorted: list[AllocationRecord] | None = None
+
+    def read(self) -> tuple[list[AllocationRecord], str | None]:
+        with self._lock:
+            try:
+                self._read_journal()
+                self._read_legacy()
+            except OSError as exc:
+                self._close()
+                return [], f"cannot read allocation records: {exc}"
+            if self._sorted is None:
+                self._sorted = _sorted({**self._records, **self._legacy}.values())
+            return list(self._sorted), self._problem or self._legacy_problem
+
+    def _read_journal(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if self._fd is not None or self._records or self._problem:
+                self._close()
+                self._records, self._problem, self._sorted = {}, None, None
+            return
+        if self._fd is None or st.st_ino != self._ino or st.st_size < self._offset:
+            self._close()
+            self._records, self._problem, self._sorted = {}, None, None
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._ino = os.fstat(self._fd).st_ino
+            self._offset = 0
+            try:
+                check_header(self.path, os.pread(self._fd, len(HEADER) + 16, 0))
+            except StateFileError as err:
+                self._problem = str(err)
+                self._offset = os.fstat(self._fd).st_size + 1  # nothing more to read here
+                return
+            self._offset = len(HEADER)
+        size = os.fstat(self._fd).st_size
+        if self._problem is not None or size <= self._offset:
+            return
+        found = scan(os.pread(self._fd, size - self._offset, self._offset), self._offset)
+        apply(self._records, found.changes)
+        self._offset = found.end
+        self._sorted = None
+        if found.damage:
+            at, why = found.damage[0]
+            self._problem = (
+                f"state file {self.path}: damaged at byte {at} ({why}); the plugin keeps a copy "
+                "and the intact entries"
+            )
+
+    def _read_legacy(self) -> None:
+        """An ``allocations.msgpack`` the plugin has not imported yet (an older plugin runs)."""
+        try:
+            st = os.stat(self.legacy_path)
+        except FileNotFoundError:
+            if self._legacy_key is not None:
+                self._legacy_key, self._legacy, self._legacy_problem = None, {}, None
+                self._sorted = None
+            return
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key == self._legacy_key:
+            return
+        self._legacy_key, self._sorted = key, None
+        try:
+            self._legacy = decode(self.legacy_path, self.legacy_path.read_bytes())
+            self._legacy_problem = None
+        except FileNotFoundError:
+            self._legacy_key, self._legacy, self._legacy_problem = None, {}, None
+        except StateFileError as exc:
+            self._legacy, self._legacy_problem = {}, str(exc)
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._ino = self._offset = 0
+
+
+_readers: dict[Path, JournalReader] = {}
+_readers_lock = threading.Lock()
 
 
 def read_records(state_dir: Path) -> tuple[list[AllocationRecord], str | None]:
-    """The plugin's records, read without its lock (its writes are atomic renames) and without
-    its repairs (a refused file is reported, not moved aside: that is the plugin's call)."""
-    path = Path(state_dir) / STATE_FILE_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], None
-    except OSError as exc:
-        return [], f"cannot read allocation records: {exc}"
-    try:
-        records = decode(path, data)
-    except StateFileError as exc:
-        return [], str(exc)
-    return sorted(records.values(), key=lambda r: (r.created, r.allocation_id)), None
+    """The plugin's records, oldest first, and a problem to report (None: none), read without
+    its lock (appends are framed and checksummed, rewrites are atomic renames) and without its
+    repairs (a damaged file is reported, never moved: that is the plugin's call). Cached per
+    state dir: a call when nothing changed costs a ``stat``."""
+    key = Path(state_dir).absolute()
+    with _readers_lock:
+        reader = _readers.get(key)
+        if reader is None:
+            reader = _readers[key] = JournalReader(key)
+    return reader.read()

@@ -203,11 +203,7 @@ static int measure_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
 
 /* --- creation and destruction hooks ---------------------------------------------------------- */
 
-#define NEED(fn)                                                                               \
-    do {                                                                                       \
-        vgpu_ensure();                                                                         \
-        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
-    } while (0)
+#define NEED VGPU_NEED
 
 /* The device a new context goes on: NULL to create it unmeasured. *refuse: fail closed. */
 static struct vgpu_dev *creating_on(CUdevice dev, int *refuse) {

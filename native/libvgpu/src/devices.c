@@ -243,16 +243,27 @@ struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid) {
 
 /* --- charging ------------------------------------------------------------------------------ */
 
-CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
-    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d->accounted) return CUDA_SUCCESS;
-    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
-    if (LIKELY(rc == VGPU_REGION_OK)) return CUDA_SUCCESS;
+/* Refused: before saying so, what this process's pools keep cached goes back to the GPU (and
+ * its charge to the container), then the reservation is tried once more. */
+static CUresult __attribute__((noinline)) charge_denied(struct vgpu_dev *d, uint64_t bytes, int rc) {
+    if (rc == VGPU_REGION_DENIED && vgpu_pools_trim(d) > 0 &&
+        vgpu_region_reserve(vgpu.region, d->rdev, bytes) == VGPU_REGION_OK)
+        return CUDA_SUCCESS;
     VLOG(VGPU_LOG_INFO, "allocation of %llu bytes on GPU %s refused: %llu of %llu bytes in use",
          (unsigned long long)bytes, d->uuid, (unsigned long long)vgpu_used(d),
          (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
+
+CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
+    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!d->accounted) return CUDA_SUCCESS;
+    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    if (LIKELY(rc == VGPU_REGION_OK)) return CUDA_SUCCESS;
+    return charge_denied(d, bytes, rc);
+}
+
+void vgpu_note_fallback(struct vgpu_dev *d) { (void)d; }
 
 void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
     if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);

@@ -93,15 +93,21 @@ static void erase(struct stripe *s, uint32_t i) {
 }
 
 static void release(const struct vgpu_rec *r) {
+    if (r->kind == VGPU_OBJ_POOLPTR) { /* the pool holds the charge */
+        vgpu_pool_freed(r);
+        return;
+    }
     struct vgpu_dev *d = vgpu_dev(r->ordinal);
     if (d) vgpu_uncharge(d, r->bytes);
 }
 
-int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+int vgpu_tab_put_rec(const struct vgpu_rec *in) {
+    int kind = in->kind;
+    uint64_t key = in->key;
     uint64_t h = hash(kind, key);
     struct stripe *s = stripe_of(h);
-    struct vgpu_rec rec = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
-                           .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    struct vgpu_rec rec = *in;
+    rec.used = 1;
     struct vgpu_rec stale = {0};
     stripe_lock(s);
     long at = find(s, kind, key, h);

@@ -37,17 +37,6 @@ void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...) {
     va_end(ap);
 }
 
-void vgpu_region_warn(const char *fmt, ...) {
-    const char *level = getenv("LIBVGPU_LOG_LEVEL");
-    if (level && strcmp(level, "error") == 0) return;
-    char line[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(line, sizeof line, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "[vgpu] region: %s\n", line);
-}
-
 uint64_t vgpu_proc_start_time(void) {
     char buf[1024];
     int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "log.h"
 #include "vgpu/region.h"
 
 #define VGPU_EXPORT __attribute__((visibility("default")))
@@ -45,8 +46,8 @@ struct vgpu_region {
 /* printf into err (may be NULL or 0 long). */
 void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* A "[vgpu] region: ..." warning on stderr unless LIBVGPU_LOG_LEVEL=error. */
-void vgpu_region_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* A "[vgpu] warn: region: ..." line through the shim's one logger (log.h). */
+#define vgpu_region_warn(...) VGPU_LOGF(VGPU_LOG_WARN, "region: " __VA_ARGS__)
 
 /* Open the region file at `path` without following a symlink or blocking (the directory is
  * the tenant's), and refuse anything but a regular file of at least a region's size.

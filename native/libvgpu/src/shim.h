@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "log.h"
 #include "vgpu/region.h"
 
 #define VGPU_API __attribute__((visibility("default")))
@@ -56,7 +57,8 @@
     R(cuDevicePrimaryCtxGetState) R(cuEventCreate) R(cuEventDestroy_v2) R(cuEventRecord)       \
     R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
     R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
-    R(cuCtxPopCurrent_v2)
+    R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
+    R(cuStreamSynchronize) R(cuStreamSynchronize_ptsz)
 
 #define VGPU_NVML_HOOKS(H) H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)
 
@@ -177,14 +179,21 @@ VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
 /* The real dlsym (dlsym.c), resolved on first use. */
 VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
 
-/* log.c */
-enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 1, VGPU_LOG_INFO = 2, VGPU_LOG_DEBUG = 3 };
-VGPU_HIDDEN int vgpu_log_level_from_env(void);
-VGPU_HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* log.c (log.h): the hooks test the level cached in vgpu.log_level, set with the limits. */
 #define VLOG(level, ...)                                                                       \
     do {                                                                                       \
         if (UNLIKELY((level) <= vgpu.log_level)) vgpu_log((level), __VA_ARGS__);               \
     } while (0)
+
+#define VGPU_NEED(fn)                                                                          \
+    do {                                                                                       \
+        vgpu_ensure();                                                                         \
+        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
+    } while (0)
+
+/* No device for the call: without a context (ctx NULL) the driver answers, and refuses too;
+ * a context whose device the shim cannot resolve is refused while limits are in force. */
+#define UNRESOLVED(ctx, call) ((ctx) ? CUDA_ERROR_OUT_OF_MEMORY : (call))
 
 /* devices.c */
 /* The state of CUDA device `ordinal`, resolved on first use; NULL when it cannot be. */
@@ -199,6 +208,8 @@ VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
+/* An allocation on d fell back to managed memory (counted in the region). */
+VGPU_HIDDEN void vgpu_note_fallback(struct vgpu_dev *d);
 /* Every GPU of the container with its limits, as the shared files record them. */
 VGPU_HIDDEN void vgpu_container_limits(struct vgpu_limits *lim);
 /* The region's device for a GPU UUID (NVML views); NULL if the GPU is not limited. */
@@ -208,6 +219,7 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
 enum {
     VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
     VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
+    VGPU_OBJ_POOLPTR = 7, /* stream-ordered memory of a pool: the pool carries the charge */
 };
 struct vgpu_rec {
     uint64_t key;
@@ -216,9 +228,16 @@ struct vgpu_rec {
     int16_t ordinal;
     uint8_t kind;
     uint8_t used;
-    uint32_t refs;  /* VMM handles: retains */
+    uint32_t refs;  /* VMM handles: retains; POOLPTR: the pool's index in pool.c + 1 */
 };
-VGPU_HIDDEN int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx);
+VGPU_HIDDEN int vgpu_tab_put_rec(const struct vgpu_rec *rec);
+static inline int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
+                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    return vgpu_tab_put_rec(&r);
+}
+/* Put back a record taken out (the driver refused the free). */
+static inline void vgpu_tab_restore(const struct vgpu_rec *r) { vgpu_tab_put_rec(r); }
 VGPU_HIDDEN int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out);
 /* A copy of the record, left in place; 1 if found. */
 VGPU_HIDDEN int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out);
@@ -227,6 +246,19 @@ VGPU_HIDDEN int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out);
 VGPU_HIDDEN int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out);
 /* Remove every record owned by ctx, releasing its charge. */
 VGPU_HIDDEN void vgpu_tab_drop_ctx(CUcontext ctx);
+
+/* mem.c: with CUDA_OVERSUBSCRIBE, an allocation the GPU cannot hold as managed memory
+ * (v1: only below 4 GiB). CUDA_ERROR_OUT_OF_MEMORY when not oversubscribed or impossible. */
+VGPU_HIDDEN CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, size_t bytes);
+
+/* pool.c: pools charge their reservation, not their allocations. */
+/* Trim this process's pools on d to nothing and give back what they released: the last
+ * resort before refusing an allocation. Returns the bytes released. */
+VGPU_HIDDEN uint64_t vgpu_pools_trim(struct vgpu_dev *d);
+/* Give back what this process's pools on d have released since their last call (views). */
+VGPU_HIDDEN void vgpu_pools_reconcile(struct vgpu_dev *d);
+/* A pool allocation's record, taken out by a successful free. */
+VGPU_HIDDEN void vgpu_pool_freed(const struct vgpu_rec *r);
 
 /* ctx.c: contexts, their devices and the memory they take. */
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */

@@ -55,6 +55,8 @@ static const struct variant k_variants[] = {
     {"cuCtxDestroy", 2000, 0, "cuCtxDestroy"},
     {"cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2"},
     {"cuDevicePrimaryCtxRetain", 7000, 0, "cuDevicePrimaryCtxRetain"},
+    {"cuCtxSetCurrent", 4000, 0, "cuCtxSetCurrent"},
+    {"cuCtxSetLimit", 3010, 0, "cuCtxSetLimit"},
     {"cuDevicePrimaryCtxRelease", 7000, 0, "cuDevicePrimaryCtxRelease"},
     {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2"},
     {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset"},

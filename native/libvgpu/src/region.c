@@ -385,6 +385,24 @@ VGPU_EXPORT uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev)
     return s < 0 ? 0 : LD(&r->file->slots[s].dev[dev].charged);
 }
 
+uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev) {
+    if (bad_dev(r, dev)) return 0;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (s < 0) return 0;
+    const struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
+    uint64_t charged = LD(&sd->charged), pending = LD(&sd->pending);
+    return charged > pending ? charged - pending : 0;
+}
+
+int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid) {
+    if (!r) return 0;
+    const struct vgpu_region_file *f = r->file;
+    uint32_t hwm = LD_RELAXED(&f->slot_hwm);
+    for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++)
+        if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_LIVE && LD_RELAXED(&f->slots[s].pid) == pid) return 1;
+    return 0;
+}
+
 /* --- reserve, commit, rollback, release ---------------------------------------------------- */
 
 static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {

@@ -13,6 +13,8 @@
 
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
+/* The versioned NVML entry points under their own names (nvml.h would rename the legacy ones). */
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
 #include <nvml.h>
 
 #include <pthread.h>
@@ -45,7 +47,8 @@
     H(cuCtxCreate) H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4)                       \
     H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
     H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
-    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2)                                   \
+    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2) H(cuCtxSetCurrent)              \
+    H(cuCtxSetLimit)                                                                           \
     H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
     H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
@@ -58,9 +61,12 @@
     R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
     R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
     R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
-    R(cuStreamSynchronize) R(cuStreamSynchronize_ptsz)
+    R(cuStreamSynchronize) R(cuStreamSynchronize_ptsz) R(cuCtxGetLimit)
 
-#define VGPU_NVML_HOOKS(H) H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)
+#define VGPU_NVML_HOOKS(H)                                                                     \
+    H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
+    H(nvmlDeviceGetComputeRunningProcesses) H(nvmlDeviceGetComputeRunningProcesses_v2)          \
+    H(nvmlDeviceGetComputeRunningProcesses_v3)
 
 #define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)
 
@@ -208,6 +214,9 @@ VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
+/* region.c: this process's charge on dev that is committed (not between reserve and commit). */
+VGPU_HIDDEN uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev);
+VGPU_HIDDEN int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid);
 /* An allocation on d fell back to managed memory (counted in the region). */
 VGPU_HIDDEN void vgpu_note_fallback(struct vgpu_dev *d);
 /* Every GPU of the container with its limits, as the shared files record them. */

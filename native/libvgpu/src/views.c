@@ -120,3 +120,52 @@ VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory
     }
     return rc;
 }
+
+/* --- NVML: the processes on a GPU ------------------------------------------------------------
+ * Inside a container, nvidia-smi and monitoring agents list the GPU's processes: only the
+ * container's own are shown (those with a live slot in its region), each with the memory the
+ * driver says it holds. The driver's count of a too-small buffer is kept (an upper bound: the
+ * caller's second call gets fewer). The pids are the container's: a driver that reports another
+ * namespace's pids shows none. */
+
+static nvmlReturn_t only_ours(nvmlDevice_t device, nvmlReturn_t rc, unsigned int *count, void *infos,
+                              size_t stride) {
+    if (rc != NVML_SUCCESS || !count || !infos) return rc;
+    struct vgpu_dev *d = nvml_viewed(device);
+    if (!d) return rc;
+    unsigned int kept = 0;
+    for (unsigned int i = 0; i < *count; i++) {
+        char *e = (char *)infos + (size_t)i * stride;
+        unsigned int pid;
+        memcpy(&pid, e, sizeof pid); /* pid leads every nvmlProcessInfo layout */
+        if (!vgpu_region_has_pid(d->region, (int32_t)pid)) continue;
+        if (kept != i) memmove((char *)infos + (size_t)kept * stride, e, stride);
+        kept++;
+    }
+    *count = kept;
+    return rc;
+}
+
+VGPU_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
+                                                           nvmlProcessInfo_v1_t *infos) {
+    vgpu_nvml_load();
+    if (UNLIKELY(!vgpu.real.nvmlDeviceGetComputeRunningProcesses)) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses(device, infoCount, infos);
+    return only_ours(device, rc, infoCount, infos, sizeof *infos);
+}
+
+VGPU_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_v2_t *infos) {
+    vgpu_nvml_load();
+    if (UNLIKELY(!vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2)) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2(device, infoCount, infos);
+    return only_ours(device, rc, infoCount, infos, sizeof *infos);
+}
+
+VGPU_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
+                                                              nvmlProcessInfo_t *infos) {
+    vgpu_nvml_load();
+    if (UNLIKELY(!vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3)) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3(device, infoCount, infos);
+    return only_ours(device, rc, infoCount, infos, sizeof *infos);
+}

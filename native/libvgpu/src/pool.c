@@ -35,6 +35,7 @@ struct pool {
 
 static struct {
     pthread_mutex_t mu; /* entries come and go under it */
+    int any;            /* some pool was ever used: synchronisations look at them */
     struct pool p[MAX_POOLS];
 } g_pools = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
@@ -51,6 +52,7 @@ static struct pool *pool_entry(CUmemoryPool h, int ordinal) {
         pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
         *free_e = (struct pool){.ordinal = ordinal, .mu = mu};
         __atomic_store_n(&free_e->h, h, __ATOMIC_RELEASE); /* for_pools_on looks without g_pools.mu */
+        __atomic_store_n(&g_pools.any, 1, __ATOMIC_RELEASE);
         hit = free_e;
     }
     pthread_mutex_unlock(&g_pools.mu);
@@ -76,15 +78,18 @@ static uint64_t reconcile_locked(struct pool *p, struct vgpu_dev *d) {
     return gone;
 }
 
+/* d NULL: every device's pools that hold more than their live allocations. */
 static void for_pools_on(struct vgpu_dev *d, int trim, uint64_t *released) {
     for (int i = 0; i < MAX_POOLS; i++) {
         struct pool *p = &g_pools.p[i];
-        if (!__atomic_load_n(&p->h, __ATOMIC_ACQUIRE) || p->ordinal != d->ordinal) continue;
+        if (!__atomic_load_n(&p->h, __ATOMIC_ACQUIRE) || (d && p->ordinal != d->ordinal)) continue;
+        struct vgpu_dev *pd = d ? d : vgpu_dev(p->ordinal);
+        if (!pd) continue;
         /* A pool whose own allocation is refusing right now is skipped (its mutex is ours). */
         if (pthread_mutex_trylock(&p->mu) != 0) continue;
-        if (!p->destroyed && p->h) {
+        if (!p->destroyed && p->h && (d || p->charged > p->live)) {
             if (trim && vgpu.real.cuMemPoolTrimTo) vgpu.real.cuMemPoolTrimTo(p->h, 0);
-            *released += reconcile_locked(p, d);
+            *released += reconcile_locked(p, pd);
         }
         pthread_mutex_unlock(&p->mu);
     }
@@ -102,6 +107,11 @@ uint64_t vgpu_pools_trim(struct vgpu_dev *d) {
 void vgpu_pools_reconcile(struct vgpu_dev *d) {
     uint64_t released = 0;
     for_pools_on(d, 0, &released);
+}
+
+void vgpu_pools_settle(void) {
+    uint64_t released = 0;
+    if (__atomic_load_n(&g_pools.any, __ATOMIC_ACQUIRE)) for_pools_on(NULL, 0, &released);
 }
 
 void vgpu_pool_freed(const struct vgpu_rec *r) {
@@ -289,5 +299,29 @@ VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     p->charged -= gone;
     if (d) vgpu_uncharge(d, gone);
     pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* --- synchronisations: where the driver brings pools down to their release threshold, so
+ * where what they released is given back. */
+
+VGPU_API CUresult cuCtxSynchronize(void) {
+    NEED(cuCtxSynchronize);
+    CUresult rc = vgpu.real.cuCtxSynchronize();
+    if (vgpu.limited) vgpu_pools_settle();
+    return rc;
+}
+
+VGPU_API CUresult cuStreamSynchronize(CUstream hStream) {
+    NEED(cuStreamSynchronize);
+    CUresult rc = vgpu.real.cuStreamSynchronize(hStream);
+    if (vgpu.limited) vgpu_pools_settle();
+    return rc;
+}
+
+VGPU_API CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
+    NEED(cuStreamSynchronize_ptsz);
+    CUresult rc = vgpu.real.cuStreamSynchronize_ptsz(hStream);
+    if (vgpu.limited) vgpu_pools_settle();
     return rc;
 }

@@ -48,7 +48,7 @@
     H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
     H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
     H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2) H(cuCtxSetCurrent)              \
-    H(cuCtxSetLimit)                                                                           \
+    H(cuCtxSetLimit) H(cuCtxSynchronize) H(cuStreamSynchronize) H(cuStreamSynchronize_ptsz)     \
     H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
     H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
@@ -61,7 +61,7 @@
     R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
     R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
     R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
-    R(cuStreamSynchronize) R(cuStreamSynchronize_ptsz) R(cuCtxGetLimit)
+    R(cuCtxGetLimit)
 
 #define VGPU_NVML_HOOKS(H)                                                                     \
     H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
@@ -266,6 +266,8 @@ VGPU_HIDDEN CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdevicep
 VGPU_HIDDEN uint64_t vgpu_pools_trim(struct vgpu_dev *d);
 /* Give back what this process's pools on d have released since their last call (views). */
 VGPU_HIDDEN void vgpu_pools_reconcile(struct vgpu_dev *d);
+/* The same on every device, where a pool may hold a cache (after a synchronisation). */
+VGPU_HIDDEN void vgpu_pools_settle(void);
 /* A pool allocation's record, taken out by a successful free. */
 VGPU_HIDDEN void vgpu_pool_freed(const struct vgpu_rec *r);
 

@@ -240,3 +240,24 @@ def test_a_leased_lock_file_does_not_stall_context_creation(shim: Shim, tmp_path
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_region_counts_refusals_fallbacks_peak_and_gpu_time(shim: Shim) -> None:
+    from vgpu_plugin.region import read_region
+
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "24g", "CUDA_OVERSUBSCRIBE": "true"})
+    r = shim.run("shim_mem", "handle", 0, "alloc", GIB, 100, env=env)
+    assert r.rc == 0, r.stderr
+    dev = read_region(shim.region).devices[0]
+    assert r.int("allocated") == 23 * GIB
+    assert dev.fallbacks == 8  # 15 GiB fit the GPU beside the context; 8 are host-backed
+    assert dev.refused == 1  # the 24th
+    assert dev.peak == 23 * GIB + CONTEXT
+    assert dev.gpu_ns == 0  # nothing paced
+
+    paced = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "24g", "CUDA_DEVICE_SM_LIMIT": "50"})
+    r = shim.run("shim_launch", "handle", 0, "kernel", 1000, 1, env=paced)
+    assert r.rc == 0, r.stderr
+    # Each 1 ms kernel's GPU time is measured, but the last few in flight at exit.
+    gpu_ns = read_region(shim.region).devices[0].gpu_ns
+    assert gpu_ns >= (int(r.out["launched"]) - 8) * 900_000

@@ -249,6 +249,7 @@ static CUresult __attribute__((noinline)) charge_denied(struct vgpu_dev *d, uint
     if (rc == VGPU_REGION_DENIED && vgpu_pools_trim(d) > 0 &&
         vgpu_region_reserve(vgpu.region, d->rdev, bytes) == VGPU_REGION_OK)
         return CUDA_SUCCESS;
+    if (rc == VGPU_REGION_DENIED) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_REFUSED, 1);
     VLOG(VGPU_LOG_INFO, "allocation of %llu bytes on GPU %s refused: %llu of %llu bytes in use",
          (unsigned long long)bytes, d->uuid, (unsigned long long)vgpu_used(d),
          (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
@@ -263,7 +264,13 @@ CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
     return charge_denied(d, bytes, rc);
 }
 
-void vgpu_note_fallback(struct vgpu_dev *d) { (void)d; }
+void vgpu_note_fallback(struct vgpu_dev *d) {
+    if (d->accounted) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_FALLBACK, 1);
+}
+
+void vgpu_note_gpu_time(struct vgpu_dev *d, uint64_t ns) {
+    if (d->accounted && ns) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_GPU_NS, ns);
+}
 
 void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
     if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);

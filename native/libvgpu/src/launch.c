@@ -132,6 +132,7 @@ static void reap(int wait) {
             held = overlap_trim(p->ctx, p->start, &ms);
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
             vgpu_pace_add(p->d->pace, p->charged - settle_charge(p->key, measured));
+            vgpu_note_gpu_time(p->d, (uint64_t)measured);
         }
         if (!held) event_put(p->start, p->ctx);
         event_put(p->end, p->ctx);

@@ -394,6 +394,13 @@ uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev) {
     return charged > pending ? charged - pending : 0;
 }
 
+void vgpu_region_count(struct vgpu_region *r, int dev, enum vgpu_region_counter what, uint64_t n) {
+    if (bad_dev(r, dev)) return;
+    struct vgpu_region_device_stats *st = &r->file->stats[dev];
+    uint64_t *c = what == VGPU_COUNT_REFUSED ? &st->refused : what == VGPU_COUNT_FALLBACK ? &st->fallbacks : &st->gpu_ns;
+    __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
+}
+
 int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid) {
     if (!r) return 0;
     const struct vgpu_region_file *f = r->file;
@@ -427,6 +434,7 @@ VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t byt
         ST(&sd->charged, LD_RELAXED(&sd->charged) + bytes);
         __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELEASE);
         ST(&f->used[dev], used + bytes);
+        if (used + bytes > LD_RELAXED(&f->stats[dev].peak)) ST(&f->stats[dev].peak, used + bytes);
     }
     write_end(f);
     region_unlock(r);

@@ -10,6 +10,7 @@
 #include <sys/types.h>
 
 #include "log.h"
+#include "region_private.h"
 #include "vgpu/region.h"
 
 #define VGPU_EXPORT __attribute__((visibility("default")))
@@ -40,13 +41,6 @@ struct vgpu_region {
     struct vgpu_region *next;    /* the list the fork handler walks */
     char path[];
 };
-
-/* --- region.c: for the shim's own use (hidden) -------------------------------------------- */
-
-/* This process's committed charge on dev (charged, less what is between reserve and commit). */
-uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev);
-/* 1 if a live slot of the region records `pid` (the container's processes, in its pid namespace). */
-int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid);
 
 /* --- region_file.c ------------------------------------------------------------------------ */
 

@@ -318,6 +318,11 @@ static int snapshot(struct reader *r, struct vgpu_region_snapshot *out) {
         memcpy(out->devices[d].uuid, dv->uuid, sizeof out->devices[d].uuid - 1);
         out->devices[d].memory_limit = dv->memory_limit;
         out->devices[d].sm_percent = dv->sm_percent;
+        const struct vgpu_region_device_stats *st = &r->c->stats[d];
+        out->devices[d].refused = st->refused;
+        out->devices[d].fallbacks = st->fallbacks;
+        out->devices[d].peak = st->peak;
+        out->devices[d].gpu_ns = st->gpu_ns;
     }
     int rc = take_copy(r, out);
     /* The identity and the devices again: the first read of them may have raced a rewrite of

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "log.h"
+#include "region_private.h"
 #include "vgpu/region.h"
 
 #define VGPU_API __attribute__((visibility("default")))
@@ -214,9 +215,8 @@ VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
-/* region.c: this process's charge on dev that is committed (not between reserve and commit). */
-VGPU_HIDDEN uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev);
-VGPU_HIDDEN int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid);
+/* GPU time measured on d (launch.c). */
+VGPU_HIDDEN void vgpu_note_gpu_time(struct vgpu_dev *d, uint64_t ns);
 /* An allocation on d fell back to managed memory (counted in the region). */
 VGPU_HIDDEN void vgpu_note_fallback(struct vgpu_dev *d);
 /* Every GPU of the container with its limits, as the shared files record them. */

@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 enum {
-    VGPU_REGION_VERSION = 1,
+    VGPU_REGION_VERSION = 2,  /* 2: per-device counters (stats) */
     VGPU_MAX_DEVICES = 16,
     VGPU_MAX_SLOTS = 256,
     VGPU_UUID_SIZE = 80,   /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" and NUL, with room */
@@ -73,6 +73,16 @@ struct vgpu_region_device {
     uint64_t memory_limit;   /* bytes, set at creation, never written again */
     uint32_t sm_percent;
     uint32_t reserved;
+};
+
+/* What the node can see of a device besides its usage: counters only ever grow (atomic adds
+ * by the container's processes, outside the lock), `peak` only rises (under the lock). */
+struct vgpu_region_device_stats {
+    uint64_t refused;        /* allocations (and contexts) refused at the limit */
+    uint64_t fallbacks;      /* allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE) */
+    uint64_t peak;           /* the highest usage charged, bytes */
+    uint64_t gpu_ns;         /* GPU time of the container's measured (paced) launches, ns */
+    uint64_t reserved[4];
 };
 
 struct vgpu_slot_device {
@@ -119,6 +129,8 @@ struct vgpu_region_file {
     uint32_t slot_hwm;       /* slots at or above this index have never been used */
     uint32_t reserved2;
     uint64_t reserved3[7];
+    /* from byte 320: counters, before the devices (which the host compares across reads) */
+    struct vgpu_region_device_stats stats[16];
     struct vgpu_region_device devices[16];
     struct vgpu_region_slot slots[256];
     struct vgpu_region_published published;
@@ -132,6 +144,10 @@ struct vgpu_snapshot_device {
     uint64_t used;           /* bytes charged on the device: the sum of the processes below */
     uint32_t sm_percent;
     uint32_t reserved;
+    uint64_t refused;        /* the device's counters (struct vgpu_region_device_stats) */
+    uint64_t fallbacks;
+    uint64_t peak;
+    uint64_t gpu_ns;
 };
 
 struct vgpu_snapshot_process {

@@ -14,14 +14,14 @@
  *   or the first process), and never change. A process enforces min(its own limits, the
  *   region's): rewriting the region cannot raise anybody's limit.
  * - Slots are the truth. A slot holds a process's charge per device; device totals are the
- *   sum of the slots, kept in step under one robust process-shared mutex (and recomputed
- *   from the slots when a holder dies mid-update).
+ *   sum of the slots, kept in step under one process-shared lock word (and recomputed from
+ *   the slots when a holder dies mid-update).
  * - Liveness is a kernel lock: the owner of slot i holds an OFD write lock on the first byte
  *   of slots[i] for its lifetime. A slot whose byte can be locked belongs to a dead process;
  *   its charge is reclaimed once, under the mutex. No pid is ever compared, so pid
  *   namespaces and pid reuse do not matter; (pid, start time) are recorded for people.
  * - Writers bump `generation` to odd before and to even after each update (a seqlock): the
- *   host copies without taking the mutex and retries on change. A host that keeps losing the
+ *   host copies without taking the lock and retries on change. A host that keeps losing the
  *   race posts a ticket in `snap_request`; the next writer copies the state into `published`
  *   while it holds the mutex anyway.
  */
@@ -121,7 +121,10 @@ struct vgpu_region_file {
     uint64_t reserved1[4];
     /* line 1: what every update touches, device 0's total included, so that an update on
        device 0 moves one cache line between processes */
-    uint64_t lock[6];        /* a pthread_mutex_t: process-shared, robust */
+    uint32_t lock;           /* 0: free; else the holder's slot index + 1 (its slot's OFD lock
+                                says whether it lives: a dead holder's lock is taken over) */
+    uint32_t reserved_lock;
+    uint64_t reserved_line1[5];
     uint64_t generation;     /* seqlock: odd while a writer is between its stores */
     uint64_t used[16];       /* per device: sum of the LIVE slots' charged */
     /* line 3, from byte 248 */

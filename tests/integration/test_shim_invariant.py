@@ -9,11 +9,25 @@ The node has 2 x 16 GiB GPUs whose contexts take 300 MiB each (conftest).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, read_until, start_together
+from test_shim_helpers import (
+    CONTEXT,
+    GIB,
+    MIB,
+    OOM,
+    Result,
+    Shim,
+    finish,
+    parse,
+    read_until,
+    start_together,
+)
 
+from vgpu_plugin.region import read_region
 from vgpu_plugin.simgpu import Node
 
 
@@ -27,10 +41,11 @@ def physical(shim: Shim, gpu: int = 0) -> int:
     return shim.node.gpu(gpu).used_memory
 
 
-def _release(proc: object) -> None:
-    stdin = getattr(proc, "stdin")
-    stdin.write("\n")
-    stdin.flush()
+def _release(proc: subprocess.Popen[str]) -> None:
+    """Let a program waiting at a hold go on."""
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
 
 
 def test_a_pool_that_keeps_its_cache_then_another_path_stays_within_the_limit(shim: Shim) -> None:
@@ -65,7 +80,13 @@ def test_contexts_are_charged_exactly_while_neighbours_allocate_and_free(shim: S
     try:
         start_together(neighbours)
         limit = 4 * GIB
-        r = shim.run("shim_ctx", "handle", "create", 6, env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)}))
+        r = shim.run(
+            "shim_ctx",
+            "handle",
+            "create",
+            6,
+            env=shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)}),
+        )
         assert r.rc == 0, r.stderr
         for i in range(1, 7):
             assert r.int(f"free_{i}") <= limit - i * CONTEXT
@@ -106,7 +127,9 @@ def test_filling_the_limit_the_gpu_holds_no_more_than_it(shim: Shim) -> None:
 
 def test_nvml_process_lists_show_only_the_containers_processes(shim: Shim) -> None:
     # A neighbour (another container: no shim) holding memory on the same GPU.
-    other = shim.start("shim_mem", "handle", 0, "alloc", 512 * MIB, 1, "hold", env=shim.env(shim=False))
+    other = shim.start(
+        "shim_mem", "handle", 0, "alloc", 512 * MIB, 1, "hold", env=shim.env(shim=False)
+    )
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "4g"})
     mine = shim.start("shim_mem", "handle", 0, "alloc", 128 * MIB, 1, "hold", env=env)
     try:
@@ -153,7 +176,9 @@ def test_oversubscription_refuses_paths_that_cannot_be_managed(shim: Shim, path:
     assert r.int("refusal") == OOM
 
 
-def test_root_made_lock_files_do_not_lock_out_non_root_processes(shim: Shim, tmp_path: Path) -> None:
+def test_root_made_lock_files_do_not_lock_out_non_root_processes(
+    shim: Shim, tmp_path: Path
+) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another user")
     lock_dir = tmp_path / "lock"
@@ -186,13 +211,19 @@ def test_root_made_lock_files_do_not_lock_out_non_root_processes(shim: Shim, tmp
     assert r2.int("start_free") == 2 * GIB - CONTEXT
 
 
-def _run_as(shim: Shim, uid: int, env: dict[str, str]):  # type: ignore[no-untyped-def]
-    import subprocess
-
-    from test_shim_helpers import Result, parse
-
+def _run_as(shim: Shim, uid: int, env: dict[str, str]) -> Result:
+    """shim_views as user `uid` (no groups), as a non-root pod's process runs."""
     proc = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", str(shim.prog("shim_views")), "handle", "0", "0"],
+        [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            str(shim.prog("shim_views")),
+            "handle",
+            "0",
+            "0",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -205,9 +236,6 @@ def _run_as(shim: Shim, uid: int, env: dict[str, str]):  # type: ignore[no-untyp
 def test_a_leased_lock_file_does_not_stall_context_creation(shim: Shim, tmp_path: Path) -> None:
     """A tenant replaces the lock file with its own and takes a write lease on it: an open for
     writing (or a blocking one) would wait fs.lease-break-time (45 s) for every process."""
-    import subprocess
-    import sys
-
     lease_break = int(Path("/proc/sys/fs/lease-break-time").read_text())
     if lease_break < 5:
         pytest.skip(f"fs.lease-break-time is {lease_break} s: a block would go unnoticed")
@@ -243,8 +271,6 @@ def test_a_leased_lock_file_does_not_stall_context_creation(shim: Shim, tmp_path
 
 
 def test_the_region_counts_refusals_fallbacks_peak_and_gpu_time(shim: Shim) -> None:
-    from vgpu_plugin.region import read_region
-
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "24g", "CUDA_OVERSUBSCRIBE": "true"})
     r = shim.run("shim_mem", "handle", 0, "alloc", GIB, 100, env=env)
     assert r.rc == 0, r.stderr

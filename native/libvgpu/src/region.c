@@ -468,9 +468,14 @@ static void pending_sub(uint64_t *p, uint64_t bytes) {
 }
 
 VGPU_EXPORT void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (bad_dev(r, dev)) return;
+    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (s >= 0) pending_sub(&r->file->slots[s].dev[dev].pending, bytes);
+    if (VGPU_UNLIKELY(s < 0)) return;
+    /* One RMW; a commit without its reserve (a forked child finishing its parent's
+     * allocation) would go below 0: put the difference back. */
+    uint64_t *p = &r->file->slots[s].dev[dev].pending;
+    uint64_t old = __atomic_fetch_sub(p, bytes, __ATOMIC_RELEASE);
+    if (VGPU_UNLIKELY(old < bytes)) __atomic_fetch_add(p, bytes - old, __ATOMIC_RELAXED);
 }
 
 /* Uncharge up to `bytes` from our slot and the total. Mutex held. */

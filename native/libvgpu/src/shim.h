@@ -204,16 +204,34 @@ VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
 
 /* devices.c */
 /* The state of CUDA device `ordinal`, resolved on first use; NULL when it cannot be. */
-VGPU_HIDDEN struct vgpu_dev *vgpu_dev(int ordinal);
+VGPU_HIDDEN struct vgpu_dev *vgpu_dev_resolve(int ordinal);
+static inline struct vgpu_dev *vgpu_dev(int ordinal) {
+    if (UNLIKELY((unsigned)ordinal >= VGPU_MAX_ORDINALS)) return NULL;
+    struct vgpu_dev *d = &vgpu.dev[ordinal];
+    return LIKELY(__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)) ? d : vgpu_dev_resolve(ordinal);
+}
 /* The device of the calling thread's current context, or NULL. */
 VGPU_HIDDEN struct vgpu_dev *vgpu_current_dev(void);
 VGPU_HIDDEN void vgpu_format_uuid(const CUuuid *u, char out[VGPU_UUID_SIZE]);
 /* Charge `bytes` to d before an allocation: CUDA_SUCCESS (charged, or nothing to charge) or
  * CUDA_ERROR_OUT_OF_MEMORY. */
-VGPU_HIDDEN CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
+/* Inline: they are most of what an allocation and its free add. */
+VGPU_HIDDEN CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int rc);
+static inline CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
+    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!d->accounted) return CUDA_SUCCESS;
+    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    return LIKELY(rc == VGPU_REGION_OK) ? CUDA_SUCCESS : vgpu_charge_denied(d, bytes, rc);
+}
+static inline void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+}
+static inline void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
+}
+static inline void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+}
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
 /* GPU time measured on d (launch.c). */
 VGPU_HIDDEN void vgpu_note_gpu_time(struct vgpu_dev *d, uint64_t ns);

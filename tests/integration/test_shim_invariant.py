@@ -287,3 +287,23 @@ def test_the_region_counts_refusals_fallbacks_peak_and_gpu_time(shim: Shim) -> N
     # Each 1 ms kernel's GPU time is measured, but the last few in flight at exit.
     gpu_ns = read_region(shim.region).devices[0].gpu_ns
     assert gpu_ns >= (int(r.out["launched"]) - 8) * 900_000
+
+
+def test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit(
+    shim: Shim,
+) -> None:
+    limit = 2 * GIB
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)})
+    p = shim.start("shim_graph", "handle", 0, GIB, 64 * MIB, env=env)
+    try:
+        out = read_until(p, "hold")
+        assert int(out["launch1"]) == 0
+        assert int(out["view_free1"]) == limit - CONTEXT - GIB  # held by the launched graph
+        assert int(out["launch2"]) == OOM  # a second copy does not fit: nothing ran
+        assert int(out["view_free2"]) == limit - CONTEXT - GIB
+        assert int(out["allocated"]) == (limit - CONTEXT - GIB) // (64 * MIB) * 64 * MIB
+        assert physical(shim) <= limit
+    finally:
+        r = finish(p)
+    assert r.rc == 0, r.stderr
+    assert r.int("end_free") == limit - CONTEXT  # the graphs' memory went with them

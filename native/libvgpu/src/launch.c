@@ -295,10 +295,15 @@ VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction
     HOOK_BODY(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra));
 }
 
+/* Once the process has made graph allocations, a graph launch also settles their memory. */
 VGPU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
+        return vgpu_graph_launch(hGraphExec, hStream, 0, slow_cuGraphLaunch);
     HOOK_BODY(cuGraphLaunch, (hGraphExec, hStream));
 }
 
 VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
+        return vgpu_graph_launch(hGraphExec, hStream, 1, slow_cuGraphLaunch_ptsz);
     HOOK_BODY(cuGraphLaunch_ptsz, (hGraphExec, hStream));
 }

@@ -112,6 +112,7 @@ void vgpu_pools_reconcile(struct vgpu_dev *d) {
 void vgpu_pools_settle(void) {
     uint64_t released = 0;
     if (__atomic_load_n(&g_pools.any, __ATOMIC_ACQUIRE)) for_pools_on(NULL, 0, &released);
+    vgpu_graphs_settle();
 }
 
 void vgpu_pool_freed(const struct vgpu_rec *r) {
@@ -156,6 +157,11 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool named,
     struct pool *p = d ? pool_of(named, d) : NULL;
     if (p && p->ordinal != d->ordinal) d = vgpu_dev(p->ordinal); /* a pool of another GPU */
     if (!d || !p) return UNRESOLVED(ctx, real_alloc_async(dptr, bytes, named, s, explicit_pool, ptsz));
+    /* Captured into a graph: the driver gives it memory when the graph runs (graph.c). */
+    CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+    __typeof__(cuStreamIsCapturing) *is_cap = ptsz ? vgpu.real.cuStreamIsCapturing_ptsz : vgpu.real.cuStreamIsCapturing;
+    if (is_cap && is_cap(s, &cap) == CUDA_SUCCESS && cap != CU_STREAM_CAPTURE_STATUS_NONE)
+        __atomic_store_n(&vgpu.graph_mem, 1, __ATOMIC_RELEASE);
     uint64_t pre = bytes > UINT64_MAX - POOL_GRANULE ? UINT64_MAX : ((uint64_t)bytes + POOL_GRANULE - 1) & ~(POOL_GRANULE - 1);
     CUresult rc = vgpu_charge(d, pre);
     if (rc != CUDA_SUCCESS) return rc;

@@ -434,14 +434,24 @@ static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
     return used <= limit && bytes <= limit - used;
 }
 
+static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force);
+
 VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
+    return reserve(r, dev, bytes, 0);
+}
+
+void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (reserve(r, dev, bytes, 1) == VGPU_REGION_OK) vgpu_region_commit(r, dev, bytes);
+}
+
+static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force) {
     if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
     int s = ensure_slot(r);
     if (VGPU_UNLIKELY(s < 0 || region_lock(r) != 0)) return VGPU_REGION_EFAIL;
     struct vgpu_region_file *f = r->file;
     uint64_t limit = r->limit[dev];
     uint64_t used = LD_RELAXED(&f->used[dev]);
-    int ok = fits(used, bytes, limit);
+    int ok = fits(used, bytes, limit) || force;
     if (VGPU_UNLIKELY(!ok) && reap_locked(r, dev) > 0) {
         used = LD_RELAXED(&f->used[dev]);
         ok = fits(used, bytes, limit);

@@ -18,4 +18,9 @@ enum vgpu_region_counter { VGPU_COUNT_REFUSED, VGPU_COUNT_FALLBACK, VGPU_COUNT_G
 VGPU_REGION_HIDDEN void vgpu_region_count(struct vgpu_region *r, int dev, enum vgpu_region_counter what,
                                           uint64_t n);
 
+/* Charge `bytes` on dev to this process whatever the limit: memory the driver already gave
+ * (an executable graph's, known only after its launch). The container is then over its
+ * limit, and its allocations are refused until it is back under. */
+VGPU_REGION_HIDDEN void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes);
+
 #endif

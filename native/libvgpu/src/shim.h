@@ -53,7 +53,9 @@
     H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
     H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
-    H(cuGraphLaunch) H(cuGraphLaunch_ptsz)
+    H(cuGraphLaunch) H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode)                           \
+    H(cuGraphInstantiate) H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags)             \
+    H(cuGraphExecDestroy)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -62,7 +64,8 @@
     R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
     R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
     R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
-    R(cuCtxGetLimit)
+    R(cuCtxGetLimit)     \
+    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim)
 
 #define VGPU_NVML_HOOKS(H)                                                                     \
     H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
@@ -146,6 +149,7 @@ struct vgpu_state {
     int log_level;            /* 0 error .. 3 debug */
     int limited;              /* any limit applies: hooks do real work */
     int pace_any;             /* some device is paced */
+    int graph_mem;            /* the process has made graph allocations: launches settle them */
     void *cuda;               /* dlopen handles of the real libraries */
     void *nvml;
     int nvml_state;           /* 0 not tried, 1 usable, -1 unavailable */
@@ -247,6 +251,8 @@ enum {
     VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
     VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
     VGPU_OBJ_POOLPTR = 7, /* stream-ordered memory of a pool: the pool carries the charge */
+    VGPU_OBJ_GRAPH = 8,   /* a graph's allocation nodes (bytes), not charged by themselves */
+    VGPU_OBJ_EXEC = 9,    /* an executable graph's allocation nodes; refs 1 once launched */
 };
 struct vgpu_rec {
     uint64_t key;
@@ -288,6 +294,11 @@ VGPU_HIDDEN void vgpu_pools_reconcile(struct vgpu_dev *d);
 VGPU_HIDDEN void vgpu_pools_settle(void);
 /* A pool allocation's record, taken out by a successful free. */
 VGPU_HIDDEN void vgpu_pool_freed(const struct vgpu_rec *r);
+
+/* graph.c: graph memory, charged like a pool's reservation. */
+VGPU_HIDDEN CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz,
+                                       CUresult (*launch)(CUgraphExec, CUstream));
+VGPU_HIDDEN void vgpu_graphs_settle(void);
 
 /* ctx.c: contexts, their devices and the memory they take. */
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */

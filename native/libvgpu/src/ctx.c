@@ -515,30 +515,29 @@ static void primary_maybe_gone(CUdevice dev) {
     if ((unsigned)dev < VGPU_MAX_ORDINALS && primary_active(dev) == 0) gone(g_ctx.primary[dev]);
 }
 
-VGPU_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    NEED(cuDevicePrimaryCtxRelease_v2);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+/* Release and reset, each ABI: the same bookkeeping after the driver's call. */
+static CUresult primary_call(CUdevice dev, CUresult (*real)(CUdevice)) {
+    CUresult rc = real(dev);
     if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
     return rc;
+}
+
+VGPU_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    NEED(cuDevicePrimaryCtxRelease_v2);
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxRelease_v2);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
     NEED(cuDevicePrimaryCtxRelease);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRelease(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxRelease);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     NEED(cuDevicePrimaryCtxReset_v2);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxReset_v2(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxReset_v2);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
     NEED(cuDevicePrimaryCtxReset);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxReset(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxReset);
 }

@@ -164,3 +164,7 @@ def test_counters(asan: Shim) -> None:
 
 def test_leased_lock_file(asan: Shim, tmp_path: Path) -> None:
     invariant.test_a_leased_lock_file_does_not_stall_context_creation(asan, tmp_path)
+
+
+def test_context_growth(asan: Shim) -> None:
+    invariant.test_a_contexts_growth_is_charged_and_refused_past_the_limit(asan)

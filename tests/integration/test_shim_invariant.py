@@ -307,3 +307,17 @@ def test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit
         r = finish(p)
     assert r.rc == 0, r.stderr
     assert r.int("end_free") == limit - CONTEXT  # the graphs' memory went with them
+
+
+def test_a_contexts_growth_is_charged_and_refused_past_the_limit(shim: Shim) -> None:
+    limit = 2 * GIB
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)})
+    grow = shim.run("shim_ctx", "handle", "limit", 512 * MIB, env=env)
+    assert grow.rc == 0, grow.stderr
+    assert grow.int("set") == 0 and grow.int("heap") == 512 * MIB
+    assert grow.int("free") == limit - CONTEXT - (512 - 8) * MIB  # beyond the 8 MiB default
+    assert grow.int("end_free") == limit - CONTEXT  # given back with the context
+    over = shim.run("shim_ctx", "handle", "limit", 2 * GIB, env=env)
+    assert over.rc == 0, over.stderr
+    assert over.int("set") == OOM and over.int("heap") == 8 * MIB  # refused, the old size kept
+    assert over.int("free") == limit - CONTEXT

@@ -8,6 +8,9 @@
  *                                  through the shim: free; then a 64 MiB cuMemAlloc: free2
  *   shim_ctx <mode> runtime_alloc  retained and made current past the shim; the first the shim
  *                                  sees of it is a 64 MiB cuMemAlloc: free
+ *   shim_ctx <mode> limit <bytes>  the primary context's device heap grown to <bytes>:
+ *                                  set=<rc>, heap=<the limit after>, free; then destroyed with
+ *                                  the context (a reset): end_free
  * Results are key=value lines; a failed call exits 10. */
 #include "shim_test.h"
 
@@ -49,6 +52,24 @@ int main(int argc, char **argv) {
         }
         for (int i = 0; i < n && i < 64; i++) CK(C(ctx_destroy, cuCtxDestroy)(ctx[i]));
         CUcontext pctx;
+        CK(C(retain, cuDevicePrimaryCtxRetain)(&pctx, dev));
+        CK(C(set_current, cuCtxSetCurrent)(pctx));
+        printf("end_free=%zu\n", view_free());
+        return 0;
+    }
+    if (!strcmp(how, "limit")) {
+        CUcontext pctx;
+        CK(C(retain, cuDevicePrimaryCtxRetain)(&pctx, dev));
+        CK(C(set_current, cuCtxSetCurrent)(pctx));
+        __typeof__(cuCtxSetLimit) *set_limit = (__typeof__(cuCtxSetLimit) *)dlsym(g_lib, "cuCtxSetLimit");
+        __typeof__(cuCtxGetLimit) *get_limit = (__typeof__(cuCtxGetLimit) *)dlsym(g_lib, "cuCtxGetLimit");
+        __typeof__(cuDevicePrimaryCtxReset_v2) *reset = (__typeof__(cuDevicePrimaryCtxReset_v2) *)dlsym(g_lib, "cuDevicePrimaryCtxReset_v2");
+        if (!set_limit || !get_limit || !reset) return 3;
+        printf("set=%d\n", (int)set_limit(CU_LIMIT_MALLOC_HEAP_SIZE, strtoull(argv[3], NULL, 0)));
+        size_t heap = 0;
+        CK(get_limit(&heap, CU_LIMIT_MALLOC_HEAP_SIZE));
+        printf("heap=%zu\nfree=%zu\n", heap, view_free());
+        CK(reset(dev));
         CK(C(retain, cuDevicePrimaryCtxRetain)(&pctx, dev));
         CK(C(set_current, cuCtxSetCurrent)(pctx));
         printf("end_free=%zu\n", view_free());

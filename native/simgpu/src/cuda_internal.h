@@ -83,6 +83,7 @@ struct CUctx_st {
     uint64_t all_end;          /* latest completion queued on any stream */
     struct CUstream_st *streams;
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
+    uint64_t grown;            /* memory its heap and printf FIFO take beyond the defaults */
 };
 
 /* Handles the caller may never destroy stay linked in a process list, so leak checkers (our

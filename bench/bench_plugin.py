@@ -1,4 +1,4 @@
-"""Device plugin figures on a simulated 8 GPU x 32 slice node (DESIGN section 7).
+"""Device plugin figures, 8 simulated GPUs x 32 slices (docs/contracts.md#performance-targets).
 
 Runs the real `vgpu-plugin serve` process on simgpu, drives it with the kubelet emulator over
 its real unix socket, and prints: time from start to registered, the ListAndWatch message size,
@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from vgpu_plugin.backend import list_and_watch_size
-from vgpu_plugin.install import install_shim
-from vgpu_plugin.kubelet_emulator import KubeletEmulator, short_tmp_dir
-from vgpu_plugin.simgpu import GpuSpec, Node
+from vgpu_plugin.kubelet.backend import list_and_watch_size
+from vgpu_plugin.node.install import install_shim
+from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
+from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
 RES = "nvidia.com/gpu"
 

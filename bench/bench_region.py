@@ -1,4 +1,4 @@
-"""Cost of the shared region's accounting (DESIGN 7: <= 150 ns per alloc+free pair; 8 processes
+"""Region accounting cost (docs/contracts.md#performance-targets: <= 150 ns per alloc+free, 8 procs
 allocating at once <= 2x one process).
 
     python bench/bench_region.py [--iters 1000000] [--gap-ns 2000] [--repeat 3]

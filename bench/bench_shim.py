@@ -1,4 +1,4 @@
-"""What the enforcement shim costs (DESIGN 7), against the same programs without it, on simgpu.
+"""What the shim costs (docs/contracts.md#performance-targets), against the programs without it.
 
     python bench/bench_shim.py [--repeat 5]
 
@@ -49,7 +49,7 @@ def _tree() -> Path:
 
 class Bench:
     def __init__(self, tree: Path, tmp: Path) -> None:
-        from vgpu_plugin.simgpu import GpuSpec, Node
+        from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
         os.environ["VGPU_NATIVE_DIR"] = str(tree)
         self.tree = tree

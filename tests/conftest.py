@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import native_build
 
-from vgpu_plugin import native
-from vgpu_plugin.demo.node import EmulatedNode
-from vgpu_plugin.simgpu import GpuSpec, Node
+from vgpu_plugin.node import native
+from vgpu_plugin.sim.node import EmulatedNode
+from vgpu_plugin.sim.simgpu import GpuSpec, Node
+from vgpu_plugin.sim.toolkit import ToolkitSettings
 
 
 @pytest.fixture(scope="session")
@@ -62,12 +63,15 @@ def make_emulated_node(native_tree: Path, tmp_path: Path) -> Iterator[Callable[.
         context_mib: int = 256,
         config: str = "version: v1\nsharing: {splitCount: 4, compute: proportional}\n",
         cleanup_grace: float | None = None,
+        toolkit: ToolkitSettings | None = None,
     ) -> EmulatedNode:
         specs = [
             GpuSpec(memory=memory_mib << 20, context_overhead=context_mib << 20, numa_node=i)
             for i in range(gpus)
         ]
-        node = EmulatedNode(tmp_path / f"node{len(nodes)}", specs, config, cleanup_grace)
+        node = EmulatedNode(
+            tmp_path / f"node{len(nodes)}", specs, config, cleanup_grace, toolkit=toolkit
+        )
         nodes.append(node)
         node.start()
         return node

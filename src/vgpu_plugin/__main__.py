@@ -1,3 +1,3 @@
-from vgpu_plugin.cli import main
+from vgpu_plugin.commands.cli import main
 
 raise SystemExit(main())

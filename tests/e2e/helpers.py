@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from vgpu_plugin.demo.node import EmulatedNode
-from vgpu_plugin.oci import runc_unavailable_reason
+from vgpu_plugin.sim.node import EmulatedNode
+from vgpu_plugin.sim.runc import runc_unavailable_reason
 
 REASON = runc_unavailable_reason()
 needs_containers = pytest.mark.skipif(REASON is not None, reason=f"real containers: {REASON}")

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 import time
 
 from e2e.helpers import NodeFactory, needs_containers, one, results
 
-from vgpu_plugin.demo.node import MIB, WORKLOAD
+from vgpu_plugin.sim.node import MIB, WORKLOAD
 
 pytestmark = needs_containers
 
@@ -162,20 +160,3 @@ def test_split_change_while_pods_run(make_emulated_node: NodeFactory) -> None:
     assert after["cuda_total"] == before["cuda_total"] == 4096 * MIB
     new = node.admit("new", 1)
     assert new.memory_limit_mib() == 2048 and new.compute_limit() == 12
-
-
-def test_demo_shows_every_limit_holding() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "vgpu_plugin", "demo", "--seconds", "3"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
-        assert step in out
-    assert "demo/greedy/main" in out and "demo/batch-50/main" in out  # the status table
-    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
-    assert "clean CUDA_ERROR_OUT_OF_MEMORY at its limit" in lines["greedy"]
-    assert "cuMemGetInfo shows a 4096 MiB GPU" in lines["greedy"]
-    assert "all it asked for, within its limit" in lines["steady"]
-    assert "on target" in lines["batch-50"] and "on target" in lines["batch-25"]

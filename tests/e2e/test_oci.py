@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.oci import ContainerConfig, RuncRuntime, runc_unavailable_reason
+from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime, runc_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     runc_unavailable_reason() is not None, reason=str(runc_unavailable_reason())
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 def test_preload_envs_and_mount_modes(native_tree: Path, tmp_path: Path) -> None:
     shim = native_tree / "lib" / "libvgpu.so"
     preload = tmp_path / "ld.so.preload"
-    preload.write_text("/usr/local/vgpu/libvgpu.so\n")
+    preload.write_text("/etc/vgpu/libvgpu.so\n")
     limits = tmp_path / "limits"
     limits.write_text("vgpu-limits 1\n")
     rw = tmp_path / "rw"
@@ -34,7 +34,7 @@ def test_preload_envs_and_mount_modes(native_tree: Path, tmp_path: Path) -> None
         args=["sh", "-c", script],
         envs={"VGPU_ALLOCATION_ID": "abc123"},
         mounts=[
-            Mount("/usr/local/vgpu/libvgpu.so", str(shim), True),
+            Mount("/etc/vgpu/libvgpu.so", str(shim), True),
             Mount("/etc/ld.so.preload", str(preload), True),
             Mount("/etc/vgpu/limits", str(limits), True),
             Mount("/tmp/vgpu", str(rw), False),
@@ -50,3 +50,27 @@ def test_preload_envs_and_mount_modes(native_tree: Path, tmp_path: Path) -> None
     assert lines[4] == "1", "the container has no pid namespace of its own"
     assert limits.read_text() == "vgpu-limits 1\n"
     assert not (tmp_path / "runtime" / "oci-test").exists(), "bundle left behind"
+
+
+def test_a_pod_with_a_read_only_volume_at_usr_starts(native_tree: Path, tmp_path: Path) -> None:
+    """The kubelet puts the pod's volumes before the device plugin's mounts; a read-only
+    volume at /usr must leave every mount point of ours creatable (issue 14, item 12)."""
+    from vgpu_plugin.core.defaults import PRELOAD_PATH, SHIM_PATH
+
+    usr = tmp_path / "usr-volume"
+    (usr / "local").mkdir(parents=True)
+    preload = tmp_path / "ld.so.preload"
+    preload.write_text(f"{SHIM_PATH}\n")
+    config = ContainerConfig(
+        name="oci-usr-ro",
+        args=["/bin/sh", "-c", "grep -c libvgpu.so /proc/self/maps"],
+        envs={},
+        mounts=[
+            Mount("/usr/local", str(usr / "local"), True),  # the pod's read-only volume
+            Mount(SHIM_PATH, str(native_tree / "lib" / "libvgpu.so"), True),
+            Mount(PRELOAD_PATH, str(preload), True),
+        ],
+    )
+    result = RuncRuntime(tmp_path / "runtime").run(config, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[0]) >= 1

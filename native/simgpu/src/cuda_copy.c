@@ -118,7 +118,81 @@ CUresult cuMemsetD16Async_ptsz(CUdeviceptr d, unsigned short v, size_t n, CUstre
 CUresult cuMemsetD32Async(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { return set(P(d), v, 4, n, h, 0, 1); }
 CUresult cuMemsetD32Async_ptsz(CUdeviceptr d, unsigned int v, size_t n, CUstream h) { return set(P(d), v, 4, n, h, 1, 1); }
 
+/* --- 2D copies (pitched rows between host and device memory; arrays are not modelled) ---- */
+
+static CUresult side_of(CUmemorytype t, uintptr_t host, CUdeviceptr dev, CUarray arr, uintptr_t *base, enum side *side) {
+    (void)arr;
+    switch (t) {
+    case CU_MEMORYTYPE_HOST: *base = host, *side = HOST; return CUDA_SUCCESS;
+    case CU_MEMORYTYPE_DEVICE: *base = P(dev), *side = DEVICE; return CUDA_SUCCESS;
+    case CU_MEMORYTYPE_UNIFIED: *base = P(dev), *side = EITHER; return CUDA_SUCCESS;
+    case CU_MEMORYTYPE_ARRAY: return CUDA_ERROR_NOT_SUPPORTED; /* arrays hold no data here */
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static CUresult copy2d(const CUDA_MEMCPY2D *c, CUstream h, int ptds, int async) {
+    if (!c) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t sb, db;
+    enum side ss, ds;
+    CUresult rc = side_of(c->srcMemoryType, P(c->srcHost), c->srcDevice, c->srcArray, &sb, &ss);
+    if (rc == CUDA_SUCCESS) rc = side_of(c->dstMemoryType, P(c->dstHost), c->dstDevice, c->dstArray, &db, &ds);
+    if (rc != CUDA_SUCCESS) return rc;
+    size_t w = c->WidthInBytes, hgt = c->Height;
+    if (!w || !hgt) return CUDA_SUCCESS;
+    if (c->srcPitch < w && hgt > 1) return CUDA_ERROR_INVALID_VALUE;
+    if (c->dstPitch < w && hgt > 1) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t src = sb + c->srcY * c->srcPitch + c->srcXInBytes;
+    uintptr_t dst = db + c->dstY * c->dstPitch + c->dstXInBytes;
+    size_t src_span = (hgt - 1) * c->srcPitch + w, dst_span = (hgt - 1) * c->dstPitch + w;
+    /* Each side's whole span, checked as one range; the wait, as for a 1D copy. */
+    rc = prepare(dst, ds, 0, ss, dst_span, h, ptds, async);
+    if (rc == CUDA_SUCCESS) {
+        sim_lock();
+        rc = check_side(src, src_span, ss, 0);
+        sim_unlock();
+    }
+    for (size_t y = 0; rc == CUDA_SUCCESS && y < hgt; y++)
+        memmove((void *)(dst + y * c->dstPitch), (const void *)(src + y * c->srcPitch), w);
+    return rc;
+}
+
+/* The CUDA 2.x forms: 32-bit fields, widened. */
+static CUDA_MEMCPY2D widen(const CUDA_MEMCPY2D_v1 *p) {
+    return (CUDA_MEMCPY2D){.srcXInBytes = p->srcXInBytes, .srcY = p->srcY, .srcMemoryType = p->srcMemoryType,
+                           .srcHost = p->srcHost, .srcDevice = p->srcDevice, .srcArray = p->srcArray,
+                           .srcPitch = p->srcPitch, .dstXInBytes = p->dstXInBytes, .dstY = p->dstY,
+                           .dstMemoryType = p->dstMemoryType, .dstHost = p->dstHost, .dstDevice = p->dstDevice,
+                           .dstArray = p->dstArray, .dstPitch = p->dstPitch, .WidthInBytes = p->WidthInBytes,
+                           .Height = p->Height};
+}
+
+static CUresult copy2d_v1(const CUDA_MEMCPY2D_v1 *p, CUstream h, int async) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_MEMCPY2D c = widen(p);
+    return copy2d(&c, h, 0, async);
+}
+
+CUresult cuMemcpy2D(const CUDA_MEMCPY2D_v1 *p) { return copy2d_v1(p, NULL, 0); }
+CUresult cuMemcpy2DUnaligned(const CUDA_MEMCPY2D_v1 *p) { return copy2d_v1(p, NULL, 0); }
+CUresult cuMemcpy2DAsync(const CUDA_MEMCPY2D_v1 *p, CUstream h) { return copy2d_v1(p, h, 1); }
+CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 0, 0); }
+CUresult cuMemcpy2D_v2_ptds(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 1, 0); }
+CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 0, 0); }
+CUresult cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *p) { return copy2d(p, NULL, 1, 0); }
+CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, CUstream h) { return copy2d(p, h, 0, 1); }
+CUresult cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *p, CUstream h) { return copy2d(p, h, 1, 1); }
+
 /* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */
+SIM_SELF(cuMemcpy2D)
+SIM_SELF(cuMemcpy2DAsync)
+SIM_SELF(cuMemcpy2DUnaligned)
+SIM_SELF(cuMemcpy2D_v2)
+SIM_SELF(cuMemcpy2D_v2_ptds)
+SIM_SELF(cuMemcpy2DUnaligned_v2)
+SIM_SELF(cuMemcpy2DUnaligned_v2_ptds)
+SIM_SELF(cuMemcpy2DAsync_v2)
+SIM_SELF(cuMemcpy2DAsync_v2_ptsz)
 SIM_SELF(cuMemcpy)
 SIM_SELF(cuMemcpyAsync)
 SIM_SELF(cuMemcpyAsync_ptsz)

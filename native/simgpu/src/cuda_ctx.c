@@ -112,9 +112,39 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     return rc;
 }
 
+/* The real driver's behaviour as ZLUDA documents it (dark_api, "primary_ctx_get"): the runtime
+ * gets the handle; an inactive context is activated holding one reference, which is the
+ * runtime's (cudaDeviceReset gives it back through cuDevicePrimaryCtxReset); an active one is
+ * returned without a new reference. */
+CUresult sim_primary_ctx_get(CUcontext *pctx, CUdevice dev) {
+    uint32_t phys;
+    CUresult rc = sim_device(dev, &phys);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    rc = sim_gpu_ok(phys);
+    if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUctx_st *c = sim_proc.primary[dev];
+    if (!c) c = sim_proc.primary[dev] = ctx_new_locked(dev, 0, 1);
+    if (!c) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (!is_active(c)) {
+        rc = ctx_activate_locked(c);
+        if (rc == CUDA_SUCCESS) c->refs = 1;
+    }
+    if (rc == CUDA_SUCCESS) *pctx = c;
+    sim_unlock();
+    return rc;
+}
+
 static CUresult primary_release(CUdevice dev) {
     CUresult rc = sim_device(dev, NULL);
     if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUctx_st *last = sim_proc.primary[dev];
+    int going = last && last->refs == 1;
+    sim_unlock();
+    if (going) sim_cls_destroy(last); /* the runtime's state goes while the context lives */
     sim_lock();
     struct CUctx_st *c = sim_proc.primary[dev];
     if (!c || c->refs == 0) {
@@ -132,6 +162,10 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return primary_release(dev
 static CUresult primary_reset(CUdevice dev) {
     CUresult rc = sim_device(dev, NULL);
     if (rc != CUDA_SUCCESS) return rc;
+    sim_lock();
+    struct CUctx_st *p = sim_proc.primary[dev];
+    sim_unlock();
+    if (p) sim_cls_destroy(p);
     sim_lock();
     struct CUctx_st *c = sim_proc.primary[dev];
     if (c) {
@@ -220,6 +254,7 @@ static CUresult ctx_destroy(CUcontext ctx) {
     CUresult rc = sim_ctx_valid(ctx);
     if (rc != CUDA_SUCCESS) return rc;
     if (ctx->primary) return CUDA_ERROR_INVALID_CONTEXT; /* primary contexts go by release */
+    sim_cls_destroy(ctx);
     sim_lock();
     ctx_deactivate_locked(ctx);
     sim_unlock();

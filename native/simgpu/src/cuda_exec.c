@@ -155,6 +155,8 @@ static CUresult ctx_module_load(CUmodule *module, const void *image) {
     return rc != CUDA_SUCCESS ? rc : module_load(module, image, c);
 }
 
+CUresult sim_module_load_current(CUmodule *module, const void *image) { return ctx_module_load(module, image); }
+
 CUresult cuModuleLoadData(CUmodule *module, const void *image) { return ctx_module_load(module, image); }
 CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) { return ctx_module_load(module, fatCubin); }
 

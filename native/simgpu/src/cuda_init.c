@@ -48,6 +48,15 @@ CUresult sim_device(CUdevice dev, uint32_t *phys) {
     return CUDA_SUCCESS;
 }
 
+int sim_trace(void) {
+    static int on = -1; /* racy first reads all compute the same value */
+    if (on < 0) {
+        const char *e = getenv("SIMGPU_TRACE");
+        on = e && *e && strcmp(e, "0") != 0;
+    }
+    return on;
+}
+
 CUresult sim_gpu_ok(uint32_t phys) { return simgpu_gpu_lost(phys) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS; }
 
 /* --- CUDA_VISIBLE_DEVICES ---------------------------------------------------------------- */
@@ -329,13 +338,16 @@ CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDe
     return CUDA_SUCCESS;
 }
 
-/* Private tables of NVIDIA's runtime: none here. NOT_SUPPORTED with a NULL table keeps a caller
- * that checks the result on its fallback path, and one that does not crashes at once on NULL
- * rather than later on a fake table. */
-CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
-    if (!ppExportTable || !pExportTableId) return CUDA_ERROR_INVALID_VALUE;
-    *ppExportTable = NULL;
-    return CUDA_ERROR_NOT_SUPPORTED;
+void sim_device_hash_info(int dev, uint8_t uuid[16], int32_t *domain, int32_t *bus, int32_t *device) {
+    CUuuid u;
+    memset(&u, 0, sizeof u);
+    get_uuid(&u, dev);
+    memcpy(uuid, u.bytes, 16);
+    unsigned int d, b, v;
+    pci_parts(sim_proc.phys[dev], &d, &b, &v);
+    *domain = (int32_t)d;
+    *bus = (int32_t)b;
+    *device = (int32_t)v;
 }
 
 /* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */
@@ -352,5 +364,4 @@ SIM_SELF(cuDeviceGetUuid_v2)
 SIM_SELF(cuDeviceTotalMem)
 SIM_SELF(cuDeviceTotalMem_v2)
 SIM_SELF(cuDriverGetVersion)
-SIM_SELF(cuGetExportTable)
 SIM_SELF(cuInit)

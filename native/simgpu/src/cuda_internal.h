@@ -82,6 +82,7 @@ struct CUctx_st {
     uint64_t blocking_end;     /* latest completion queued on any blocking stream */
     uint64_t all_end;          /* latest completion queued on any stream */
     struct CUstream_st *streams;
+    struct sim_cls *cls;       /* the runtime's context-local storage (cuda_cls.c) */
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
     uint64_t grown;            /* memory its heap and printf FIFO take beyond the defaults */
 };
@@ -189,6 +190,8 @@ SIM_HIDDEN CUresult sim_ready(void);
 SIM_HIDDEN CUresult sim_device(CUdevice dev, uint32_t *phys);
 /* CUDA_ERROR_UNKNOWN for a GPU that fell off the bus (what callers of a real driver see). */
 SIM_HIDDEN CUresult sim_gpu_ok(uint32_t phys);
+/* SIMGPU_TRACE=1: say on stderr what a client asked for and did not get. */
+SIM_HIDDEN int sim_trace(void);
 
 /* cuda_ctx.c */
 SIM_HIDDEN struct CUctx_st *sim_ctx_top(void);
@@ -209,6 +212,9 @@ SIM_HIDDEN void *sim_map_anon(size_t len, int low32);
 SIM_HIDDEN void sim_alloc_destroy_locked(struct sim_alloc *a);
 /* Everything a context owns goes when it is destroyed, as on a real driver. */
 SIM_HIDDEN void sim_mem_free_ctx_locked(struct CUctx_st *ctx);
+
+/* cuPointerGetAttribute's answer (cuda_mem.c); CUDA_ERROR_INVALID_VALUE for unknown memory. */
+SIM_HIDDEN CUresult sim_pointer_attribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
 
 /* cuda_vmm.c: physical handles, for the memory cuMemMapArrayAsync binds into arrays
  * (sim_lock held). A binding holds the handle's memory like a mapping does. */
@@ -257,6 +263,27 @@ SIM_HIDDEN CUresult sim_graph_alloc_map_locked(struct sim_graph_alloc *exec);
 SIM_HIDDEN void sim_graph_alloc_unmap_locked(struct sim_graph_alloc *exec);
 SIM_HIDDEN CUresult sim_graph_add_alloc_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps,
                                              const struct sim_graph_alloc *alloc);
+
+/* cuda_exec.c: load an image as a module of the current context (the runtime's fat binaries). */
+SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);
+
+/* cuda_ctx.c: the runtime's private way to its device's primary context (export table slot):
+ * the handle, activated with one reference if it was inactive, no new reference otherwise. */
+SIM_HIDDEN CUresult sim_primary_ctx_get(CUcontext *pctx, CUdevice dev);
+
+/* cuda_cls.c: the runtime's context-local storage. Destructors run, without sim_lock, while the
+ * context still lives, before it is destroyed, reset or released for the last time. */
+typedef void (*sim_cls_dtor)(CUcontext ctx, void *key, void *value);
+SIM_HIDDEN CUresult sim_cls_put(CUcontext ctx, void *key, void *value, sim_cls_dtor dtor);
+SIM_HIDDEN CUresult sim_cls_delete(CUcontext ctx, void *key);
+SIM_HIDDEN CUresult sim_cls_get(void **value, CUcontext ctx, void *key);
+SIM_HIDDEN void sim_cls_destroy(struct CUctx_st *ctx);
+
+/* cuda_init.c: what the integrity check hashes of a device (ordinal). */
+SIM_HIDDEN void sim_device_hash_info(int dev, uint8_t uuid[16], int32_t *domain, int32_t *bus, int32_t *device);
+/* cuda_integrity.c */
+SIM_HIDDEN CUresult sim_integrity_answer(uint32_t version, uint64_t unix_seconds, uint64_t out[2],
+                                         const void *cudart_table, const void *integrity_table, const void *fn);
 
 /* cuda_graph.c: a launch on a capturing stream becomes a node of its graph. */
 SIM_HIDDEN CUresult sim_capture_kernel_locked(struct CUstream_st *s, struct CUfunc_st *f, uint64_t dur_ns);

@@ -330,6 +330,10 @@ CUresult cuMemGetAddressRange(CUdeviceptr_v1 *pbase, unsigned int *psize, CUdevi
 }
 
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+    return sim_pointer_attribute(data, attribute, ptr);
+}
+
+CUresult sim_pointer_attribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
     if (!data) return CUDA_ERROR_INVALID_VALUE;

@@ -8,11 +8,70 @@
  * CU_GET_PROC_ADDRESS_DEFAULT means legacy: a driver cannot see how its caller was compiled.
  * Versions follow NVIDIA's cudaTypedefs.h (PFN_<name>_v<version>); the tests check them
  * against that header where it is installed. */
+#include <stdio.h>
 #include <string.h>
 
 #include "cuda_internal.h"
 
 #define SIM_PROCS(V, P) \
+    V("cuCtxDisablePeerAccess", 4000, cuCtxDisablePeerAccess) \
+    V("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess) \
+    V("cuCtxFromGreenCtx", 12040, cuCtxFromGreenCtx) \
+    V("cuDevResourceGenerateDesc", 12040, cuDevResourceGenerateDesc) \
+    V("cuDeviceGetDevResource", 12040, cuDeviceGetDevResource) \
+    V("cuDeviceGetP2PAttribute", 8000, cuDeviceGetP2PAttribute) \
+    V("cuFuncGetModule", 11000, cuFuncGetModule) \
+    V("cuGreenCtxCreate", 12040, cuGreenCtxCreate) \
+    V("cuGreenCtxDestroy", 12040, cuGreenCtxDestroy) \
+    V("cuGreenCtxStreamCreate", 12050, cuGreenCtxStreamCreate) \
+    V("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle) \
+    V("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle) \
+    V("cuIpcOpenMemHandle", 4010, cuIpcOpenMemHandle) \
+    V("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2) \
+    V("cuKernelGetAttribute", 12000, cuKernelGetAttribute) \
+    V("cuKernelGetName", 12030, cuKernelGetName) \
+    V("cuKernelSetAttribute", 12000, cuKernelSetAttribute) \
+    P("cuLaunchHostFunc", 10000, cuLaunchHostFunc, 10000, cuLaunchHostFunc_ptsz) \
+    V("cuLibraryGetGlobal", 12000, cuLibraryGetGlobal) \
+    V("cuLogsRegisterCallback", 12090, cuLogsRegisterCallback) \
+    V("cuLogsUnregisterCallback", 12090, cuLogsUnregisterCallback) \
+    V("cuMemAdvise", 8000, cuMemAdvise) \
+    V("cuMemAdvise", 12020, cuMemAdvise_v2) \
+    V("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle) \
+    V("cuMemHostRegister", 4000, cuMemHostRegister) \
+    V("cuMemHostRegister", 6050, cuMemHostRegister_v2) \
+    V("cuMemHostUnregister", 4000, cuMemHostUnregister) \
+    V("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle) \
+    P("cuMemPrefetchAsync", 8000, cuMemPrefetchAsync, 8000, cuMemPrefetchAsync_ptsz) \
+    P("cuMemPrefetchAsync", 12020, cuMemPrefetchAsync_v2, 12020, cuMemPrefetchAsync_v2_ptsz) \
+    V("cuMemcpy2D", 2000, cuMemcpy2D) \
+    P("cuMemcpy2D", 3020, cuMemcpy2D_v2, 7000, cuMemcpy2D_v2_ptds) \
+    V("cuMemcpy2DAsync", 2000, cuMemcpy2DAsync) \
+    P("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2, 7000, cuMemcpy2DAsync_v2_ptsz) \
+    V("cuMemcpy2DUnaligned", 2000, cuMemcpy2DUnaligned) \
+    P("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2, 7000, cuMemcpy2DUnaligned_v2_ptds) \
+    V("cuModuleGetGlobal", 2000, cuModuleGetGlobal) \
+    V("cuModuleGetGlobal", 3020, cuModuleGetGlobal_v2) \
+    V("cuModuleGetLoadingMode", 11070, cuModuleGetLoadingMode) \
+    V("cuMulticastAddDevice", 12010, cuMulticastAddDevice) \
+    V("cuMulticastBindMem", 12010, cuMulticastBindMem) \
+    V("cuMulticastCreate", 12010, cuMulticastCreate) \
+    V("cuMulticastUnbind", 12010, cuMulticastUnbind) \
+    V("cuOccupancyAvailableDynamicSMemPerBlock", 10020, cuOccupancyAvailableDynamicSMemPerBlock) \
+    V("cuOccupancyMaxActiveBlocksPerMultiprocessor", 6050, cuOccupancyMaxActiveBlocksPerMultiprocessor) \
+    V("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", 7000, cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags) \
+    V("cuOccupancyMaxActiveClusters", 11070, cuOccupancyMaxActiveClusters) \
+    V("cuOccupancyMaxPotentialBlockSize", 6050, cuOccupancyMaxPotentialBlockSize) \
+    V("cuOccupancyMaxPotentialBlockSizeWithFlags", 7000, cuOccupancyMaxPotentialBlockSizeWithFlags) \
+    V("cuOccupancyMaxPotentialClusterSize", 11070, cuOccupancyMaxPotentialClusterSize) \
+    V("cuPointerGetAttributes", 7000, cuPointerGetAttributes) \
+    P("cuStreamAddCallback", 5000, cuStreamAddCallback, 7000, cuStreamAddCallback_ptsz) \
+    P("cuStreamGetCaptureInfo", 10010, cuStreamGetCaptureInfo, 10010, cuStreamGetCaptureInfo_ptsz) \
+    P("cuStreamGetCaptureInfo", 11030, cuStreamGetCaptureInfo_v2, 11030, cuStreamGetCaptureInfo_v2_ptsz) \
+    P("cuStreamGetCaptureInfo", 12030, cuStreamGetCaptureInfo_v3, 12030, cuStreamGetCaptureInfo_v3_ptsz) \
+    P("cuStreamWriteValue32", 8000, cuStreamWriteValue32, 8000, cuStreamWriteValue32_ptsz) \
+    P("cuStreamWriteValue32", 11070, cuStreamWriteValue32_v2, 11070, cuStreamWriteValue32_v2_ptsz) \
+    V("cuThreadExchangeStreamCaptureMode", 10010, cuThreadExchangeStreamCaptureMode) \
     V("cuArray3DCreate", 2000, cuArray3DCreate) \
     V("cuArray3DCreate", 3020, cuArray3DCreate_v2) \
     V("cuArrayCreate", 2000, cuArrayCreate) \
@@ -228,6 +287,7 @@ static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64
         if (p->version <= cudaVersion && (!best || p->version > best->version)) best = p;
     }
     if (!best) {
+        if (sim_trace()) fprintf(stderr, "simgpu: cuGetProcAddress(%s, %d): not found\n", symbol, cudaVersion);
         if (status) *status = named ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
         return CUDA_ERROR_NOT_FOUND;
     }

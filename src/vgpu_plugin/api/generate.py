@@ -1,12 +1,12 @@
-"""Regenerates the Python modules of the two kubelet protos.
+"""Regenerates the Python modules of the kubelet protos.
 
 Run from anywhere: ``python -m vgpu_plugin.api.generate`` (needs grpcio-tools, a test extra).
 
 The protos are compiled with ``src/`` as the include root, so each one is registered under
 its package path (``vgpu_plugin/api/deviceplugin/v1beta1/api.proto``) and the generated
 ``*_pb2_grpc.py`` already imports its messages as ``vgpu_plugin.api....api_pb2``: no import
-line needs rewriting, and the two files both named ``api.proto`` cannot clash in protobuf's
-descriptor pool. The outputs are committed; tests/integration/test_api_stubs.py regenerates
+line needs rewriting, and the files all named ``api.proto`` cannot clash in protobuf's
+descriptor pool. The outputs are committed; tests/kubelet/test_api_stubs.py regenerates
 them into a temporary directory and fails if they differ from the committed ones.
 """
 
@@ -21,6 +21,9 @@ SRC_ROOT = API_DIR.parent.parent
 PROTOS = (
     Path("vgpu_plugin/api/deviceplugin/v1beta1/api.proto"),
     Path("vgpu_plugin/api/podresources/v1/api.proto"),
+    Path("vgpu_plugin/api/pluginregistration/v1/api.proto"),
+    Path("vgpu_plugin/api/dra/v1/api.proto"),
+    Path("vgpu_plugin/api/dra/v1beta1/api.proto"),
 )
 OUTPUT_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 

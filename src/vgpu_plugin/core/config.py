@@ -8,6 +8,8 @@ validated tree into frozen values and checks what spans several keys.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -15,7 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from vgpu_plugin.core.schema import resource_name_problem
+from vgpu_plugin.core import cdi, defaults
+from vgpu_plugin.core.schema import FLAG_MATCHES, SCHEMA, resource_name_problem, show
 from vgpu_plugin.core.validate import check_tree
 from vgpu_plugin.core.yamltext import YamlProblem, load_yaml
 
@@ -111,15 +114,49 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    """The DRA driver (docs/dra.md): whether it runs, its name, its GPUs (globs of UUIDs or
+    indexes), and the request policies of the memory (bytes) and compute (percent) capacities."""
+
+    enabled: bool = False
+    driver_name: str = "gpu.vgpu-plugin.io"
+    gpus: tuple[str, ...] = ("all",)
+    memory: tuple[int, int, int] = (1 << 30, 256 << 20, 256 << 20)  # default, minimum, step
+    compute: tuple[int, int, int] = (10, 1, 1)
+
+    def serves(self, gpu: PhysicalGpu) -> bool:
+        """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
+        if not self.enabled:
+            return False
+        return any(
+            p == "all" or fnmatchcase(gpu.uuid, p) or fnmatchcase(str(gpu.index), p)
+            for p in self.gpus
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = "v1"
-    resource_name: str = "nvidia.com/gpu"
+    resource_name: str = defaults.RESOURCE_NAME
     sharing: Sharing = Sharing()
     overrides: tuple[Override, ...] = ()
-    host_root: str = "/usr/local/vgpu"
+    host_root: str = defaults.HOST_ROOT
     health: HealthConfig = HealthConfig()
+    # How Allocate names the GPUs to the runtime (core/cdi.py), and the driver's own limit.
+    device_list_strategy: tuple[str, ...] = cdi.DEFAULT_STRATEGIES
+    driver_memory_limit: bool = True
     # From NVIDIA's time-slicing format: Allocate refuses containers asking for several slices.
     fail_requests_greater_than_one: bool = False
+    # From NVIDIA's flags: false makes serve wait instead of exiting when NVML cannot start.
+    fail_on_init_error: bool = True
+    # NVIDIA's flags given that have no effect here, one line each (check-config prints them).
+    ignored_flags: tuple[str, ...] = ()
+    dra: DraConfig = DraConfig()
+
+
+# The most errors a ConfigError's text lists (all stay in ``errors``): a file of 60,000 bad
+# keys must not make a log line of 60,000 lines.
+SHOWN_ERRORS = 20
 
 
 class ConfigError(ValueError):
@@ -131,10 +168,63 @@ class ConfigError(ValueError):
         if len(self.errors) == 1:
             text = f"{source}: {self.errors[0]}"
         else:
-            text = f"{source}: {len(self.errors)} errors:\n" + "\n".join(
-                f"  {e}" for e in self.errors
-            )
+            shown = [f"  {e}" for e in self.errors[:SHOWN_ERRORS]]
+            if len(self.errors) > SHOWN_ERRORS:
+                shown.append(f"  ... and {len(self.errors) - SHOWN_ERRORS} more")
+            text = f"{source}: {len(self.errors)} errors:\n" + "\n".join(shown)
         super().__init__(text)
+
+
+# A ConfigMap holds at most 1 MiB; anything larger is not a config.
+MAX_FILE_BYTES = 1 << 20
+
+
+class UnreadableFile(ValueError):
+    """A file cannot be read as text; the message says why (not the path: callers add it)."""
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def read_text_file(path: str | Path, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of the regular file at ``path`` (symlinks followed), never blocking:
+    a FIFO, a directory or a device is refused rather than read, and so is a file over
+    ``limit`` bytes. Raises :class:`UnreadableFile`."""
+    try:
+        # O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UnreadableFile(f"cannot read the file: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+            raise UnreadableFile(f"not a regular file ({kind})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise UnreadableFile(f"cannot read the file: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise UnreadableFile(f"larger than {limit} bytes")
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def default_config() -> Config:
@@ -162,12 +252,9 @@ def parse_config(text: str, source: str = "<config>") -> Config:
 def load_config(path: str | Path) -> Config:
     """Read and parse the file at ``path``; a symlink (ConfigMap mounts swap one) is followed."""
     try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], str(path)) from None
-    except UnicodeDecodeError as exc:
-        problem = f"not UTF-8 text: {exc.reason} at byte {exc.start}"
-        raise ConfigError([problem], str(path)) from None
+        text = read_text_file(path)
+    except UnreadableFile as exc:
+        raise ConfigError([str(exc)], str(path)) from None
     return parse_config(text, str(path))
 
 
@@ -220,6 +307,8 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
     overrides = tuple(_override(i, item, errors) for i, item in enumerate(items))
     health = tree.get("health", {})
     defaults = HealthConfig()
+    flags: Mapping[str, Any] = tree.get("flags", {})
+    fail_on_init = flags.get("failOnInitError")
     return Config(
         version=tree.get("version", Config.version),
         resource_name=resource,
@@ -231,7 +320,52 @@ def _build(tree: Mapping[str, Any], errors: list[str]) -> Config:
             recovery_seconds=health.get("recoverySeconds", defaults.recovery_seconds),
         ),
         fail_requests_greater_than_one=fail_over_one,
+        device_list_strategy=tree.get("deviceListStrategy", Config.device_list_strategy),
+        driver_memory_limit=tree.get("driverMemoryLimit", Config.driver_memory_limit),
+        fail_on_init_error=True if fail_on_init is None else fail_on_init,
+        ignored_flags=_ignored_flags(flags),
+        dra=_dra(tree.get("dra", {}), errors),
     )
+
+
+def _dra(tree: Mapping[str, Any], errors: list[str]) -> DraConfig:
+    base = DraConfig()
+    policies = []
+    for key, names, default in (
+        ("memory", ("default", "minimum", "step"), base.memory),
+        ("compute", ("default", "minimum", "step"), base.compute),
+    ):
+        sub = tree.get(key, {})
+        d, lo, step = (sub.get(n, v) for n, v in zip(names, default, strict=True))
+        if d < lo or (d - lo) % step:
+            errors.append(
+                f"dra.{key}.default: {d} must be minimum ({lo}) plus a multiple of step ({step})"
+            )
+        policies.append((d, lo, step))
+    return DraConfig(
+        enabled=tree.get("enabled", base.enabled),
+        driver_name=tree.get("driverName", base.driver_name),
+        gpus=tuple(tree.get("gpus", base.gpus)),
+        memory=policies[0],
+        compute=policies[1],
+    )
+
+
+_NO_MATCH = object()
+
+
+def _ignored_flags(flags: Mapping[str, Any], prefix: str = "flags") -> tuple[str, ...]:
+    """``path: value: ignored (why)`` for every NVIDIA flag given that has no effect here."""
+    why = {spec.path: spec.ignored_why for spec in SCHEMA if spec.ignored_why}
+    out: list[str] = []
+    for key, value in flags.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            out.extend(_ignored_flags(value, path))
+        elif value is not None and path in why and FLAG_MATCHES.get(path, _NO_MATCH) != value:
+            shown = ", ".join(value) if isinstance(value, tuple) else show(value)
+            out.append(f"{path}: {shown}: ignored ({why[path]})")
+    return tuple(out)
 
 
 def _time_slicing(sliced: Mapping[str, Any], errors: list[str]) -> tuple[str, int] | None:

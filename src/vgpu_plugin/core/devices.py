@@ -17,6 +17,20 @@ MIB = 1 << 20
 
 
 @dataclass(frozen=True)
+class GpuLimit:
+    """What one container may use of one physical GPU: the one shape of a limit, from the grant
+    through the limits file, the records and the region to the node's view."""
+
+    uuid: str
+    memory_bytes: int
+    compute_percent: int  # 1..100; 0: not limited
+
+    @property
+    def memory_mib(self) -> int:
+        return self.memory_bytes // MIB
+
+
+@dataclass(frozen=True)
 class PhysicalGpu:
     """A GPU as discovery (NVML) reports it; ``memory_total`` in bytes."""
 
@@ -91,7 +105,8 @@ def device_id(gpu_uuid: str, k: int) -> str:
     return f"{gpu_uuid}-{k}"
 
 
-_DEVICE_ID = re.compile(r"^(\S*[^\s-])-(0|[1-9][0-9]{0,5})$")
+# \Z, not $: "$" also matches before a final newline, and "<id>\n" is not an ID.
+_DEVICE_ID = re.compile(r"^(\S*[^\s-])-(0|[1-9][0-9]{0,5})\Z")
 
 
 def parse_device_id(text: str) -> tuple[str, int] | None:

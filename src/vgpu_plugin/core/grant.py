@@ -1,4 +1,6 @@
-"""What one container gets: the requested slices, merged per physical GPU.
+"""What one container gets: the requested slices, merged per physical GPU, or (DRA) the
+amounts a claim consumed of each GPU. Either way the result is one ``Grant``, from which
+``core/allocation.py`` builds the same envs, mounts, limits file and CDI spec.
 
 Several slices of one GPU in one container add up: two 20389 MiB / 25 % slices are one GPU
 limited to 40778 MiB / 50 % (the ancestor plugin gave such a container one slice's memory).
@@ -12,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vgpu_plugin.core.devices import MIB, NodePlan, PhysicalGpu, Slice, parse_device_id
+from vgpu_plugin.core.devices import MIB, GpuLimit, NodePlan, PhysicalGpu, Slice, parse_device_id
 
 # Safe as a file name: it names the limits file and the per-container dir on the host.
 ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -33,12 +35,7 @@ class GpuGrant:
 
     gpu: PhysicalGpu
     slice_ids: tuple[str, ...]
-    memory_mib: int
-    compute_percent: int
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.memory_mib * MIB
+    limit: GpuLimit
 
 
 @dataclass(frozen=True)
@@ -101,8 +98,9 @@ def grant(plan: NodePlan, device_ids: Sequence[str], allocation_id: str) -> Gran
             GpuGrant(
                 gpu=gpu_plan.gpu,
                 slice_ids=tuple(s.id for s in sorted(slices, key=lambda s: s.k)),
-                memory_mib=sum(s.memory_mib for s in slices),
-                compute_percent=min(100, compute),
+                limit=GpuLimit(
+                    gpu_plan.gpu.uuid, sum(s.memory_mib for s in slices) * MIB, min(100, compute)
+                ),
             )
         )
         oversubscribed = oversubscribed or gpu_plan.sharing.oversubscribed
@@ -132,3 +130,48 @@ def _slice(plan: NodePlan, device_id: str) -> Slice:
         f" slices (0..{count - 1})",
         device_id,
     )
+
+
+@dataclass(frozen=True)
+class Amount:
+    """What a grant by amount asks of one GPU (a DRA claim's consumed capacity): memory in
+    bytes, compute in percent (0: not limited)."""
+
+    uuid: str
+    memory_bytes: int
+    compute_percent: int
+
+
+def grant_amounts(
+    gpus: Sequence[PhysicalGpu], amounts: Sequence[Amount], allocation_id: str
+) -> Grant:
+    """A grant from amounts instead of slices: amounts on one GPU add up (compute capped at
+    100), GPUs in physical index order; :class:`InvalidRequest` for a GPU that is not one of
+    ``gpus``, no amount at all, or more memory than the GPU has."""
+    check_allocation_id(allocation_id)
+    if not amounts:
+        raise InvalidRequest("empty request: no GPU amounts")
+    by_uuid = {g.uuid: g for g in gpus}
+    memory: dict[str, int] = {}
+    compute: dict[str, int] = {}
+    for a in amounts:
+        if a.uuid not in by_uuid:
+            raise InvalidRequest(f"GPU {a.uuid} is not one of this node's GPUs", a.uuid)
+        if a.memory_bytes < 1 or not 0 <= a.compute_percent <= 100:
+            raise InvalidRequest(
+                f"GPU {a.uuid}: memory {a.memory_bytes} bytes and compute"
+                f" {a.compute_percent}% are not a valid amount (memory >= 1, compute 0..100)",
+                a.uuid,
+            )
+        memory[a.uuid] = memory.get(a.uuid, 0) + a.memory_bytes
+        compute[a.uuid] = compute.get(a.uuid, 0) + a.compute_percent
+    out: list[GpuGrant] = []
+    for gpu in sorted((by_uuid[u] for u in memory), key=lambda g: g.index):
+        if memory[gpu.uuid] > gpu.memory_total:
+            raise InvalidRequest(
+                f"GPU {gpu.uuid}: {memory[gpu.uuid]} bytes asked, the GPU has {gpu.memory_total}",
+                gpu.uuid,
+            )
+        limit = GpuLimit(gpu.uuid, memory[gpu.uuid], min(100, compute[gpu.uuid]))
+        out.append(GpuGrant(gpu=gpu, slice_ids=(), limit=limit))
+    return Grant(allocation_id, tuple(out), oversubscribed=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from vgpu_plugin.core.devices import GpuLimit
 from vgpu_plugin.core.grant import ALLOCATION_ID, Grant
 
 HEADER = "vgpu-limits 1"
@@ -18,13 +19,6 @@ HEADER = "vgpu-limits 1"
 _UUID = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces
 _BYTES = re.compile(r"^[1-9][0-9]{0,19}$")
 _PERCENT = re.compile(r"^(0|[1-9][0-9]{0,2})$")
-
-
-@dataclass(frozen=True)
-class GpuLimit:
-    uuid: str
-    memory_bytes: int
-    sm_percent: int  # 0: not limited
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,7 @@ def limits_of(grant: Grant) -> Limits:
     return Limits(
         allocation_id=grant.allocation_id,
         oversubscribe=grant.oversubscribed,
-        gpus=tuple(GpuLimit(g.gpu.uuid, g.memory_bytes, g.compute_percent) for g in grant.gpus),
+        gpus=tuple(g.limit for g in grant.gpus),
     )
 
 
@@ -59,7 +53,7 @@ def format_limits(limits: Limits) -> str:
         f"allocation {limits.allocation_id}",
         f"oversubscribe {int(limits.oversubscribe)}",
     ]
-    lines += [f"gpu {g.uuid} {g.memory_bytes} {g.sm_percent}" for g in limits.gpus]
+    lines += [f"gpu {g.uuid} {g.memory_bytes} {g.compute_percent}" for g in limits.gpus]
     return "\n".join(lines) + "\n"
 
 

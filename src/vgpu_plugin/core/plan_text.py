@@ -1,9 +1,8 @@
-"""The node plan in words (what ``vgpu-plugin check-config`` prints), and the size of the
-ListAndWatch message that advertises it."""
+"""The node plan in words (what ``vgpu-plugin check-config`` prints)."""
 
 from __future__ import annotations
 
-from vgpu_plugin.core.devices import GpuPlan, NodePlan, Slice
+from vgpu_plugin.core.devices import GpuPlan, NodePlan
 
 _COLUMNS = (
     "GPU",
@@ -60,34 +59,3 @@ def _row(g: GpuPlan) -> tuple[str, ...]:
         sharing.placement,
         "default" if g.override is None else f"overrides[{g.override}]",
     )
-
-
-def _varint_len(value: int) -> int:
-    if value < 0:
-        return 10  # negative int64s always take ten bytes
-    n = 1
-    while value >= 0x80:
-        value >>= 7
-        n += 1
-    return n
-
-
-def _field_len(payload: int) -> int:
-    """A length-delimited field with a one-byte tag (field numbers below 16)."""
-    return 1 + _varint_len(payload) + payload
-
-
-def _device_len(s: Slice, health: str) -> int:
-    size = _field_len(len(s.id.encode())) + _field_len(len(health.encode()))
-    if s.numa_node is not None:
-        # topology { nodes { ID: numa } }; proto3 leaves ID 0 out of the wire.
-        numa = 0 if s.numa_node == 0 else 1 + _varint_len(s.numa_node)
-        size += _field_len(_field_len(numa))
-    return size
-
-
-def listandwatch_size(plan: NodePlan, health: str = "Unhealthy") -> int:
-    """Exact size in bytes of the serialized ListAndWatchResponse when every slice reports
-    ``health`` (the default, the longer of the two, gives the upper bound) and carries its NUMA
-    node as the one topology node when known. The kubelet drops messages over 4 MiB."""
-    return sum(_field_len(_device_len(s, health)) for s in plan.all_slices())

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from vgpu_plugin.core import cdi, defaults
+
 SPLIT_MAX = 256
 
 
@@ -46,6 +48,8 @@ class KeySpec:
     required: bool = False
     same_keys_as: str = ""
     check: Check | None = field(default=None, compare=False, repr=False)
+    # For NVIDIA's flags that have no effect here: why (check-config reports them).
+    ignored_why: str = ""
 
     @property
     def is_container(self) -> bool:
@@ -65,6 +69,22 @@ class KeySpec:
         return self.path.rsplit(".", 1)[0] if "." in self.path else ""
 
 
+SHOWN_CHARS = 60
+
+
+def clip(value: object) -> str:
+    """``repr(value)``, cut to about 60 characters: an error quotes a 10 MB value by its start
+    and its length, never whole."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return (
+        text
+        if len(text) <= SHOWN_CHARS + 20
+        else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+    )
+
+
 def show(value: object) -> str:
     """A raw value as an error message quotes it, in YAML's words for null and booleans."""
     if value is None:
@@ -73,7 +93,7 @@ def show(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return "a map" if isinstance(value, dict) else "a list"
-    return repr(value)
+    return clip(value)
 
 
 def yaml_text(value: object) -> str:
@@ -156,10 +176,18 @@ _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 def resource_name_problem(name: str) -> str | None:
-    """Why ``name`` is not a Kubernetes extended resource name, or None when it is one."""
+    """Why ``name`` is not a Kubernetes extended resource name this plugin may advertise, or
+    None when it is one."""
     domain, slash, short = name.partition("/")
     if not slash or not domain or not short:
         return "must be <domain>/<name> (e.g. nvidia.com/gpu)"
+    if short.lower().startswith("mig-"):
+        # NVIDIA's MIG resources (nvidia.com/mig-1g.5gb) name GPU instances; ours would be
+        # slices of whole GPUs, and pods asking for a MIG profile would get something else.
+        return (
+            "is a MIG resource name; vgpu-plugin splits whole GPUs and serves no MIG devices"
+            " (use nvidia.com/gpu or a name of your own)"
+        )
     if len(domain) > 253 or not _DOMAIN.match(domain):
         return f"domain {domain!r} is not a DNS subdomain (lowercase letters, digits, - and .)"
     if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
@@ -200,6 +228,55 @@ def boolean(value: object) -> object:
     return value
 
 
+def optional(check: Check) -> Check:
+    """``check``, letting null through as not given (NVIDIA's flags are Go pointers: null is
+    the same as leaving the key out)."""
+
+    def checked(value: object) -> object:
+        return None if value is None else check(value)
+
+    return checked
+
+
+def text(value: object) -> object:
+    if not isinstance(value, str):
+        raise Invalid(f"must be a string, got {show(value)}")
+    return value
+
+
+def text_or_number(value: object) -> object:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise Invalid(f"must be a string or a number, got {show(value)}")
+    return value
+
+
+def strategies(*choices: str) -> Check:
+    """One strategy or a list of them, each one of ``choices``; cleaned to a tuple."""
+    each = one_of(*choices)
+
+    def check(value: object) -> object:
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise Invalid(f"must be {_words(choices)} or a list of them, got an empty list")
+        for i, item in enumerate(items):
+            try:
+                each(item)
+            except Invalid as exc:
+                raise Invalid(exc.message, f"[{i}]" if isinstance(value, list) else "") from None
+        return tuple(items)
+
+    return check
+
+
+def mig_strategy(value: object) -> object:
+    if value in ("single", "mixed"):
+        raise Invalid(
+            f"vgpu-plugin splits whole GPUs and serves no MIG devices: must be none, got"
+            f" {show(value)}"
+        )
+    return one_of("none")(value)
+
+
 def string_list(value: object) -> object:
     if value is None:
         return ()
@@ -236,6 +313,43 @@ def xid_list(value: object) -> object:
     return tuple(sorted(set(value)))
 
 
+def device_list_strategy(value: object) -> object:
+    """NVIDIA's names, one (``volume-mounts``) or several (a list, or comma-separated)."""
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items: str | list[str] = value
+    elif isinstance(value, str):
+        items = value
+    else:
+        raise Invalid(f"must be a strategy name or a list of them, got {show(value)}")
+    try:
+        return cdi.parse_strategies(items)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from None
+
+
+def _dns_subdomain(value: object) -> object:
+    if not isinstance(value, str) or not re.match(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$", value):
+        raise Invalid(f"{show(value)} is not a lowercase DNS subdomain (e.g. gpu.example.com)")
+    if "." not in value:
+        raise Invalid(f"{show(value)} needs a domain (e.g. gpu.example.com)")
+    return value
+
+
+def _bytes_quantity(value: object) -> object:
+    """A byte size as Kubernetes writes it (``256Mi``, ``1Gi``) or a plain number of bytes."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    m = re.match(r"^([1-9][0-9]*)(Ki|Mi|Gi|Ti)?$", text) if isinstance(text, str) else None
+    if m is None:
+        raise Invalid(f"{show(value)} is not a size (e.g. 256Mi, 1Gi, or bytes)")
+    return int(m.group(1)) << {None: 0, "Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40}[m.group(2)]
+
+
+def _gpu_selectors(value: object) -> object:
+    items = string_list(value)
+    assert isinstance(items, tuple)
+    return items
+
+
 def _leaf(
     path: str,
     type_: str,
@@ -248,14 +362,127 @@ def _leaf(
     return KeySpec(path, type_, default, allowed, description, required=required, check=check)
 
 
+_NVIDIA_FLAG = "NVIDIA device plugin flag"
+_IGNORED = "Accepted and ignored (check-config lists it):"
+
+
+_Kind = tuple[str, str, Check]  # type, allowed, check
+
+
+def _flag(path: str, kind: _Kind, why: str) -> KeySpec:
+    type_, allowed, check = kind
+    description = f"{_NVIDIA_FLAG}. {_IGNORED} {why}"
+    return KeySpec(path, type_, None, allowed, description, check=optional(check), ignored_why=why)
+
+
+_BOOL: _Kind = ("boolean", "true | false", boolean)
+_TEXT: _Kind = ("string", "", text)
+_GFD = "gpu-feature-discovery's, not a device plugin's."
+
+NVIDIA_FLAGS: tuple[KeySpec, ...] = (
+    KeySpec(
+        "flags",
+        "map",
+        None,
+        "",
+        "NVIDIA device plugin's flags block (its config file v1), accepted so that its configs"
+        " load unchanged; the flags that mean something here are honoured, check-config lists"
+        " the others as ignored.",
+    ),
+    _leaf(
+        "flags.migStrategy",
+        "string",
+        None,
+        "none",
+        f"{_NVIDIA_FLAG}, honoured: none is what vgpu-plugin does (whole GPUs); single and"
+        " mixed are refused, as no MIG device is served.",
+        optional(mig_strategy),
+    ),
+    _leaf(
+        "flags.failOnInitError",
+        "boolean",
+        True,
+        "true | false",
+        f"{_NVIDIA_FLAG}, honoured: false makes serve wait (advertising nothing) instead of"
+        " exiting when NVML cannot be initialised.",
+        optional(boolean),
+    ),
+    _flag(
+        "flags.restartOnDeviceUnhealthy",
+        _BOOL,
+        "unhealthy GPUs are advertised Unhealthy and come back by themselves.",
+    ),
+    _flag(
+        "flags.nvidiaDriverRoot",
+        _TEXT,
+        "the plugin loads NVML from its image's library path and passes no device nodes.",
+    ),
+    _flag("flags.nvidiaDevRoot", _TEXT, "no device nodes are passed (the runtime does it)."),
+    _flag("flags.mpsRoot", _TEXT, "MPS is not used."),
+    _flag("flags.gdsEnabled", _BOOL, "no GPUDirect Storage devices are passed."),
+    _flag("flags.mofedEnabled", _BOOL, "no MOFED devices are passed."),
+    _flag("flags.gdrcopyEnabled", _BOOL, "no gdrcopy devices are passed."),
+    _flag("flags.useNodeFeatureAPI", _BOOL, _GFD),
+    _flag(
+        "flags.deviceDiscoveryStrategy",
+        _TEXT,
+        "GPUs are always found through NVML.",
+    ),
+    KeySpec("flags.plugin", "map", None, "", "NVIDIA device plugin's own flags."),
+    _flag(
+        "flags.plugin.passDeviceSpecs",
+        _BOOL,
+        "no device specs are passed; the NVIDIA runtime mounts the GPUs (false is what happens).",
+    ),
+    _flag(
+        "flags.plugin.deviceListStrategy",
+        (
+            "string or list of strings",
+            "envvar | volume-mounts | cdi-annotations | cdi-cri",
+            strategies("envvar", "volume-mounts", "cdi-annotations", "cdi-cri"),
+        ),
+        "the GPUs are always passed as NVIDIA_VISIBLE_DEVICES (envvar is what happens).",
+    ),
+    _flag(
+        "flags.plugin.deviceIDStrategy",
+        ("string", "uuid | index", one_of("uuid", "index")),
+        "NVIDIA_VISIBLE_DEVICES always names GPUs by UUID (uuid is what happens).",
+    ),
+    _flag("flags.plugin.cdiAnnotationPrefix", _TEXT, "CDI is not used."),
+    _flag("flags.plugin.nvidiaCTKPath", _TEXT, "CDI is not used."),
+    _flag("flags.plugin.containerDriverRoot", _TEXT, "no driver files are passed."),
+    KeySpec("flags.gfd", "map", None, "", "gpu-feature-discovery's flags."),
+    _flag("flags.gfd.oneshot", _BOOL, _GFD),
+    _flag("flags.gfd.noTimestamp", _BOOL, _GFD),
+    _flag("flags.gfd.sleepInterval", ("string or number", "", text_or_number), _GFD),
+    _flag("flags.gfd.outputFile", _TEXT, _GFD),
+    _flag("flags.gfd.machineTypeFile", _TEXT, _GFD),
+)
+
+# The value of an ignored flag at which vgpu-plugin does what the flag asks anyway; a flag
+# given with another value (or any value, for those not here) is reported as ignored.
+FLAG_MATCHES: Mapping[str, object] = {
+    "flags.plugin.passDeviceSpecs": False,
+    "flags.plugin.deviceListStrategy": ("envvar",),
+    "flags.plugin.deviceIDStrategy": "uuid",
+}
+
 _RESOURCE = "<domain>/<name>"
 
 SCHEMA: tuple[KeySpec, ...] = (
-    _leaf("version", "string", "v1", "v1", "Schema version of this file.", one_of("v1")),
+    _leaf(
+        "version",
+        "string",
+        None,
+        "v1",
+        "Schema version of this file.",
+        one_of("v1"),
+        required=True,
+    ),
     _leaf(
         "resourceName",
         "string",
-        "nvidia.com/gpu",
+        defaults.RESOURCE_NAME,
         _RESOURCE,
         "Extended resource the slices are advertised as; pods request it in their limits.",
         resource_name,
@@ -422,10 +649,31 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "hostRoot",
         "string",
-        "/usr/local/vgpu",
+        defaults.HOST_ROOT,
         "absolute path",
         "Host directory holding the shim, ld.so.preload, limits files and per-container dirs.",
         absolute_path,
+    ),
+    _leaf(
+        "deviceListStrategy",
+        "string or list of strings",
+        cdi.DEFAULT_STRATEGIES,
+        " | ".join(cdi.STRATEGIES),
+        "How Allocate names a container's GPUs to the runtime (NVIDIA's names; several at"
+        " once allowed, envvar and volume-mounts excluded together). volume-mounts and the CDI"
+        " strategies need the toolkit settings in docs/security.md; envvar lets any pod that"
+        " sets NVIDIA_VISIBLE_DEVICES itself have every GPU unless the toolkit ignores it.",
+        device_list_strategy,
+    ),
+    _leaf(
+        "driverMemoryLimit",
+        "boolean",
+        True,
+        "true | false",
+        "Also set NVIDIA_GPU_MEMORY_REQUEST and NVIDIA_GPU_MEMORY_LIMIT (whole MiB), which the"
+        " toolkit's apply-cuda-memory-limits hook hands to the driver, for containers where"
+        " one limit fits all their GPUs and memory is not oversubscribed.",
+        boolean,
     ),
     KeySpec("health", "map", None, "", "GPU health checking."),
     _leaf(
@@ -443,6 +691,82 @@ SCHEMA: tuple[KeySpec, ...] = (
         ">= 0",
         "Seconds without a new critical XID after which an unhealthy GPU is healthy again.",
         number_above(0.0, inclusive=True),
+    ),
+    *NVIDIA_FLAGS,
+    KeySpec("dra", "map", None, "", "The DRA driver (docs/dra.md): pods claim amounts of a GPU."),
+    _leaf(
+        "dra.enabled",
+        "boolean",
+        False,
+        "true | false",
+        "Serve the DRA driver for the GPUs in dra.gpus; the device plugin keeps the others.",
+        boolean,
+    ),
+    _leaf(
+        "dra.driverName",
+        "string",
+        "gpu.vgpu-plugin.io",
+        "DNS subdomain",
+        "The driver's name in ResourceSlices, DeviceClasses and claims.",
+        _dns_subdomain,
+    ),
+    _leaf(
+        "dra.gpus",
+        "list of strings",
+        ("all",),
+        "all, or glob patterns",
+        "GPUs served by DRA, by UUID or index ('0', 'GPU-709f*'); all: every GPU.",
+        _gpu_selectors,
+    ),
+    KeySpec("dra.memory", "map", None, "", "The request policy of a GPU's memory capacity."),
+    _leaf(
+        "dra.memory.default",
+        "string or integer",
+        1 << 30,
+        "size",
+        "Memory a claim gets when it does not ask (also an extended-resource request's).",
+        _bytes_quantity,
+    ),
+    _leaf(
+        "dra.memory.minimum",
+        "string or integer",
+        256 << 20,
+        "size",
+        "The least memory a claim may ask for.",
+        _bytes_quantity,
+    ),
+    _leaf(
+        "dra.memory.step",
+        "string or integer",
+        256 << 20,
+        "size",
+        "A claim's memory is rounded up to minimum + a multiple of this.",
+        _bytes_quantity,
+    ),
+    KeySpec("dra.compute", "map", None, "", "The request policy of a GPU's compute capacity."),
+    _leaf(
+        "dra.compute.default",
+        "integer",
+        10,
+        "1..100",
+        "Compute share (percent) a claim gets when it does not ask.",
+        int_in(1, 100),
+    ),
+    _leaf(
+        "dra.compute.minimum",
+        "integer",
+        1,
+        "1..100",
+        "The least compute a claim may ask for.",
+        int_in(1, 100),
+    ),
+    _leaf(
+        "dra.compute.step",
+        "integer",
+        1,
+        "1..100",
+        "A claim's compute is rounded up to this step.",
+        int_in(1, 100),
     ),
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from vgpu_plugin.core.schema import Invalid, KeySpec, children, show, spec_for
+from vgpu_plugin.core.schema import SHOWN_CHARS, Invalid, KeySpec, children, clip, show, spec_for
 
 
 def check_tree(data: object, errors: list[str]) -> dict[str, Any]:
@@ -36,7 +36,9 @@ def _map(value: dict[Any, Any], spec_path: str, shown: str, errors: list[str]) -
             continue
         child = allowed.get(key)
         if child is None:
-            errors.append(f"{_join(shown, key)}: {_unknown(key, allowed)}")
+            named = key if len(key) <= SHOWN_CHARS and key.isprintable() else clip(key)
+            hint = len(errors) < _HINTS  # difflib for each of 60,000 bad keys is seconds
+            errors.append(f"{_join(shown, named)}: {_unknown(key, allowed, hint)}")
             continue
         clean = _value(item, child, _join(shown, key), errors)
         if clean is not _BAD:
@@ -47,10 +49,17 @@ def _map(value: dict[Any, Any], spec_path: str, shown: str, errors: list[str]) -
     return out
 
 
-def _unknown(key: str, allowed: dict[str, KeySpec]) -> str:
+_HINTS = 100
+
+
+def _unknown(key: str, allowed: dict[str, KeySpec], suggest: bool = True) -> str:
     if not allowed:
         return "unknown key"
-    guess = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    guess = (
+        difflib.get_close_matches(key[: SHOWN_CHARS * 2], allowed, n=1, cutoff=0.6)
+        if suggest
+        else []
+    )
     hint = f"did you mean {guess[0]}? " if guess else ""
     return f"unknown key ({hint}known keys: {', '.join(allowed)})"
 

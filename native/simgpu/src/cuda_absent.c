@@ -1,0 +1,162 @@
+/* Entry points for what the simulator does not model, so that clients which resolve them at
+ * start-up (PyTorch's driver table, NVIDIA's runtime) find them. Each answers as a driver
+ * without the feature would: CUDA_ERROR_NOT_SUPPORTED, or, for peers, "no peer access". */
+#include "cuda_internal.h"
+
+#define ABSENT CUDA_ERROR_NOT_SUPPORTED
+
+/* --- peers: no GPU of the node can map another's memory (cuDeviceCanAccessPeer says 0) ----- */
+
+CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
+    CUresult rc = sim_ctx_valid(peerContext);
+    if (rc != CUDA_SUCCESS) return rc;
+    return Flags ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+}
+
+CUresult cuCtxDisablePeerAccess(CUcontext peerContext) {
+    CUresult rc = sim_ctx_valid(peerContext);
+    return rc != CUDA_SUCCESS ? rc : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED;
+}
+
+CUresult cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice src, CUdevice dst) {
+    (void)attrib;
+    CUresult rc = sim_device(src, NULL);
+    if (rc == CUDA_SUCCESS) rc = sim_device(dst, NULL);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!value || src == dst) return CUDA_ERROR_INVALID_DEVICE;
+    *value = 0;
+    return CUDA_SUCCESS;
+}
+
+/* --- sharing memory between processes: device memory is private anonymous memory here ------ */
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr) { (void)pHandle, (void)dptr; return ABSENT; }
+CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+    (void)pdptr, (void)handle, (void)Flags;
+    return ABSENT;
+}
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags) {
+    (void)pdptr, (void)handle, (void)Flags;
+    return ABSENT;
+}
+CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) { (void)dptr; return ABSENT; }
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                      CUmemAllocationHandleType handleType, unsigned long long flags) {
+    (void)shareableHandle, (void)handle, (void)handleType, (void)flags;
+    return ABSENT;
+}
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                        CUmemAllocationHandleType shHandleType) {
+    (void)handle, (void)osHandle, (void)shHandleType;
+    return ABSENT;
+}
+
+/* --- stream memory operations ---------------------------------------------------------------- */
+
+CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+CUresult cuStreamWriteValue32_v2_ptsz(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+CUresult cuStreamWriteValue32(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+CUresult cuStreamWriteValue32_ptsz(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+
+/* --- multicast objects (NVLink switches) ------------------------------------------------------ */
+
+CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop) {
+    (void)mcHandle, (void)prop;
+    return ABSENT;
+}
+CUresult cuMulticastAddDevice(CUmemGenericAllocationHandle mcHandle, CUdevice dev) { (void)mcHandle, (void)dev; return ABSENT; }
+CUresult cuMulticastBindMem(CUmemGenericAllocationHandle mcHandle, size_t mcOffset, CUmemGenericAllocationHandle memHandle,
+                            size_t memOffset, size_t size, unsigned long long flags) {
+    (void)mcHandle, (void)mcOffset, (void)memHandle, (void)memOffset, (void)size, (void)flags;
+    return ABSENT;
+}
+CUresult cuMulticastUnbind(CUmemGenericAllocationHandle mcHandle, CUdevice dev, size_t mcOffset, size_t size) {
+    (void)mcHandle, (void)dev, (void)mcOffset, (void)size;
+    return ABSENT;
+}
+
+/* --- green contexts and device resources -------------------------------------------------- */
+
+CUresult cuCtxFromGreenCtx(CUcontext *pContext, CUgreenCtx hCtx) { (void)pContext, (void)hCtx; return ABSENT; }
+CUresult cuGreenCtxCreate(CUgreenCtx *phCtx, CUdevResourceDesc desc, CUdevice dev, unsigned int flags) {
+    (void)phCtx, (void)desc, (void)dev, (void)flags;
+    return ABSENT;
+}
+CUresult cuGreenCtxDestroy(CUgreenCtx hCtx) { (void)hCtx; return ABSENT; }
+CUresult cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority) {
+    (void)phStream, (void)greenCtx, (void)flags, (void)priority;
+    return ABSENT;
+}
+CUresult cuDeviceGetDevResource(CUdevice device, CUdevResource *resource, CUdevResourceType type) {
+    (void)device, (void)resource, (void)type;
+    return ABSENT;
+}
+CUresult cuDevResourceGenerateDesc(CUdevResourceDesc *phDesc, CUdevResource *resources, unsigned int nbResources) {
+    (void)phDesc, (void)resources, (void)nbResources;
+    return ABSENT;
+}
+
+/* --- driver logs ------------------------------------------------------------------------------ */
+
+CUresult cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUlogsCallbackHandle *callback_out) {
+    (void)callbackFunc, (void)userData, (void)callback_out;
+    return ABSENT;
+}
+CUresult cuLogsUnregisterCallback(CUlogsCallbackHandle callback) { (void)callback; return ABSENT; }
+
+/* --- module globals: opaque images have no symbol table to look in -------------------------- */
+
+static CUresult module_global(CUmodule hmod, const char *name) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!hmod || hmod->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
+    (void)dptr, (void)bytes;
+    return module_global(hmod, name);
+}
+
+CUresult cuModuleGetGlobal(CUdeviceptr_v1 *dptr, unsigned int *bytes, CUmodule hmod, const char *name) {
+    (void)dptr, (void)bytes;
+    return module_global(hmod, name);
+}
+
+CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name) {
+    (void)dptr, (void)bytes;
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    struct CUmod_st *m = (struct CUmod_st *)(void *)library;
+    if (!m || m->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_SELF(cuCtxDisablePeerAccess)
+SIM_SELF(cuCtxEnablePeerAccess)
+SIM_SELF(cuCtxFromGreenCtx)
+SIM_SELF(cuDevResourceGenerateDesc)
+SIM_SELF(cuDeviceGetDevResource)
+SIM_SELF(cuDeviceGetP2PAttribute)
+SIM_SELF(cuGreenCtxCreate)
+SIM_SELF(cuGreenCtxDestroy)
+SIM_SELF(cuGreenCtxStreamCreate)
+SIM_SELF(cuIpcCloseMemHandle)
+SIM_SELF(cuIpcGetMemHandle)
+SIM_SELF(cuIpcOpenMemHandle)
+SIM_SELF(cuIpcOpenMemHandle_v2)
+SIM_SELF(cuLibraryGetGlobal)
+SIM_SELF(cuLogsRegisterCallback)
+SIM_SELF(cuLogsUnregisterCallback)
+SIM_SELF(cuMemExportToShareableHandle)
+SIM_SELF(cuMemImportFromShareableHandle)
+SIM_SELF(cuModuleGetGlobal)
+SIM_SELF(cuModuleGetGlobal_v2)
+SIM_SELF(cuMulticastAddDevice)
+SIM_SELF(cuMulticastBindMem)
+SIM_SELF(cuMulticastCreate)
+SIM_SELF(cuMulticastUnbind)
+SIM_SELF(cuStreamWriteValue32)
+SIM_SELF(cuStreamWriteValue32_ptsz)
+SIM_SELF(cuStreamWriteValue32_v2)
+SIM_SELF(cuStreamWriteValue32_v2_ptsz)

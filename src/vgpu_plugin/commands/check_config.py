@@ -1,0 +1,98 @@
+"""``vgpu-plugin check-config FILE``: validate a config and show what it would do on a node.
+
+The plan is computed for the GPUs NVML sees here; where NVML is not available (an admin's
+laptop, CI), for a hypothetical node given by ``--gpus/--gpu-model/--gpu-memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vgpu_plugin.core.config import ConfigError, load_config
+from vgpu_plugin.core.devices import PhysicalGpu, plan_node
+from vgpu_plugin.core.plan_text import render_plan
+from vgpu_plugin.core.sizes import parse_size
+from vgpu_plugin.kubelet.backend import ListTooLargeError, check_list_size
+from vgpu_plugin.kubelet.plugin import advertised_devices
+from vgpu_plugin.node.config_watch import NodeLabelsError, read_node_labels
+from vgpu_plugin.node.nvml import NvmlUnavailable, discover, nvml_session
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the config file to check")
+    p.add_argument("--node-name", default="", help="node name for overrides")
+    p.add_argument("--node-labels-file", help="node labels (key=value lines) for overrides")
+    p.add_argument("--gpus", type=int, default=1, help="without NVML: number of GPUs")
+    p.add_argument("--gpu-model", default="NVIDIA H100 80GB HBM3", help="without NVML: model")
+    p.add_argument("--gpu-memory", default="81559m", help="without NVML: memory per GPU")
+    p.add_argument("--no-nvml", action="store_true", help="use the hypothetical node even here")
+
+
+MAX_GPUS = 1024
+EXIT_USAGE = 2
+
+
+def _hypothetical(args: argparse.Namespace, memory: int) -> list[PhysicalGpu]:
+    return [
+        PhysicalGpu(
+            i,
+            f"GPU-00000000-0000-0000-0000-{i:012d}",
+            args.gpu_model,
+            memory,
+            i,
+            f"00000000:{i + 1:02X}:00.0",
+            None,
+        )
+        for i in range(args.gpus)
+    ]
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """Why the hypothetical node's flags are wrong, or None."""
+    if not 0 <= args.gpus <= MAX_GPUS:
+        return f"--gpus: must be 0..{MAX_GPUS}, got {args.gpus}"
+    try:
+        memory = parse_size(args.gpu_memory, "--gpu-memory")
+    except ValueError as exc:
+        return str(exc)
+    if memory < 1 << 20:
+        return f"--gpu-memory: must be at least 1m, got {args.gpu_memory!r}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _usage_problem(args)
+    if problem is not None:
+        print(f"vgpu-plugin check-config: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = load_config(Path(args.file))
+        labels = read_node_labels(Path(args.node_labels_file) if args.node_labels_file else None)
+    except (ConfigError, NodeLabelsError) as exc:
+        print(f"{args.file}: invalid\n{exc}", file=sys.stderr)
+        return 1
+    source = "this node (NVML)"
+    gpus: list[PhysicalGpu] = []
+    if not args.no_nvml:
+        try:
+            with nvml_session():
+                gpus = discover()
+        except NvmlUnavailable:
+            gpus = []
+    if not gpus:
+        gpus = _hypothetical(args, parse_size(args.gpu_memory))
+        source = f"a hypothetical node of {args.gpus} x {args.gpu_model} (no NVML here)"
+    plan = plan_node(config, gpus, args.node_name, labels)
+    print(f"{args.file}: valid. Plan for {source}:")
+    print(render_plan(plan))
+    for line in config.ignored_flags:
+        print(f"NVIDIA flag {line}")
+    try:
+        size = check_list_size(advertised_devices(plan, {}))
+    except ListTooLargeError as exc:
+        print(f"but it cannot be served: {exc}", file=sys.stderr)
+        return 1
+    print(f"ListAndWatch message: {size} bytes (limit 4194304)")
+    return 0

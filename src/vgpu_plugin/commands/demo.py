@@ -1,0 +1,71 @@
+"""``vgpu-plugin demo``: a whole GPU node, simulated, showing each limit at work.
+
+The scenario lives with the simulation (sim/demo.py), which the DaemonSet image does not ship;
+this command only picks how containers run here and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from vgpu_plugin.node import native
+
+HOW = {
+    "runc": "containers under runc",
+    "namespace": "containers as processes in private mount and pid namespaces (no runc here)",
+    "preload": "containers as plain processes with the shim in LD_PRELOAD (not root)",
+}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seconds", type=float, default=4.0, help="how long workloads run")
+    p.add_argument("--keep", action="store_true", help="keep the work dir (logs, state)")
+    p.add_argument(
+        "--runtime",
+        default="auto",
+        choices=["auto", *HOW],
+        help="how containers run: runc where it can, else namespaces as root, else LD_PRELOAD "
+        "(default: %(default)s)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    try:
+        from vgpu_plugin.sim import demo
+        from vgpu_plugin.sim.process import choose_runtime
+    except ImportError as exc:
+        print(f"vgpu-plugin demo: the simulator is not part of this install ({exc}); the "
+              "DaemonSet image ships without it. Install from the source tree: pip install .",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        runtime, why = choose_runtime(args.runtime)
+        native.shim_library()
+        native.simgpu_dir()
+    except (ValueError, native.NativeArtifactMissing) as exc:
+        print(f"vgpu-plugin demo: {exc}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="vgpu-demo-"))
+    say(f"vgpu-plugin demo: one simulated GPU node, the real plugin, {HOW[runtime]}")
+    if runtime != "runc":
+        say(f"      ({why})")
+    rc = 0
+    try:
+        pods = demo.run_demo(work, args.seconds, say, runtime)
+        rc = 0 if all(p.held for p in pods) else 1
+    except Exception as exc:
+        print(f"vgpu-plugin demo failed: {exc} (logs in {work})", file=sys.stderr)
+        args.keep = True
+        rc = 1
+    if args.keep:
+        say(f"work dir kept: {work} (plugin.log has the plugin's log)")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return rc

@@ -1,0 +1,364 @@
+"""``vgpu-plugin serve``: the DaemonSet's process, wiring the edges around the backend.
+
+Start-up order matters to the kubelet: everything that can refuse to start (config, NVML,
+shim, device-list size) is checked before the socket is served and Register is called, so a
+broken node never advertises devices it cannot allocate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+
+from vgpu_plugin.commands.logs import setup_logging
+from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
+from vgpu_plugin.commands.settings import ServeSettings
+from vgpu_plugin.core.config import Config, ConfigError, default_config
+from vgpu_plugin.kubelet.backend import ListTooLargeError
+from vgpu_plugin.kubelet.checkpoint import read_checkpoint
+from vgpu_plugin.kubelet.plugin import VgpuBackend
+from vgpu_plugin.kubelet.podresources import list_assignments
+from vgpu_plugin.kubelet.server import DevicePluginServer
+from vgpu_plugin.kubelet.servicer import ServerHooks
+from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
+from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
+from vgpu_plugin.node.health import HealthChange, HealthTracker
+from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
+from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
+from vgpu_plugin.node.nodeview import gpu_facts_from_plan, live_processes, view_provider
+from vgpu_plugin.node.nvml import (
+    HealthWatcher,
+    NvmlUnavailable,
+    discover,
+    nvml_memory_used,
+    nvml_session,
+)
+from vgpu_plugin.node.state import AllocationStore, read_records
+
+log = logging.getLogger("vgpu_plugin.commands.serve")
+
+# Exit codes a DaemonSet's operator can tell apart in `kubectl describe`.
+EXIT_CONFIG = 2
+EXIT_NODE = 3
+
+
+class StartupError(RuntimeError):
+    """The plugin cannot start on this node; the message says what to fix. ``wait``: rather
+    than exit, wait to be stopped (NVIDIA's ``failOnInitError: false``)."""
+
+    def __init__(self, message: str, code: int, wait: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.wait = wait
+
+
+def _with_host_root(config: Config, host_root: str | None) -> Config:
+    return config if host_root is None else dataclasses.replace(config, host_root=host_root)
+
+
+def _load_config(
+    settings: ServeSettings, watcher: ConfigWatcher
+) -> tuple[Config, Mapping[str, str]]:
+    try:
+        labels = read_node_labels(settings.node_labels_file)
+    except (OSError, NodeLabelsError) as exc:
+        raise StartupError(f"node labels file: {exc}", EXIT_CONFIG) from exc
+    if not settings.config.exists():
+        log.warning("config %s does not exist: running with the defaults", settings.config)
+        return default_config(), labels
+    try:
+        return watcher.load_initial()
+    except (ConfigError, NodeLabelsError, OSError) as exc:
+        raise StartupError(f"config {settings.config} is invalid: {exc}", EXIT_CONFIG) from exc
+
+
+class Plugin:
+    """Everything ``serve`` runs, started and stopped as one."""
+
+    def __init__(
+        self, settings: ServeSettings, shim_version: Callable[[str], str] | None = None
+    ) -> None:
+        self.settings = settings
+        self._shim_version = shim_version or _installed_shim_version
+        self._stop = threading.Event()
+        self._server: DevicePluginServer | None = None
+        self._health: HealthWatcher | None = None
+        self._watcher = ConfigWatcher(
+            settings.config,
+            settings.node_labels_file,
+            self._on_config,
+            on_error=self._reload_failed,
+        )
+        self._tracker: HealthTracker | None = None
+        self.backend: VgpuBackend | None = None
+        self._metrics: PluginMetrics | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._cleaner: Cleaner | None = None
+        self._dra: DraRunner | None = None
+
+    def start(self) -> None:
+        s = self.settings
+        config, labels = _load_config(s, self._watcher)
+        config = _with_host_root(config, s.host_root)
+        for line in config.ignored_flags:
+            log.warning("NVIDIA flag %s", line)
+        try:
+            with nvml_session():
+                gpus = discover()
+        except NvmlUnavailable as exc:
+            raise StartupError(
+                f"{exc}: is the NVIDIA driver loaded on this node?",
+                EXIT_NODE,
+                wait=not config.fail_on_init_error,
+            ) from exc
+        if not gpus:
+            log.warning("NVML reports no GPU on this node: advertising no devices")
+        version = self._shim_version(config.host_root)
+        _make_shared_dir(Path(s.lock_dir))
+        store = _open_store(s.state_dir)
+        gpus, dra_gpus = split_gpus(config, gpus)
+        if config.dra.enabled:
+            try:
+                self._dra = DraRunner(
+                    config, dra_gpus, s.node_name, s.state_dir, version, s.lock_dir,
+                    s.cdi_spec_dir,
+                )  # fmt: skip
+                self._dra.start()
+            except (RuntimeError, OSError) as exc:
+                raise StartupError(f"DRA driver: {exc}", EXIT_NODE) from exc
+        try:
+            self.backend = VgpuBackend(
+                gpus, config, s.node_name, labels, store, version, s.lock_dir,
+                cdi_spec_dir=s.cdi_spec_dir,
+            )  # fmt: skip
+        except ListTooLargeError as exc:
+            raise StartupError(str(exc), EXIT_CONFIG) from exc
+        for g in self.backend.plan.gpus:
+            log.info(
+                "GPU %d %s %s: %d slices of %d MiB, compute %d%%",
+                g.gpu.index,
+                g.gpu.uuid,
+                g.gpu.name,
+                len(g.slices),
+                g.slice_memory_mib,
+                g.slice_compute_percent,
+            )
+        log.info("%d allocation records on file in %s", len(store.all()), s.state_dir)
+        tracker = self._tracker = HealthTracker(
+            [g.uuid for g in gpus] + [g.uuid for g in dra_gpus],
+            ignored_xids=frozenset(config.health.ignored_xids),
+            recovery_seconds=config.health.recovery_seconds,
+        )
+        self._start_metrics(store)
+        watched = [g.uuid for g in gpus] + [g.uuid for g in dra_gpus]
+        self._health = HealthWatcher(tracker, watched, self._on_health)
+        self._health.start()
+        self._server = self._new_server(config.resource_name)
+        self._server.start()
+        self._watcher.start()
+        self._cleaner = Cleaner(
+            Path(config.host_root),
+            store.all,
+            store.remove,
+            lambda: list_assignments(s.pod_resources_socket, self._resource_name(), timeout=2.0),
+            relabel=store_relabeler(store),
+            still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
+            grace=s.cleanup_grace,
+            cdi_spec_dir=Path(s.cdi_spec_dir),
+            checkpoint=lambda: read_checkpoint(s.device_plugin_dir),
+            mark_released=store_release_marker(store),
+        )
+        self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
+
+    def _resource_name(self) -> str:
+        assert self.backend is not None
+        return self.backend.config.resource_name
+
+    def _host_root(self) -> str:
+        assert self.backend is not None
+        return self.backend.config.host_root
+
+    def _start_metrics(self, store: AllocationStore) -> None:
+        backend = self.backend
+        assert backend is not None
+        provider = view_provider(
+            Path(backend.config.host_root),
+            lambda: read_records(self.settings.state_dir)[0],
+            lambda: gpu_facts_from_plan(backend.plan, backend.unhealthy, nvml_memory_used()),
+        )
+        self._metrics = new_registry(provider)
+        try:
+            self._metrics_server, port = serve_metrics(
+                self.settings.metrics_address, self._metrics.registry
+            )
+        except (OSError, ValueError) as exc:
+            raise StartupError(
+                f"cannot serve metrics on {self.settings.metrics_address}: {exc}", EXIT_NODE
+            ) from exc
+        log.info("metrics on %s (port %d)", self.settings.metrics_address, port)
+
+    def _new_server(self, resource_name: str) -> DevicePluginServer:
+        assert self.backend is not None
+        metrics = self._metrics
+
+        def on_register(endpoint: str) -> None:
+            if metrics is not None:
+                metrics.registrations.inc()
+
+        def on_rpc(method: str, seconds: float, code: str | None) -> None:
+            if metrics is not None and method == "Allocate":
+                metrics.allocate_seconds.observe(seconds)
+                if code is not None:
+                    metrics.allocate_errors.inc()
+
+        return DevicePluginServer(
+            self.backend,
+            resource_name,
+            self.settings.device_plugin_dir,
+            hooks=ServerHooks(on_register=on_register, on_rpc=on_rpc),
+        )
+
+    def _on_health(self, changes: list[HealthChange]) -> None:
+        assert self.backend is not None
+        self.backend.apply_health(changes)
+        if self._dra is not None:
+            for c in changes:
+                self._dra.apply_health(c.uuid, c.healthy)
+        if self._metrics is not None:
+            for c in changes:
+                self._metrics.health_changed(c.healthy)
+
+    def _reload_failed(self, _: Exception) -> None:
+        if self._metrics is not None:
+            self._metrics.config_reloaded(False)
+
+    def _on_config(self, config: Config, labels: Mapping[str, str]) -> None:
+        backend = self.backend
+        if backend is None:
+            return
+        config = _with_host_root(config, self.settings.host_root)
+        old_resource = backend.config.resource_name
+        if config.host_root != backend.config.host_root:
+            # Running containers mount the old root; new ones would get a root where no shim
+            # was installed (the init container installs it at start).
+            log.error(
+                "config refused, keeping the running one: hostRoot %s -> %s needs a restart "
+                "of the plugin (its init container installs the shim there)",
+                backend.config.host_root,
+                config.host_root,
+            )
+            self._reload_failed(ValueError("hostRoot changed"))
+            return
+        try:
+            backend.apply_config(config, labels)
+        except (ValueError, ListTooLargeError) as exc:
+            log.error("config refused, keeping the running one: %s", exc)
+            self._reload_failed(exc)
+            return
+        if self._metrics is not None:
+            self._metrics.config_reloaded(True)
+        if self._dra is not None:
+            self._dra.apply_config(config)
+        if self._tracker is not None:
+            # Health settings apply from the next event on.
+            self._tracker.ignored_xids = frozenset(config.health.ignored_xids)
+            self._tracker.recovery_seconds = config.health.recovery_seconds
+        if config.resource_name != old_resource and self._server is not None:
+            # The kubelet knows a plugin by its resource name: serve and register anew.
+            log.info(
+                "resource name %s -> %s: registering again", old_resource, config.resource_name
+            )
+            self._server.stop()
+            self._server = self._new_server(config.resource_name)
+            self._server.start()
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self) -> None:
+        self._watcher.stop()
+        if self._cleaner is not None:
+            self._cleaner.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self._server is not None:
+            self._server.stop()
+        if self._health is not None:
+            self._health.stop()
+        if self._dra is not None:
+            self._dra.stop()
+        log.info("stopped")
+
+
+def _make_shared_dir(path: Path) -> None:
+    """The node-wide lock dir every container mounts: it must exist before the first one
+    starts (a bind mount of a missing host path fails the container) and be usable by any uid."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o1777)
+    except OSError as exc:
+        raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
+
+
+def _open_store(state_dir: Path) -> AllocationStore:
+    """The allocation records, in a dir that must be writable now: finding out at the first
+    Allocate would fail a pod instead of the plugin's start."""
+    try:
+        store = AllocationStore(state_dir)
+        probe = state_dir / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(
+            f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",
+            EXIT_NODE,
+        ) from exc
+    return store
+
+
+def _installed_shim_version(host_root: str) -> str:
+    try:
+        return installed_shim_version(Path(host_root))
+    except ShimNotInstalled as exc:
+        raise StartupError(str(exc), EXIT_NODE) from exc
+
+
+def run(settings: ServeSettings) -> int:
+    try:
+        setup_logging(settings.log_format, settings.log_level)
+    except ValueError as exc:
+        print(f"vgpu-plugin serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    logging.getLogger("filelock").setLevel(logging.WARNING)  # one line per lock is noise
+    plugin = Plugin(settings)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %s: stopping", signal.Signals(signum).name)
+        plugin.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        plugin.start()
+    except StartupError as exc:
+        log.error("cannot start: %s", exc)
+        plugin.stop()
+        if exc.wait:
+            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped.
+            log.info("failOnInitError is false: waiting, advertising nothing, until stopped")
+            plugin.wait()
+            return 0
+        return exc.code
+    plugin.wait()
+    plugin.stop()
+    return 0

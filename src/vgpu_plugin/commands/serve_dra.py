@@ -1,0 +1,88 @@
+"""``serve``'s DRA half (docs/dra.md): started beside the device plugin when the config's
+``dra.enabled`` is true, for the GPUs ``dra.gpus`` selects; the device plugin keeps the rest.
+
+The driver needs the API server (claims, the node's ResourceSlice): in-cluster credentials,
+or the kubeconfig file in ``KUBECONFIG`` outside a cluster. Its sockets are in the kubelet's
+``plugins_registry`` and ``plugins`` dirs (``VGPU_DRA_REGISTRY_DIR``, ``VGPU_DRA_PLUGINS_DIR``
+to move them, for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from vgpu_plugin.core import dra
+from vgpu_plugin.core.config import Config
+from vgpu_plugin.core.devices import PhysicalGpu
+from vgpu_plugin.kubelet.dra.driver import DraDriver
+from vgpu_plugin.kubelet.dra.server import DraServer
+from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.kubeapi import ApiError, KubeApi
+from vgpu_plugin.node.nvml import NvmlUnavailable, device_facts
+
+log = logging.getLogger("vgpu_plugin.commands.serve")
+
+API_TIMEOUT_S = 10.0
+
+
+def split_gpus(
+    config: Config, gpus: Sequence[PhysicalGpu]
+) -> tuple[list[PhysicalGpu], list[PhysicalGpu]]:
+    """(the device plugin's GPUs, the DRA driver's GPUs)."""
+    ours = [g for g in gpus if config.dra.serves(g)]
+    return [g for g in gpus if g not in ours], ours
+
+
+class DraRunner:
+    """The DRA driver and its sockets, started and stopped with ``serve``."""
+
+    def __init__(
+        self,
+        config: Config,
+        gpus: Sequence[PhysicalGpu],
+        node_name: str,
+        state_dir: Path,
+        shim_version: str,
+        lock_dir: str,
+        cdi_spec_dir: str,
+    ) -> None:
+        try:
+            api = KubeApi(API_TIMEOUT_S, os.environ.get("KUBECONFIG") or None)
+        except Exception as exc:  # the client's config errors have no common base
+            raise RuntimeError(f"no access to the API server for the DRA driver: {exc}") from exc
+        try:
+            facts = device_facts()
+        except NvmlUnavailable as exc:
+            log.warning("no compute capability or driver version for the slice: %s", exc)
+            facts = {}
+        self.driver = DraDriver(
+            gpus, config, node_name, PreparedClaims(state_dir), api, api, shim_version,
+            facts=facts, lock_dir=lock_dir, cdi_spec_dir=cdi_spec_dir,
+        )  # fmt: skip
+        self.server = DraServer(
+            self.driver,
+            os.environ.get("VGPU_DRA_REGISTRY_DIR", dra.REGISTRY_DIR),
+            os.environ.get("VGPU_DRA_PLUGINS_DIR", dra.PLUGINS_DIR),
+            on_registered=lambda: self.driver.publish("registered with the kubelet"),
+        )
+
+    def start(self) -> None:
+        for g in self.driver.gpus:
+            log.info("GPU %d %s %s: DRA", g.index, g.uuid, g.name)
+        self.driver.publish("started")
+        self.server.start()
+
+    def apply_health(self, uuid: str, healthy: bool) -> None:
+        try:
+            self.driver.apply_health(uuid, healthy)
+        except ApiError as exc:  # publish logs its own failures; belt and braces
+            log.error("cannot republish after a health change: %s", exc)
+
+    def apply_config(self, config: Config) -> None:
+        self.driver.apply_config(config)
+
+    def stop(self) -> None:
+        self.server.stop()

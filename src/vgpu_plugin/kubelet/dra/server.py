@@ -1,0 +1,212 @@
+"""The DRA driver's gRPC edge: plugin registration and the DRAPlugin service (v1, v1beta1).
+
+- The **service socket** ``<plugins dir>/<driver>/dra.sock`` serves ``v1.DRAPlugin`` and
+  ``v1beta1.DRAPlugin``.
+- The **registration socket** ``<registry dir>/<driver>-reg.sock`` serves
+  ``pluginregistration.Registration``: the kubelet's plugin watcher finds it, asks
+  ``GetInfo`` (type ``DRAPlugin``, the driver name, the service socket, the service names) and
+  reports with ``NotifyRegistrationStatus``. A kubelet that restarts finds the socket again
+  and registers the driver anew, having deleted the node's ResourceSlices: the driver
+  republishes on every successful registration (``on_registered``).
+
+A supervisor thread re-serves when either socket file disappears (a kubelet that wipes its
+directories), so the driver does not depend on being restarted with the kubelet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from vgpu_plugin.api.dra.v1 import api_pb2 as v1
+from vgpu_plugin.api.dra.v1 import api_pb2_grpc as v1_grpc
+from vgpu_plugin.api.dra.v1beta1 import api_pb2 as v1beta1
+from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
+from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from vgpu_plugin.core import dra
+from vgpu_plugin.kubelet.dra.driver import ClaimRef, DraDriver
+
+log = logging.getLogger(__name__)
+
+SERVICE_SOCKET = "dra.sock"
+
+
+def _prepare(driver: DraDriver, request: Any, pb: Any, with_share_id: bool) -> Any:
+    out = pb.NodePrepareResourcesResponse()
+    for c in request.claims:
+        entry = out.claims[c.uid]
+        try:
+            devices = driver.prepare(ClaimRef(c.namespace, c.uid, c.name))
+        except ValueError as exc:
+            log.error("cannot prepare claim %s/%s: %s", c.namespace, c.name, exc)
+            entry.error = str(exc)
+            continue
+        for d in devices:
+            fields: dict[str, Any] = {
+                "request_names": list(d.request_names),
+                "pool_name": d.pool_name,
+                "device_name": d.device_name,
+                "cdi_device_ids": list(d.cdi_device_ids),
+            }
+            if with_share_id:
+                fields["share_id"] = d.share_id
+            entry.devices.append(pb.Device(**fields))
+    return out
+
+
+def _unprepare(driver: DraDriver, request: Any, pb: Any) -> Any:
+    out = pb.NodeUnprepareResourcesResponse()
+    for c in request.claims:
+        entry = out.claims[c.uid]
+        try:
+            driver.unprepare(ClaimRef(c.namespace, c.uid, c.name))
+        except (OSError, ValueError) as exc:
+            log.error("cannot unprepare claim %s/%s: %s", c.namespace, c.name, exc)
+            entry.error = str(exc)
+    return out
+
+
+class _V1(v1_grpc.DRAPluginServicer):
+    def __init__(self, driver: DraDriver) -> None:
+        self._driver = driver
+
+    def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        return _prepare(self._driver, request, v1, with_share_id=True)
+
+    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        return _unprepare(self._driver, request, v1)
+
+
+class _V1beta1(v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, driver: DraDriver) -> None:
+        self._driver = driver
+
+    def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        return _prepare(self._driver, request, v1beta1, with_share_id=False)
+
+    def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        return _unprepare(self._driver, request, v1beta1)
+
+
+class _Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, server: DraServer) -> None:
+        self._server = server
+
+    def GetInfo(self, request: Any, context: Any) -> Any:
+        return reg.PluginInfo(
+            type=dra.PLUGIN_TYPE,
+            name=self._server.driver.driver_name,
+            endpoint=str(self._server.service_socket),
+            supported_versions=[dra.SERVICE_V1, dra.SERVICE_V1BETA1],
+        )
+
+    def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        self._server.registration_status(bool(request.plugin_registered), request.error)
+        return reg.RegistrationStatusResponse()
+
+
+class DraServer:
+    """Serves the driver's two sockets and keeps them there."""
+
+    def __init__(
+        self,
+        driver: DraDriver,
+        registry_dir: Path | str = dra.REGISTRY_DIR,
+        plugins_dir: Path | str = dra.PLUGINS_DIR,
+        *,
+        on_registered: Callable[[], object] | None = None,
+        poll_interval: float = 0.5,
+        max_workers: int = 8,
+    ) -> None:
+        self.driver = driver
+        self.registry_dir = Path(registry_dir)
+        self.service_socket = Path(plugins_dir) / driver.driver_name / SERVICE_SOCKET
+        self.registration_socket = self.registry_dir / f"{driver.driver_name}-reg.sock"
+        self._on_registered = on_registered
+        self._poll = poll_interval
+        self._max_workers = max_workers
+        self._grpc: Any = None
+        self._stopping = threading.Event()
+        self._registered = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.registrations = 0
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def registration_status(self, registered: bool, error: str) -> None:
+        if not registered:
+            self._registered.clear()
+            log.error("the kubelet refused DRA driver %s: %s", self.driver.driver_name, error)
+            return
+        self.registrations += 1
+        log.info("DRA driver %s registered with the kubelet", self.driver.driver_name)
+        if self._on_registered is not None:
+            # The kubelet deletes the node's slices when it starts: publish again.
+            self._on_registered()
+        self._registered.set()
+
+    def start(self) -> None:
+        if not self.registry_dir.is_dir():
+            raise FileNotFoundError(f"plugin registry directory {self.registry_dir} does not exist")
+        self._serve()
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="dra-server", daemon=True)
+        self._supervisor.start()
+
+    def _serve(self) -> None:
+        self.service_socket.parent.mkdir(parents=True, exist_ok=True)
+        for path in (self.service_socket, self.registration_socket):
+            path.unlink(missing_ok=True)
+        server = grpc.server(ThreadPoolExecutor(max_workers=self._max_workers))
+        v1_grpc.add_DRAPluginServicer_to_server(_V1(self.driver), server)  # type: ignore[no-untyped-call]
+        v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(self.driver), server)  # type: ignore[no-untyped-call]
+        reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)  # type: ignore[no-untyped-call]
+        for path in (self.service_socket, self.registration_socket):
+            if server.add_insecure_port(f"unix://{path}") == 0:
+                server.stop(None)
+                raise RuntimeError(f"cannot serve on {path}")
+        server.start()
+        self._grpc = server
+        log.info(
+            "DRA driver %s serving %s, registration at %s",
+            self.driver.driver_name,
+            self.service_socket,
+            self.registration_socket,
+        )
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(self._poll):
+            if self.service_socket.exists() and self.registration_socket.exists():
+                continue
+            log.warning("a DRA socket disappeared: serving anew")
+            self._registered.clear()
+            old, self._grpc = self._grpc, None
+            if old is not None:
+                old.stop(None).wait()
+            try:
+                self._serve()
+            except (OSError, RuntimeError) as exc:
+                log.error("cannot serve the DRA sockets: %s", exc)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+        if self._grpc is not None:
+            self._grpc.stop(None).wait()
+            self._grpc = None
+        for path in (self.registration_socket, self.service_socket):
+            path.unlink(missing_ok=True)
+        self._registered.clear()

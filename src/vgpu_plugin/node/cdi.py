@@ -1,0 +1,33 @@
+"""The allocations' CDI spec files on the host (docs/contracts.md#device-lists).
+
+One file per allocation in the CDI spec dir (``--cdi-spec-dir``, default ``/var/run/cdi``),
+written atomically before Allocate answers and removed with the allocation. The runtime's CDI
+cache reads only ``*.json`` and ``*.yaml`` there, so the temporary file of an atomic write is
+never taken for a spec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from vgpu_plugin.core import cdi
+from vgpu_plugin.node.atomicfile import write_atomically
+
+
+def spec_path(spec_dir: str | Path, allocation_id: str) -> Path:
+    return Path(spec_dir) / cdi.spec_file_name(allocation_id)
+
+
+def write_spec(spec_dir: str | Path, allocation_id: str, spec: dict[str, Any]) -> Path:
+    """Write the allocation's spec (mode 0644: the runtime reads it); creates the dir."""
+    path = spec_path(spec_dir, allocation_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, (json.dumps(spec, indent=1) + "\n").encode(), 0o644)
+    return path
+
+
+def remove_spec(spec_dir: str | Path, allocation_id: str) -> None:
+    """Remove the allocation's spec; a missing one is fine. ValueError for an unsafe id."""
+    spec_path(spec_dir, allocation_id).unlink(missing_ok=True)

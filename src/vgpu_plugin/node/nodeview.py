@@ -1,0 +1,324 @@
+"""The host's view of the node: GPUs, slices, and each allocation's limits and usage.
+
+One builder feeds both the metrics and ``vgpu-plugin status``. ``build_view`` is pure: it
+joins allocation records (the limits the plugin handed out: the truth about limits), region
+snapshots (what the shim accounted: the truth about usage), pod refs and per-GPU facts
+(NVML). ``read_regions`` is the edge that reads the region files.
+
+A region lives in a directory the tenant can write, so it is checked, not trusted: a missing
+region (no CUDA call yet) reads as zero usage, and one that cannot be read, or that speaks of
+GPUs the allocation does not have, is reported as such and contributes no usage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from vgpu_plugin.core.devices import GpuLimit, NodePlan, parse_device_id
+from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.node.state import AllocationRecord
+
+REGION_OK = "ok"
+REGION_MISSING = "missing"
+
+
+# --- what is read from a region (``region.RegionSnapshot`` has this shape) -------------------
+
+
+class RegionDevice(Protocol):
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def used(self) -> int: ...
+
+
+class RegionProcess(Protocol):
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def used(self) -> Sequence[int]: ...  # per device, in the order of the snapshot's devices
+
+
+class RegionSnapshotLike(Protocol):
+    @property
+    def devices(self) -> Sequence[RegionDevice]: ...
+    @property
+    def processes(self) -> Sequence[RegionProcess]: ...
+
+
+@dataclass(frozen=True)
+class RegionProblem:
+    """A region that gave no usage: ``state`` is 'missing', 'invalid: …' or 'busy: …'."""
+
+    state: str
+
+
+RegionRead = RegionSnapshotLike | RegionProblem
+ReadRegion = Callable[[Path], RegionSnapshotLike]
+
+
+# --- inputs and outputs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What is known of a physical GPU besides the allocations; None: not known."""
+
+    uuid: str
+    index: int | None = None
+    name: str | None = None
+    memory_total: int | None = None
+    slices_total: int | None = None
+    memory_used_nvml: int | None = None
+    healthy: bool | None = None
+
+
+@dataclass(frozen=True)
+class GpuView:
+    uuid: str
+    index: int | None
+    name: str | None
+    slices_total: int | None
+    slices_allocated: int
+    memory_total: int | None
+    memory_limited: int  # bytes: the sum of the allocations' limits on this GPU
+    memory_used_by_containers: int  # bytes: the sum the regions account
+    memory_used_nvml: int | None  # bytes NVML reports used: the gap to the above is drift
+    healthy: bool | None
+
+
+@dataclass(frozen=True)
+class AllocationGpuView:
+    uuid: str
+    memory_limit: int  # bytes
+    memory_used: int | None  # bytes; None: the region could not be trusted
+    compute_limit: int  # percent, 0 = not limited
+    processes: int  # live processes with a charge on this GPU
+
+
+@dataclass(frozen=True)
+class AllocationView:
+    id: str
+    pod: PodRef | None
+    gpus: tuple[AllocationGpuView, ...]
+    processes_alive: int
+    region_state: str  # 'ok', 'missing', 'invalid: …' or 'busy: …'
+    created: float
+    # Held by no container (the cleaner's verdict) and no live process: waiting out the
+    # cleanup grace. Shown, but not counted in the GPUs' slices and limits.
+    ended: bool = False
+
+
+@dataclass(frozen=True)
+class NodeView:
+    gpus: tuple[GpuView, ...]
+    allocations: tuple[AllocationView, ...]
+    # What the view could not see, in words (e.g. NVML not queried, pod-resources down).
+    notes: tuple[str, ...] = ()
+
+
+# --- the edge: region files -----------------------------------------------------------------
+
+
+def region_path(host_root: Path, allocation_id: str) -> Path:
+    """The host path of the region the container sees as /tmp/vgpu/<id>.cache."""
+    return Path(host_root) / "containers" / allocation_id / f"{allocation_id}.cache"
+
+
+def default_read_region() -> ReadRegion:
+    from vgpu_plugin.node import region
+
+    return region.read_region
+
+
+def read_one_region(host_root: Path, allocation_id: str, read_region: ReadRegion) -> RegionRead:
+    path = region_path(host_root, allocation_id)
+    try:
+        return read_region(path)
+    except Exception as exc:  # any failure of a tenant-writable file is a finding, not a crash
+        if not os.path.lexists(path):
+            return RegionProblem(REGION_MISSING)
+        kind = "busy" if type(exc).__name__ == "RegionBusy" else "invalid"
+        return RegionProblem(f"{kind}: {exc}")
+
+
+def read_regions(
+    host_root: Path, allocation_ids: Iterable[str], read_region: ReadRegion | None = None
+) -> dict[str, RegionRead]:
+    reader = read_region or default_read_region()
+    return {i: read_one_region(host_root, i, reader) for i in allocation_ids}
+
+
+def live_processes(
+    host_root: Path, allocation_id: str, read_region: ReadRegion | None = None
+) -> int:
+    """Processes of the allocation's container alive now (0 when its region gives no view).
+    Liveness is the kernel lock each process holds on its slot, so pids are never compared:
+    for cleanup's ``still_running``."""
+    read = read_one_region(host_root, allocation_id, read_region or default_read_region())
+    if isinstance(read, RegionProblem):
+        return 0
+    return sum(1 for p in read.processes if p.alive)
+
+
+# --- the pure part --------------------------------------------------------------------------
+
+
+def _record_pod(record: AllocationRecord) -> PodRef | None:
+    if record.namespace is None or record.pod is None or record.container is None:
+        return None
+    return PodRef(record.namespace, record.pod, record.container)
+
+
+def _limits(record: AllocationRecord) -> list[GpuLimit]:
+    """The limit per GPU; from the device IDs when the record
+    carries no limits (then both are 0: unknown)."""
+    if record.limits:
+        return list(record.limits)
+    uuids: dict[str, None] = {}
+    for d in record.device_ids:
+        parsed = parse_device_id(d)
+        if parsed is not None:
+            uuids[parsed[0]] = None
+    return [GpuLimit(u, 0, 0) for u in uuids]
+
+
+def allocation_view(
+    record: AllocationRecord, region: RegionRead, pod: PodRef | None
+) -> AllocationView:
+    limits = _limits(record)
+    ours = {g.uuid for g in limits}
+    state = region.state if isinstance(region, RegionProblem) else REGION_OK
+    used: dict[str, int] = {}
+    procs: dict[str, int] = {}
+    alive = 0
+    if not isinstance(region, RegionProblem):
+        foreign = [d.uuid for d in region.devices if d.uuid not in ours]
+        if foreign:
+            state = f"invalid: region accounts GPU {foreign[0]}, which this allocation lacks"
+        else:
+            for i, dev in enumerate(region.devices):
+                # Only live processes count: a dead one's charge stays in the region's total
+                # until a tenant process reaps it, but it no longer holds GPU memory.
+                used[dev.uuid] = used.get(dev.uuid, 0) + sum(
+                    int(p.used[i]) for p in region.processes if p.alive and i < len(p.used)
+                )
+                procs[dev.uuid] = sum(
+                    1 for p in region.processes if p.alive and i < len(p.used) and p.used[i] > 0
+                )
+            alive = sum(1 for p in region.processes if p.alive)
+    trusted = state in (REGION_OK, REGION_MISSING)
+    gpus = tuple(
+        AllocationGpuView(
+            uuid=g.uuid,
+            memory_limit=g.memory_bytes,
+            memory_used=used.get(g.uuid, 0) if trusted else None,
+            compute_limit=g.compute_percent,
+            processes=procs.get(g.uuid, 0),
+        )
+        for g in limits
+    )
+    ended = record.released is not None and alive == 0
+    return AllocationView(record.allocation_id, pod, gpus, alive, state, record.created, ended)
+
+
+def build_view(
+    records: Sequence[AllocationRecord],
+    regions: Mapping[str, RegionRead],
+    gpus: Sequence[GpuFacts],
+    pods: Mapping[str, PodRef] | None = None,
+    notes: Sequence[str] = (),
+) -> NodeView:
+    """The node as one value. ``pods``: each allocation's container (default: what the records
+    were labelled with); an allocation absent from ``regions`` reads as region 'missing'.
+    Ended allocations are listed but count in no GPU's slices, limits or usage."""
+    missing = RegionProblem(REGION_MISSING)
+    allocations = tuple(
+        allocation_view(
+            r,
+            regions.get(r.allocation_id, missing),
+            pods.get(r.allocation_id) if pods is not None else _record_pod(r),
+        )
+        for r in sorted(records, key=lambda r: (r.created, r.allocation_id))
+    )
+    ended = {a.id for a in allocations if a.ended}
+    slices: dict[str, set[str]] = {}
+    for r in records:
+        if r.allocation_id in ended:
+            continue
+        for d in r.device_ids:
+            parsed = parse_device_id(d)
+            if parsed is not None:
+                slices.setdefault(parsed[0], set()).add(d)
+    limited: dict[str, int] = {}
+    used: dict[str, int] = {}
+    for a in allocations:
+        if a.ended:
+            continue
+        for g in a.gpus:
+            limited[g.uuid] = limited.get(g.uuid, 0) + g.memory_limit
+            used[g.uuid] = used.get(g.uuid, 0) + (g.memory_used or 0)
+    facts = {f.uuid: f for f in gpus}
+    # GPUs the records name but nobody reported (gone from NVML) are still shown.
+    for uuid in sorted(set(slices) | set(limited)):
+        facts.setdefault(uuid, GpuFacts(uuid))
+    order = sorted(facts.values(), key=lambda f: (f.index is None, f.index or 0, f.uuid))
+    views = tuple(
+        GpuView(
+            uuid=f.uuid,
+            index=f.index,
+            name=f.name,
+            slices_total=f.slices_total,
+            slices_allocated=len(slices.get(f.uuid, ())),
+            memory_total=f.memory_total,
+            memory_limited=limited.get(f.uuid, 0),
+            memory_used_by_containers=used.get(f.uuid, 0),
+            memory_used_nvml=f.memory_used_nvml,
+            healthy=f.healthy,
+        )
+        for f in order
+    )
+    return NodeView(views, allocations, tuple(notes))
+
+
+def gpu_facts_from_plan(
+    plan: NodePlan,
+    unhealthy: Collection[str] = (),
+    memory_used_nvml: Mapping[str, int] | None = None,
+) -> list[GpuFacts]:
+    """The plugin's own facts: its plan (slices per GPU), its health state, NVML's used."""
+    used = memory_used_nvml or {}
+    return [
+        GpuFacts(
+            uuid=g.gpu.uuid,
+            index=g.gpu.index,
+            name=g.gpu.name,
+            memory_total=g.gpu.memory_total,
+            slices_total=len(g.slices),
+            memory_used_nvml=used.get(g.gpu.uuid),
+            healthy=g.gpu.uuid not in unhealthy,
+        )
+        for g in plan.gpus
+    ]
+
+
+def view_provider(
+    host_root: Path,
+    records: Callable[[], Sequence[AllocationRecord]],
+    gpus: Callable[[], Sequence[GpuFacts]],
+    read_region: ReadRegion | None = None,
+    pods: Callable[[], Mapping[str, PodRef]] | None = None,
+) -> Callable[[], NodeView]:
+    """A ``() -> NodeView`` for the metrics collector: reads records and regions at each call,
+    so an allocation shows (with its limits, used 0) from the moment its record exists."""
+
+    def provide() -> NodeView:
+        rs = records()
+        regions = read_regions(host_root, (r.allocation_id for r in rs), read_region)
+        return build_view(rs, regions, gpus(), pods() if pods is not None else None)
+
+    return provide

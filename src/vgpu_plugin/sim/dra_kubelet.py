@@ -1,0 +1,314 @@
+"""A DRA kubelet over real gRPC, and an API server in memory, for the DRA driver's tests.
+
+``DraKubeletEmulator`` does what the kubelet's plugin manager and DRA manager do with a
+driver: it watches the plugin registry directory for sockets, asks each ``GetInfo``, checks
+the answer (type ``DRAPlugin``, a service it speaks, a service socket that answers), reports
+with ``NotifyRegistrationStatus``, and then calls ``NodePrepareResources`` /
+``NodeUnprepareResources`` on the service socket, as ``v1`` or ``v1beta1``. ``restart()``
+behaves like a restarted kubelet: the node's ResourceSlices are deleted (in the fake API
+server) and every driver is registered again.
+
+``FakeApiServer`` holds ResourceClaims and ResourceSlices; it is the driver's
+``ClaimReader`` and ``SlicePublisher``. ``allocate`` writes a claim's allocation the way the
+scheduler does for consumable capacity (rounded up to the policy's step, the default where
+the claim does not ask, a share ID per allocation).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from vgpu_plugin.api.dra.v1 import api_pb2 as v1
+from vgpu_plugin.api.dra.v1 import api_pb2_grpc as v1_grpc
+from vgpu_plugin.api.dra.v1beta1 import api_pb2 as v1beta1
+from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
+from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from vgpu_plugin.core import dra
+from vgpu_plugin.node.kubeapi import ApiError
+
+
+class FakeApiServer:
+    """ResourceClaims and ResourceSlices in memory, with the calls the driver makes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.publishes = 0
+        self.claim_reads = 0
+        self.fail_reads = False
+
+    # --- what tests do ---------------------------------------------------------------------
+
+    def add_claim(
+        self, namespace: str, name: str, requests: Mapping[str, Mapping[str, str]]
+    ) -> dict[str, Any]:
+        """A claim with one request per entry: request name -> capacity requests."""
+        claim = {
+            "apiVersion": dra.API_VERSION,
+            "kind": "ResourceClaim",
+            "metadata": {"namespace": namespace, "name": name, "uid": str(uuid.uuid4())},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": req,
+                            "exactly": {
+                                "deviceClassName": "vgpu.example.com",
+                                **({"capacity": {"requests": dict(caps)}} if caps else {}),
+                            },
+                        }
+                        for req, caps in requests.items()
+                    ]
+                }
+            },
+        }
+        with self._lock:
+            self.claims[(namespace, name)] = claim
+        return claim
+
+    def allocate(self, namespace: str, name: str, device: str, node: str = "") -> dict[str, Any]:
+        """Allocate every request of the claim on ``device`` of the published slice."""
+        with self._lock:
+            claim = self.claims[(namespace, name)]
+            found = [
+                (s, d)
+                for s in self.slices.values()
+                for d in s["spec"]["devices"]
+                if d["name"] == device and (not node or s["spec"]["nodeName"] == node)
+            ]
+            if not found:
+                raise LookupError(f"no published device {device}")
+            sl, dev = found[0]
+            results = []
+            for req in claim["spec"]["devices"]["requests"]:
+                asked = req["exactly"].get("capacity", {}).get("requests", {})
+                consumed = {
+                    cap: _consume(asked.get(cap), spec["requestPolicy"], spec["value"])
+                    for cap, spec in dev["capacity"].items()
+                }
+                results.append(
+                    {
+                        "request": req["name"],
+                        "driver": sl["spec"]["driver"],
+                        "pool": sl["spec"]["pool"]["name"],
+                        "device": device,
+                        "consumedCapacity": consumed,
+                        "shareID": str(uuid.uuid4()),
+                    }
+                )
+            claim["status"] = {
+                "allocation": {
+                    "devices": {"results": results},
+                    "nodeSelector": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchFields": [
+                                    {
+                                        "key": "metadata.name",
+                                        "operator": "In",
+                                        "values": [sl["spec"]["nodeName"]],
+                                    }
+                                ]
+                            }
+                        ]
+                    },
+                }
+            }
+            return copy.deepcopy(claim)
+
+    def delete_node_slices(self, node: str) -> None:
+        with self._lock:
+            for name in [n for n, s in self.slices.items() if s["spec"].get("nodeName") == node]:
+                del self.slices[name]
+
+    # --- what the driver calls -------------------------------------------------------------
+
+    def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+        with self._lock:
+            self.claim_reads += 1
+            if self.fail_reads:
+                raise ApiError(f"GET claim {namespace}/{name}: timed out")
+            try:
+                return copy.deepcopy(self.claims[(namespace, name)])
+            except KeyError:
+                raise ApiError(f"GET claim {namespace}/{name}: 404 Not Found", 404) from None
+
+    def publish(self, resource_slice: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.publishes += 1
+            self.slices[resource_slice["metadata"]["name"]] = copy.deepcopy(dict(resource_slice))
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            self.slices.pop(name, None)
+
+
+def _consume(asked: str | None, policy: Mapping[str, Any], total: str) -> str:
+    """What the scheduler puts in consumedCapacity: the default when not asked, else the
+    request rounded up to min + a multiple of step (quantities as plain numbers)."""
+    if asked is None:
+        return str(policy["default"])
+    value = dra.parse_quantity(asked)
+    valid = policy["validRange"]
+    lo, step = dra.parse_quantity(valid["min"]), dra.parse_quantity(valid["step"])
+    value = max(value, lo)
+    value = lo + math.ceil((value - lo) / step) * step
+    if value > dra.parse_quantity(valid.get("max", total)):
+        raise ValueError(f"cannot allocate {asked}: over the device's {total}")
+    return str(int(value))
+
+
+@dataclass
+class DriverRegistration:
+    name: str
+    endpoint: str
+    versions: tuple[str, ...]
+
+
+class DraKubeletEmulator:
+    """The kubelet's side of a DRA driver: registration from the registry dir, then calls."""
+
+    def __init__(
+        self,
+        registry_dir: Path | str,
+        node_name: str = "node-a",
+        api: FakeApiServer | None = None,
+        *,
+        poll_interval: float = 0.1,
+        call_timeout: float = 10.0,
+    ) -> None:
+        self.registry_dir = Path(registry_dir)
+        self.node_name = node_name
+        self.api = api
+        self._poll = poll_interval
+        self._timeout = call_timeout
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._seen: dict[Path, int] = {}  # socket -> inode registered
+        self.drivers: dict[str, DriverRegistration] = {}
+        self.rejected: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.registry_dir.mkdir(parents=True, exist_ok=True)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, name="dra-kubelet", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def restart(self) -> None:
+        """A kubelet restart: the node's slices go, every driver registers again."""
+        self.stop()
+        with self._lock:
+            self._seen.clear()
+            self.drivers.clear()
+        if self.api is not None:
+            self.api.delete_node_slices(self.node_name)
+        self.start()
+
+    def __enter__(self) -> DraKubeletEmulator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_registered(self, driver: str, timeout: float = 10.0) -> DriverRegistration:
+        with self._cond:
+            if not self._cond.wait_for(lambda: driver in self.drivers, timeout):
+                raise TimeoutError(
+                    f"DRA driver {driver} did not register in {timeout}s; rejected: {self.rejected}"
+                )
+            return self.drivers[driver]
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for path in sorted(self.registry_dir.glob("*.sock")):
+                try:
+                    inode = path.stat().st_ino
+                except FileNotFoundError:
+                    continue
+                if self._seen.get(path) == inode:
+                    continue
+                self._seen[path] = inode
+                self._register(path)
+            self._stop.wait(self._poll)
+
+    def _register(self, path: Path) -> None:
+        try:
+            with grpc.insecure_channel(f"unix://{path}") as channel:
+                stub = reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+                info = stub.GetInfo(reg.InfoRequest(), timeout=self._timeout)
+                problem = self._check(info)
+                stub.NotifyRegistrationStatus(
+                    reg.RegistrationStatus(plugin_registered=problem is None, error=problem or ""),
+                    timeout=self._timeout,
+                )
+        except grpc.RpcError as exc:
+            self.rejected.append(f"{path}: {exc}")
+            return
+        if problem is not None:
+            self.rejected.append(problem)
+            return
+        with self._cond:
+            self.drivers[info.name] = DriverRegistration(
+                info.name, info.endpoint, tuple(info.supported_versions)
+            )
+            self._cond.notify_all()
+
+    def _check(self, info: Any) -> str | None:
+        if info.type != dra.PLUGIN_TYPE:
+            return f"plugin type {info.type!r} is not {dra.PLUGIN_TYPE}"
+        if not ({dra.SERVICE_V1, dra.SERVICE_V1BETA1} & set(info.supported_versions)):
+            return f"{info.name}: no DRA service this kubelet speaks in {info.supported_versions}"
+        if not Path(info.endpoint).is_socket():
+            return f"{info.name}: endpoint {info.endpoint} is not a socket"
+        return None
+
+    def _stub(self, driver: str, version: str) -> tuple[Any, Any, Any]:
+        r = self.drivers.get(driver)
+        if r is None:
+            raise LookupError(f"DRA driver {driver} is not registered")
+        channel = grpc.insecure_channel(f"unix://{r.endpoint}")
+        if version == "v1":
+            return channel, v1_grpc.DRAPluginStub(channel), v1  # type: ignore[no-untyped-call]
+        return channel, v1beta1_grpc.DRAPluginStub(channel), v1beta1  # type: ignore[no-untyped-call]
+
+    def prepare(self, driver: str, *claims: Mapping[str, Any], version: str = "v1") -> Any:
+        """NodePrepareResources for the claims (objects with metadata namespace/name/uid)."""
+        channel, stub, pb = self._stub(driver, version)
+        with channel:
+            return stub.NodePrepareResources(
+                pb.NodePrepareResourcesRequest(claims=[_ref(pb, c) for c in claims]),
+                timeout=self._timeout,
+            )
+
+    def unprepare(self, driver: str, *claims: Mapping[str, Any], version: str = "v1") -> Any:
+        channel, stub, pb = self._stub(driver, version)
+        with channel:
+            return stub.NodeUnprepareResources(
+                pb.NodeUnprepareResourcesRequest(claims=[_ref(pb, c) for c in claims]),
+                timeout=self._timeout,
+            )
+
+
+def _ref(pb: Any, claim: Mapping[str, Any]) -> Any:
+    m = claim["metadata"]
+    return pb.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])

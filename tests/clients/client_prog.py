@@ -1,0 +1,189 @@
+"""A real CUDA client run by the tests of this tier, one scenario per process.
+
+    python client_prog.py cudart <libcudart path> <scenario> [args]
+    python client_prog.py cupy <scenario> [args]
+
+It prints ``key=value`` lines (read back by the tests) and, for ``hold``, prints ``ready`` and
+waits for a line on stdin so the test can look at the node while it runs. Exit status 0 unless
+something unexpected failed; the values say what happened.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from typing import Any
+
+MIB = 1 << 20
+CUDA_SUCCESS = 0
+H2D, D2H = 1, 2  # cudaMemcpyKind
+TOTAL_GLOBAL_MEM_OFFSET = 288  # cudaDeviceProp: name[256], uuid[16], luid[8], mask, pad
+
+
+def out(key: str, value: object) -> None:
+    print(f"{key}={value}", flush=True)
+
+
+def hold() -> None:
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+# --- NVIDIA's runtime through ctypes ------------------------------------------------------------
+
+
+class Runtime:
+    def __init__(self, path: str) -> None:
+        self.rt = ctypes.CDLL(path)
+
+    def check(self, what: str, rc: int) -> None:
+        if rc != CUDA_SUCCESS:
+            raise SystemExit(f"{what}: cudaError {rc}")
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        self.check(
+            "cudaMemGetInfo", self.rt.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total))
+        )
+        return free.value, total.value
+
+    def malloc(self, size: int) -> tuple[int, int]:
+        p = ctypes.c_void_p()
+        rc = self.rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(size))
+        return rc, p.value or 0
+
+    def free(self, ptr: int) -> None:
+        self.check("cudaFree", self.rt.cudaFree(ctypes.c_void_p(ptr)))
+
+    def total_global_mem(self) -> int:
+        prop = ctypes.create_string_buffer(4096)  # larger than cudaDeviceProp in 12.x and 13.x
+        self.check("cudaGetDeviceProperties", self.rt.cudaGetDeviceProperties(prop, 0))
+        return ctypes.c_size_t.from_buffer(prop, TOTAL_GLOBAL_MEM_OFFSET).value
+
+
+def cudart(path: str, scenario: str, args: list[str]) -> None:
+    rt = Runtime(path)
+    version = ctypes.c_int()
+    rt.check("cudaRuntimeGetVersion", rt.rt.cudaRuntimeGetVersion(ctypes.byref(version)))
+    out("runtime", version.value)
+    rt.check("cudaFree(0)", rt.rt.cudaFree(None))  # initialises the primary context
+    free, total = rt.mem_info()
+    out("free", free)
+    out("total", total)
+    out("total_global_mem", rt.total_global_mem())
+    if scenario == "hold":
+        hold()
+    elif scenario == "fill":
+        fill_cudart(rt, int(args[0]))
+    elif scenario == "roundtrip":
+        roundtrip_cudart(rt, int(args[0]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+def fill_cudart(rt: Runtime, chunk: int) -> None:
+    """Allocate until refused, free everything, and see the memory come back."""
+    ptrs: list[int] = []
+    while True:
+        rc, p = rt.malloc(chunk)
+        if rc != CUDA_SUCCESS:
+            out("refusal", rc)
+            break
+        ptrs.append(p)
+    out("allocated", len(ptrs) * chunk)
+    out("full_free", rt.mem_info()[0])
+    for p in ptrs:
+        rt.free(p)
+    out("after_free", rt.mem_info()[0])
+
+
+def roundtrip_cudart(rt: Runtime, size: int) -> None:
+    data = os.urandom(size)
+    src = ctypes.create_string_buffer(data, size)
+    dst = ctypes.create_string_buffer(size)
+    rc, p = rt.malloc(size)
+    rt.check("cudaMalloc", rc)
+    rt.check("H2D", rt.rt.cudaMemcpy(ctypes.c_void_p(p), src, ctypes.c_size_t(size), H2D))
+    rt.check("D2H", rt.rt.cudaMemcpy(dst, ctypes.c_void_p(p), ctypes.c_size_t(size), D2H))
+    rt.free(p)
+    out("roundtrip_exact", int(dst.raw == data))
+
+
+# --- CuPy -------------------------------------------------------------------------------------
+
+
+def cupy_client(scenario: str, args: list[str]) -> None:
+    import cupy as cp
+    import numpy as np
+
+    free, total = cp.cuda.runtime.memGetInfo()
+    out("free", free)
+    out("total", total)
+    out("total_global_mem", cp.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"])
+    if scenario == "hold":
+        hold()
+    elif scenario == "fill":
+        fill_cupy(cp, int(args[0]))
+    elif scenario == "compute":
+        host = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
+        dev = cp.asarray(host)
+        out("roundtrip_exact", int(bool((cp.asnumpy(dev) == host).all())))
+        y = dev * 2 + 1  # an elementwise kernel: NVRTC compiles it, simgpu runs it for 5 us
+        cp.cuda.runtime.deviceSynchronize()
+        out("elementwise_shape", y.shape[0])
+        out("elementwise_dtype", y.dtype)
+    elif scenario == "pace":
+        pace_cupy(cp, np, args[0], float(args[1]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+def fill_cupy(cp: Any, chunk: int) -> None:
+    pool = cp.get_default_memory_pool()
+    held = []
+    try:
+        while True:
+            held.append(cp.empty(chunk, dtype=cp.uint8))
+    except cp.cuda.memory.OutOfMemoryError:
+        out("oom", 1)
+    out("allocated", len(held) * chunk)
+    del held
+    pool.free_all_blocks()  # CuPy caches freed blocks; this gives them back to the driver
+    out("after_free", cp.cuda.runtime.memGetInfo()[0])
+
+
+def pace_cupy(cp: Any, np: Any, module_path: str, seconds: float) -> None:
+    """1 ms kernels (simgpu's built-in simgpu_sleep, loaded through CuPy's RawModule) launched
+    as fast as allowed; the share of wall-clock time they filled after a warm-up second."""
+    kernel = cp.RawModule(path=module_path).get_function("simgpu_sleep")
+    ns = np.uint64(1_000_000)
+
+    def burst() -> int:
+        for _ in range(4):
+            kernel((1,), (1,), (ns,))
+        cp.cuda.runtime.deviceSynchronize()
+        return 4
+
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        burst()
+    start, done = time.monotonic(), 0
+    while time.monotonic() < start + seconds:
+        done += burst()
+    out("share", 100.0 * done * 1e-3 / (time.monotonic() - start))
+
+
+def main() -> None:
+    client, rest = sys.argv[1], sys.argv[2:]
+    if client == "cudart":
+        cudart(rest[0], rest[1], rest[2:])
+    elif client == "cupy":
+        cupy_client(rest[0], rest[1:])
+    else:
+        raise SystemExit(f"unknown client {client}")
+
+
+if __name__ == "__main__":
+    main()

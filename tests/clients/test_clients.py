@@ -1,0 +1,199 @@
+"""NVIDIA's CUDA runtime and CuPy on a simulated node, without and with the shim.
+
+Program: client_prog.py, a real client (libcudart through ctypes, or CuPy) run as its own
+process on a node of 2 x 16 GiB simulated GPUs whose contexts take 300 MiB. With the shim the
+container's limit is 1 GiB on every GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from client_helpers import cudart_path, require_cupy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
+from test_shim_helpers import CONTEXT, GIB, MIB, Result, Shim, parse, read_until
+
+from vgpu_plugin.sim.simgpu import Node
+
+PROG = Path(__file__).resolve().parent / "client_prog.py"
+LIMIT = GIB
+NODE_GPU = 16 * GIB
+ALLOC_ERROR = 2  # cudaErrorMemoryAllocation
+
+# The runtime takes its primary context through the driver's private runtime-interface table
+# (slot 2), which activates it, and only then calls cuDevicePrimaryCtxRetain: the shim sees an
+# active context there and never measures it, so the context's memory is outside the limit.
+SHIM_MISSES_RUNTIME_CONTEXT = pytest.mark.xfail(
+    strict=True,
+    reason="the shim does not charge a primary context the CUDA runtime activated through "
+    "cuGetExportTable (runtime-interface slot 2): its cuDevicePrimaryCtxRetain hook sees it "
+    "already active (shim change needed, see native/simgpu/README.md)",
+)
+
+
+def client_env(shim: Shim, with_shim: bool, **more: str) -> dict[str, str]:
+    limits = {"CUDA_DEVICE_MEMORY_LIMIT": f"{LIMIT // MIB}m", **more} if with_shim else dict(more)
+    return shim.env(limits, shim=with_shim)
+
+
+def run(args: list[str], env: Mapping[str, str], timeout: float = 120) -> Result:
+    proc = subprocess.run(
+        [sys.executable, str(PROG), *args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    r = Result(proc.returncode, parse(proc.stdout), proc.stdout, proc.stderr)
+    assert r.rc == 0, r.stderr
+    return r
+
+
+def capacity(with_shim: bool) -> int:
+    return LIMIT if with_shim else NODE_GPU
+
+
+def cudart_args(major: int, scenario: str, *args: int) -> list[str]:
+    return ["cudart", str(cudart_path(major)), scenario, *map(str, args)]
+
+
+@pytest.fixture
+def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
+    return Shim(native_tree, simgpu_node, tmp_path)
+
+
+MODES = [pytest.param(False, id="bare"), pytest.param(True, id="shim")]
+MAJORS = [12, 13]
+
+
+# --- NVIDIA's runtime ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize("major", MAJORS)
+def test_cudart_sees_the_limit_fills_it_is_refused_and_frees_back(
+    shim: Shim, major: int, with_shim: bool
+) -> None:
+    chunk = 64 * MIB if with_shim else 1 * GIB
+    r = run(cudart_args(major, "fill", chunk), client_env(shim, with_shim))
+    assert r.int("runtime") // 1000 == major
+    cap = capacity(with_shim)
+    assert r.int("total") == cap
+    assert r.int("total_global_mem") == cap
+    assert r.int("refusal") == ALLOC_ERROR
+    allocated = r.int("allocated")
+    assert allocated <= cap
+    # At least 99 % of what the context leaves is usable (whole chunks).
+    assert allocated >= min(0.99 * (cap - CONTEXT), (cap - CONTEXT) // chunk * chunk)
+    assert r.int("after_free") == r.int("free")  # every free gave its memory back
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize("major", MAJORS)
+def test_cudart_host_device_host_round_trip_is_exact(
+    shim: Shim, major: int, with_shim: bool
+) -> None:
+    r = run(cudart_args(major, "roundtrip", 3 * MIB + 17), client_env(shim, with_shim))
+    assert r.int("roundtrip_exact") == 1
+
+
+def hold_and_measure(
+    shim: Shim, args: list[str], env: Mapping[str, str]
+) -> tuple[dict[str, str], int]:
+    """Start a client that initialises and holds; what it printed, and the GPU's physical use."""
+    proc = subprocess.Popen(
+        [sys.executable, str(PROG), *args],
+        env=dict(env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out = read_until(proc, "ready")
+        used = shim.node.gpu(0).used_memory
+    finally:
+        proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0
+    return out, used
+
+
+@pytest.mark.parametrize("major", MAJORS)
+def test_cudart_context_is_charged_once_on_the_gpu(shim: Shim, major: int) -> None:
+    out, used = hold_and_measure(shim, cudart_args(major, "hold"), client_env(shim, False))
+    assert used == CONTEXT
+    assert int(out["free"]) == NODE_GPU - CONTEXT
+
+
+@SHIM_MISSES_RUNTIME_CONTEXT
+@pytest.mark.parametrize("major", MAJORS)
+def test_cudart_context_is_charged_once_under_the_shim(shim: Shim, major: int) -> None:
+    out, used = hold_and_measure(shim, cudart_args(major, "hold"), client_env(shim, True))
+    assert used == CONTEXT  # the GPU holds one context
+    assert int(out["free"]) == LIMIT - CONTEXT  # and the container's view counts it once
+
+
+# --- CuPy ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+def test_cupy_allocates_to_the_limit_raises_out_of_memory_and_frees_back(
+    shim: Shim, with_shim: bool
+) -> None:
+    require_cupy()
+    chunk = 64 * MIB if with_shim else 1 * GIB
+    r = run(["cupy", "fill", str(chunk)], client_env(shim, with_shim))
+    cap = capacity(with_shim)
+    assert (r.int("total"), r.int("total_global_mem")) == (cap, cap)
+    assert r.int("oom") == 1
+    allocated = r.int("allocated")
+    assert min(0.99 * (cap - CONTEXT), (cap - CONTEXT) // chunk * chunk) <= allocated <= cap
+    assert r.int("after_free") == r.int("free")
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+def test_cupy_copies_exactly_and_runs_elementwise_kernels(shim: Shim, with_shim: bool) -> None:
+    require_cupy()
+    r = run(["cupy", "compute"], client_env(shim, with_shim))
+    assert r.int("roundtrip_exact") == 1
+    assert (r.int("elementwise_shape"), r.out["elementwise_dtype"]) == (1 << 16, "float32")
+
+
+def test_cupy_context_is_charged_once_on_the_gpu(shim: Shim) -> None:
+    require_cupy()
+    out, used = hold_and_measure(shim, ["cupy", "hold"], client_env(shim, False))
+    assert used == CONTEXT
+    assert int(out["free"]) == NODE_GPU - CONTEXT
+
+
+@SHIM_MISSES_RUNTIME_CONTEXT
+def test_cupy_context_is_charged_once_under_the_shim(shim: Shim) -> None:
+    require_cupy()
+    out, used = hold_and_measure(shim, ["cupy", "hold"], client_env(shim, True))
+    assert used == CONTEXT
+    assert int(out["free"]) == LIMIT - CONTEXT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("with_shim", "target"), [(False, 100.0), (True, 35.0)])
+def test_cupy_launches_are_paced_to_the_sm_limit(
+    shim: Shim, tmp_path: Path, with_shim: bool, target: float
+) -> None:
+    require_cupy()
+    module = tmp_path / "sleep.simgpu"
+    module.write_text("simgpu-module 1\n")  # simgpu_sleep is in every module
+    env = (
+        client_env(shim, with_shim, CUDA_DEVICE_SM_LIMIT="35")
+        if with_shim
+        else client_env(shim, False)
+    )
+    share = run(["cupy", "pace", str(module), "3"], env).float("share")
+    # Unpaced, the launches fill far more than the limit would allow (launch overhead between
+    # bursts costs some points, more on a loaded host): the shim is what holds them to 35 %.
+    assert abs(share - target) <= 5.0 if with_shim else share >= 60.0, share

@@ -1,0 +1,189 @@
+"""The CLI: `check-config` plans and errors, and `serve` refusing bad settings cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vgpu_plugin.commands.cli import main
+
+
+def test_valid_config_prints_the_per_gpu_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "version: v1\nsharing: {splitCount: 4, compute: proportional}\n"
+        "overrides:\n  - match: {gpuModels: ['*A100*']}\n    sharing: {splitCount: 2}\n"
+    )
+    rc = main(
+        [
+            "check-config",
+            str(cfg),
+            "--no-nvml",
+            "--gpus",
+            "2",
+            "--gpu-model",
+            "NVIDIA A100-SXM4-80GB",
+            "--gpu-memory",
+            "81920m",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "valid" in out and "hypothetical node of 2 x NVIDIA A100-SXM4-80GB" in out
+    assert "40960 MiB" in out  # 81920 / 2 from the override
+    assert "ListAndWatch message:" in out
+
+
+def test_invalid_config_lists_every_error_with_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\nsharing: {splitCount: 0, memoryScaling: -1, placment: binpack}\n")
+    assert main(["check-config", str(cfg), "--no-nvml"]) == 1
+    err = capsys.readouterr().err
+    assert "sharing.splitCount: must be 1..256, got 0" in err
+    assert "sharing.memoryScaling" in err
+    assert "sharing.placment: unknown key" in err
+
+
+def test_missing_file_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(tmp_path / "nope.yaml"), "--no-nvml"]) == 1
+    assert "nope.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"), [("--log-format=xml", "log format"), ("--log-level=loud", "log level")]
+)
+def test_serve_refuses_bad_log_settings_with_one_line(
+    flag: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", flag]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_check_config_lists_the_nvidia_flags_it_ignores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "version: v1\nflags:\n  migStrategy: none\n  failOnInitError: true\n"
+        "  nvidiaDriverRoot: /\n  plugin:\n    passDeviceSpecs: true\n"
+        "    deviceListStrategy: envvar\n    deviceIDStrategy: uuid\n"
+        "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+    )
+    assert main(["check-config", str(cfg), "--no-nvml"]) == 0
+    out = capsys.readouterr().out
+    ignored = [line for line in out.splitlines() if line.startswith("NVIDIA flag ")]
+    assert [line.split(":")[0] for line in ignored] == [
+        "NVIDIA flag flags.nvidiaDriverRoot",
+        "NVIDIA flag flags.plugin.passDeviceSpecs",
+    ]
+
+
+def _nvml_here() -> bool:
+    from vgpu_plugin.node.nvml import NvmlUnavailable, nvml_session
+
+    try:
+        with nvml_session():
+            return True
+    except NvmlUnavailable:
+        return False
+
+
+def _serve(tmp_path: Path, config_text: str) -> subprocess.Popen[str]:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(config_text)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(cfg),
+         "--device-plugin-dir", str(tmp_path / "dp"), "--host-root", str(tmp_path / "root"),
+         "--state-dir", str(tmp_path / "state"), "--lock-dir", str(tmp_path / "lock"),
+         "--metrics-address", "127.0.0.1:0"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_nvidia_fail_on_init_error_false_waits_instead_of_exiting(tmp_path: Path) -> None:
+    if _nvml_here():
+        pytest.skip("NVML initialises here; this checks serve where it cannot")
+    (tmp_path / "a").mkdir()
+    default = _serve(tmp_path / "a", "version: v1\n")
+    _, err = default.communicate(timeout=60)
+    assert default.returncode == 3 and "NVML" in err
+    (tmp_path / "b").mkdir()
+    waiting = _serve(tmp_path / "b", "version: v1\nflags: {failOnInitError: false}\n")
+    assert waiting.stderr is not None
+    for line in waiting.stderr:
+        if "failOnInitError is false" in line:
+            break
+    assert waiting.poll() is None  # still up, advertising nothing
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--gpu-memory", "1.5g"], "--gpu-memory: '1.5g' is not a size"),
+        (["--gpus", "100000000"], "--gpus: must be 0..1024"),
+    ],
+)
+def test_check_config_refuses_bad_node_flags_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\n")
+    assert main(["check-config", str(cfg), "--no-nvml", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err
+
+
+def test_check_config_refuses_a_labels_file_that_is_not_utf8(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\n")
+    labels = tmp_path / "labels"
+    labels.write_bytes(b"zone=\xff\n")
+    assert main(["check-config", str(cfg), "--no-nvml", "--node-labels-file", str(labels)]) == 1
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)  # without the fix, serve blocks opening the FIFO (and ignores SIGTERM)
+def test_serve_refuses_a_fifo_config_or_labels_file(tmp_path: Path) -> None:
+    from vgpu_plugin.commands import serve
+    from vgpu_plugin.commands.settings import settings_from
+    from vgpu_plugin.node.config_watch import ConfigWatcher
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    good = tmp_path / "config.yaml"
+    good.write_text("version: v1\n")
+    for config, labels in [(fifo, None), (good, fifo)]:
+        settings = settings_from(
+            argparse.Namespace(config=str(config), node_labels_file=labels and str(labels)), {}
+        )
+        watcher = ConfigWatcher(settings.config, settings.node_labels_file, lambda c, n: None)
+        with pytest.raises(serve.StartupError) as caught:
+            serve._load_config(settings, watcher)
+        assert caught.value.code == serve.EXIT_CONFIG
+        assert "not a regular file (a FIFO)" in str(caught.value)
+
+
+def test_serve_refuses_a_state_dir_that_is_a_file(tmp_path: Path) -> None:
+    from vgpu_plugin.commands import serve
+
+    state = tmp_path / "state"
+    state.write_text("")
+    with pytest.raises(serve.StartupError) as caught:
+        serve._open_store(state)
+    assert caught.value.code == serve.EXIT_NODE
+    assert str(caught.value).startswith(f"state dir {state}: ")

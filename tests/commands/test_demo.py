@@ -1,0 +1,114 @@
+"""``vgpu-plugin demo``: the README's first command, on whatever this machine can run.
+
+The same scenario and verdicts under runc, in private namespaces (root without runc) and with
+plain LD_PRELOAD (no root): the limits must hold in each, and the demo must say which it used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vgpu_plugin.core.allocation import Mount
+from vgpu_plugin.sim import process
+from vgpu_plugin.sim.process import choose_runtime, host_path, preload_env
+from vgpu_plugin.sim.runc import ContainerConfig, runc_unavailable_reason
+
+HOW = {"runc": "under runc", "namespace": "private mount and pid", "preload": "LD_PRELOAD"}
+REASONS = {
+    "runc": runc_unavailable_reason(),
+    "namespace": process.namespace_unavailable_reason(),
+    "preload": None,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", list(HOW))
+def test_demo_shows_every_limit_holding(runtime: str) -> None:
+    if REASONS[runtime]:
+        pytest.skip(f"{runtime}: {REASONS[runtime]}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo", "--seconds", "3", "--runtime", runtime],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert HOW[runtime] in out.splitlines()[0]  # it says how containers ran
+    for step in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
+        assert step in out
+    assert "demo/greedy/main" in out and "demo/batch-50/main" in out  # the status table
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    assert "clean CUDA_ERROR_OUT_OF_MEMORY at its limit" in lines["greedy"]
+    assert "cuMemGetInfo shows a 4096 MiB GPU" in lines["greedy"]
+    assert "all it asked for, within its limit" in lines["steady"]
+    assert "on target" in lines["batch-50"] and "on target" in lines["batch-25"]
+    assert "80GB" not in out  # 16 GiB simulated GPUs do not claim an 80 GB model's name
+    if importlib.util.find_spec("cupy") is not None:  # a real client's pod, held the same way
+        assert "through CuPy" in lines["cupy"]
+        assert "at its limit" in lines["cupy"] and "cuMemGetInfo shows a 4096 MiB" in lines["cupy"]
+
+
+def test_auto_picks_runc_then_namespaces_then_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    have = {"runc": True, "unshare": True, "chroot": True}
+    monkeypatch.setattr(
+        process.shutil, "which", lambda name: f"/bin/{name}" if have[name] else None
+    )
+    monkeypatch.setattr(process, "runc_unavailable_reason", lambda: None if have["runc"] else "no")
+    monkeypatch.setattr(process.os, "geteuid", lambda: 0)
+    assert choose_runtime()[0] == "runc"
+    have["runc"] = False
+    assert choose_runtime() == ("namespace", "not runc: no")
+    monkeypatch.setattr(process.os, "geteuid", lambda: 1000)
+    kind, why = choose_runtime()
+    assert kind == "preload" and "need root" in why
+    with pytest.raises(ValueError, match=r"runtime namespace cannot run here: .*root"):
+        choose_runtime("namespace")
+    with pytest.raises(ValueError, match=r"unknown runtime 'docker'"):
+        choose_runtime("docker")
+
+
+def test_preload_maps_container_paths_to_the_host() -> None:
+    mounts = [
+        Mount("/etc/vgpu/libvgpu.so", "/h/lib/libvgpu.so.1", True),
+        Mount("/etc/vgpu/limits", "/h/limits/a1", True),
+        Mount("/tmp/vgpu", "/h/containers/a1", False),
+        Mount("/tmp/vgpulock", "/h/locks", False),
+    ]
+    assert host_path(mounts, "/tmp/vgpu/a1.cache") == "/h/containers/a1/a1.cache"
+    assert host_path(mounts, "/tmp/vgpulockx") == "/tmp/vgpulockx"  # not under /tmp/vgpulock
+    envs = {"CUDA_DEVICE_MEMORY_SHARED_CACHE": "/tmp/vgpu/a1.cache", "CUDA_OVERSUBSCRIBE": "false"}
+    env = preload_env(ContainerConfig("c", ["true"], envs, mounts))
+    assert env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == "/h/containers/a1/a1.cache"
+    assert env["CUDA_OVERSUBSCRIBE"] == "false"
+    assert env["LD_PRELOAD"] == "/h/lib/libvgpu.so.1"
+    assert env["VGPU_LIMITS_FILE"] == "/h/limits/a1"
+    assert env["VGPU_LOCK_DIR"] == "/h/locks"
+
+
+def test_without_the_simulator_the_demo_says_so(tmp_path: Path) -> None:
+    """The DaemonSet image ships without vgpu_plugin.sim: one clear line, exit 2."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class _NoSim:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vgpu_plugin.sim' or name.startswith('vgpu_plugin.sim.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, _NoSim())\n"
+    )
+    import os
+
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "simulator is not part of this install" in proc.stderr
+    help_ = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "--help"], capture_output=True, text=True, env=env
+    )
+    assert help_.returncode == 0 and "demo" in help_.stdout  # the rest of the CLI works

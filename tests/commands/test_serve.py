@@ -1,0 +1,265 @@
+"""The real `vgpu-plugin serve` process on a simulated node, driven by the kubelet emulator."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
+from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
+from vgpu_plugin.sim.simgpu import Node
+
+RES = "nvidia.com/gpu"
+
+
+@dataclass
+class Served:
+    node: Node
+    kubelet: KubeletEmulator
+    plugin_dir: Path
+    host_root: Path
+    state_dir: Path
+    config: Path
+    log: Path
+    argv: list[str]
+    podres: PodResourcesEmulator
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.node.env(), stdout=out, stderr=out)
+        return self.proc
+
+    def uuids(self) -> list[str]:
+        return [g.uuid for g in self.node.gpus()]
+
+    def wait_for(
+        self, predicate: Callable[[list[pb.Device]], bool], timeout: float = 10
+    ) -> list[pb.Device]:
+        return self.kubelet.wait_devices(RES, predicate, timeout)
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+    def wait_log(self, text: str, timeout: float = 10) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.logs():
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.logs()}"
+            time.sleep(0.05)
+        return self.logs()
+
+
+def install_shim(host_root: Path, native_tree: Path) -> None:
+    from vgpu_plugin.node import install
+
+    install.install_shim(host_root, native_tree / "lib" / "libvgpu.so")
+
+
+@pytest.fixture
+def served(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Served]:
+    host_root = tmp_path / "host"
+    install_shim(host_root, native_tree)
+    config = tmp_path / "config.yaml"
+    # hostRoot from the config (no --host-root flag), as a ConfigMap-only install has it
+    config.write_text(
+        "version: v1\nsharing: {splitCount: 4, compute: proportional}\n"
+        f"health: {{recoverySeconds: 1}}\nhostRoot: {host_root}\n"
+    )
+    plugin_dir = short_tmp_dir()
+    log = tmp_path / "plugin.log"
+    state_dir = tmp_path / "state"
+    argv = [
+        sys.executable, "-m", "vgpu_plugin", "serve",
+        "--config", str(config), "--device-plugin-dir", str(plugin_dir),
+        "--state-dir", str(state_dir),
+        "--lock-dir", str(tmp_path / "locks"), "--node-name", "node-1",
+        "--metrics-address", "127.0.0.1:0", "--log-level", "debug",
+        "--pod-resources-socket", str(plugin_dir / "podres.sock"), "--cleanup-grace", "1",
+    ]  # fmt: skip
+    podres = PodResourcesEmulator(plugin_dir / "podres.sock")
+    s = Served(
+        simgpu_node, KubeletEmulator(plugin_dir), plugin_dir, host_root, state_dir, config, log,
+        argv, podres,
+    )  # fmt: skip
+    s.kubelet.start()
+    s.start()
+    try:
+        s.kubelet.wait_registrations(1, timeout=20)
+        s.wait_for(lambda d: len(d) == 8)
+        yield s
+    finally:
+        if s.proc is not None and s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+        s.kubelet.stop()
+
+
+def test_registers_and_advertises_the_simulated_gpus(served: Served) -> None:
+    devices = served.kubelet.devices(RES)
+    assert devices is not None
+    a, b = served.uuids()
+    assert sorted(d.ID for d in devices) == sorted(
+        [f"{a}-{k}" for k in range(4)] + [f"{b}-{k}" for k in range(4)]
+    )
+    # NUMA node comes from NVML: the fixture puts GPU i on NUMA node i.
+    assert {d.topology.nodes[0].ID for d in devices if d.ID.startswith(b)} == {1}
+    assert served.kubelet.registration_count(RES) == 1
+    served.wait_log("registered")
+
+
+def test_sigkill_and_restart_keeps_ids_and_records(served: Served) -> None:
+    a, _ = served.uuids()
+    resp = served.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])
+    aid = resp.container_responses[0].envs["VGPU_ALLOCATION_ID"]
+    before = sorted(d.ID for d in served.kubelet.devices(RES) or [])
+    assert served.proc is not None
+    served.proc.kill()
+    served.proc.wait()
+    served.start()
+    served.kubelet.wait_registrations(2, timeout=20)
+    after = served.wait_for(lambda d: len(d) == 8)
+    assert sorted(d.ID for d in after) == before
+    records = AllocationStore(served.state_dir).all()
+    assert [r.allocation_id for r in records] == [aid]
+    assert (served.host_root / "limits" / aid).exists()
+
+
+def test_kubelet_restarts_are_answered_once_each(served: Served) -> None:
+    for i in range(3):
+        served.kubelet.restart()
+        served.kubelet.wait_registrations(2 + i, timeout=10)
+        served.wait_for(lambda d: len(d) == 8)
+    time.sleep(0.5)
+    assert served.kubelet.registration_count(RES) == 4
+
+
+def test_xid_makes_slices_unhealthy_until_quiet(served: Served) -> None:
+    _, b = served.uuids()
+    served.node.inject_xid(1, 61)  # critical, but no reset needed (79 would need one)
+    served.wait_for(lambda d: {x.ID.rsplit("-", 1)[0] for x in d if x.health == UNHEALTHY} == {b})
+    # recoverySeconds: 1 -> healthy again with all slices
+    served.wait_for(lambda d: all(x.health == HEALTHY for x in d), timeout=15)
+    served.node.inject_xid(1, 13)  # an application XID changes nothing
+    time.sleep(1.5)
+    assert all(x.health == HEALTHY for x in served.kubelet.devices(RES) or [])
+
+
+def test_lost_gpu_is_unhealthy_and_comes_back(served: Served) -> None:
+    a, _ = served.uuids()
+    served.node.set_lost(0)
+    served.wait_for(lambda d: {x.ID.rsplit("-", 1)[0] for x in d if x.health == UNHEALTHY} == {a})
+    served.node.set_lost(0, False)
+    served.wait_for(lambda d: all(x.health == HEALTHY for x in d), timeout=15)
+
+
+def test_config_reload_valid_and_invalid(served: Served) -> None:
+    root = f"hostRoot: {served.host_root}\n"
+    served.config.write_text("version: v1\nsharing: {splitCount: 8}\n" + root)
+    served.wait_for(lambda d: len(d) == 16, timeout=10)
+    served.config.write_text("version: v1\nsharing: {splitCount: -3}\n" + root)
+    logs = served.wait_log("sharing.splitCount")
+    assert "keeping the running config" in logs
+    # hostRoot cannot move under running containers: refused, said why
+    served.config.write_text("version: v1\nsharing: {splitCount: 2}\nhostRoot: /elsewhere\n")
+    served.wait_log("needs a restart")
+    assert len(served.kubelet.devices(RES) or []) == 16
+    text = scrape(served)
+    assert sample(text, "vgpu_config_reloads_total", result="ok") == 1
+    assert sample(text, "vgpu_config_reloads_total", result="error") == 2
+
+
+def test_sigterm_stops_cleanly_and_removes_the_socket(served: Served) -> None:
+    assert served.proc is not None
+    ours = [p for p in served.plugin_dir.iterdir() if p.name != "kubelet.sock"]
+    assert len(ours) == 1
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(timeout=10) == 0
+    assert not ours[0].exists()
+
+
+def serve_once(node: Node, tmp_path: Path, config_text: str) -> subprocess.CompletedProcess[str]:
+    """Run serve on a host root with no shim installed; it must exit rather than serve."""
+    config = tmp_path / "config.yaml"
+    config.write_text(config_text)
+    return subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(config),
+         "--device-plugin-dir", str(tmp_path / "dp"), "--host-root", str(tmp_path / "empty"),
+         "--state-dir", str(tmp_path / "state"), "--metrics-address", "127.0.0.1:0"],
+        env=node.env(), capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_missing_shim_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+    proc = serve_once(simgpu_node, tmp_path, "version: v1\n")
+    assert proc.returncode == 3
+    assert "install-shim" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> None:
+    proc = serve_once(simgpu_node, tmp_path, "version: v2\n")
+    assert proc.returncode == 2
+    assert "version" in proc.stderr
+
+
+def scrape(served: Served) -> str:
+    logs = served.wait_log("metrics on")
+    port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        named = line.startswith((name + "{", name + " "))
+        if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -> None:
+    a, _ = served.uuids()
+    resp = served.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])
+    aid = resp.container_responses[0].envs["VGPU_ALLOCATION_ID"]
+    text = scrape(served)
+    limit = sample(text, "vgpu_container_memory_limit_bytes", allocation_id=aid, gpu_uuid=a)
+    assert limit == 2 * (16384 // 4) * 2**20
+    assert sample(text, "vgpu_container_memory_used_bytes", allocation_id=aid) == 0
+    assert sample(text, "vgpu_container_compute_limit_percent", allocation_id=aid) == 50
+    assert sample(text, "vgpu_gpu_slices", gpu_uuid=a) == 4
+    assert sample(text, "vgpu_registrations_total") == 1
+    assert sample(text, "vgpu_allocate_seconds_count") == 1
+
+
+def test_ended_pods_are_cleaned_up_and_nothing_without_the_kubelet(served: Served) -> None:
+    a, b = served.uuids()
+    kept = served.kubelet.allocate(RES, [f"{a}-0"]).container_responses[0]
+    gone = served.kubelet.allocate(RES, [f"{b}-0"]).container_responses[0]
+    kept_id, gone_id = kept.envs["VGPU_ALLOCATION_ID"], gone.envs["VGPU_ALLOCATION_ID"]
+    # pod-resources unreachable: nothing is deleted however long we wait, said once
+    time.sleep(2.5)
+    assert {r.allocation_id for r in AllocationStore(served.state_dir).all()} == {kept_id, gone_id}
+    assert served.logs().count("nothing is cleaned up") == 1
+    served.podres.assign("ns", "web", "main", RES, [f"{a}-0"])
+    served.podres.start()
+    try:
+        deadline = time.monotonic() + 15
+        while (served.host_root / "limits" / gone_id).exists():
+            assert time.monotonic() < deadline, served.logs()
+            time.sleep(0.1)
+        assert not (served.host_root / "containers" / gone_id).exists()
+        records = AllocationStore(served.state_dir).all()
+        assert [(r.allocation_id, r.pod, r.namespace) for r in records] == [(kept_id, "web", "ns")]
+        assert (served.host_root / "limits" / kept_id).exists()
+    finally:
+        served.podres.stop()

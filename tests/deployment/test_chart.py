@@ -1,0 +1,372 @@
+"""The Helm chart: valid Kubernetes objects for every option, and a DaemonSet that runs the
+plugin with the paths, ports, envs and args the plugin's own defaults expect."""
+
+from __future__ import annotations
+
+import posixpath
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from deployment import k8s
+from deployment.chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    Obj,
+    Rendered,
+    diff,
+    key,
+    parse_documents,
+    render,
+)
+from deployment.gotemplate import ChartFail
+from vgpu_plugin import __version__
+from vgpu_plugin.commands import cli
+from vgpu_plugin.commands.settings import FLAGS
+from vgpu_plugin.core.config import Config, Sharing, load_config
+from vgpu_plugin.core.schema import spec_for
+from vgpu_plugin.node.metrics import parse_address
+
+# Envs the DaemonSet may set besides serve's flags: what the NVIDIA container toolkit reads.
+NVIDIA_ENVS = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "labels from the API": {"nodeLabels": {"fromAPI": True}},
+    "labels from the API, no sidecar": {"nodeLabels": {"fromAPI": True, "refreshSeconds": 0}},
+    "labels from a host file": {"nodeLabels": {"hostFile": "/etc/vgpu/node-labels"}},
+    "service monitor": {
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}
+    },
+    "no service": {"metrics": {"service": {"enabled": False}}},
+    "elsewhere": {
+        "hostRoot": "/var/lib/vgpu",
+        "kubeletDir": "/var/lib/k0s/kubelet",
+        "lockDir": "/run/vgpulock",
+        "stateDir": "/var/lib/vgpu-state",
+        "metrics": {"port": 9500},
+        "resourceName": "nvidia.com/gpu.shared",
+    },
+    "pinned image, own account, extras": {
+        "image": {"repository": "registry.example/vgpu", "digest": "sha256:" + "ab" * 32},
+        "serviceAccount": {"create": False, "name": "gpu-agents"},
+        "runtimeClassName": "nvidia",
+        "podAnnotations": {"a": "b"},
+        "podLabels": {"team": "gpu"},
+        "imagePullSecrets": [{"name": "pull"}],
+        "affinity": {"nodeAffinity": {}},
+        "shim": {"keepVersions": 0},
+        "log": {"format": "json", "level": "debug"},
+    },
+    "nvidia time-slicing config": {
+        "config": {
+            "version": "v1",
+            "sharing": {
+                "timeSlicing": {
+                    "renameByDefault": True,
+                    "resources": [{"name": "nvidia.com/gpu", "replicas": 4}],
+                }
+            },
+        }
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def defaults() -> Rendered:
+    return render()
+
+
+def daemonset(r: Rendered) -> Obj:
+    return r.one("DaemonSet")
+
+
+def container(r: Rendered, name: str, init: bool = False) -> Obj:
+    pod = daemonset(r)["spec"]["template"]["spec"]
+    found = [c for c in pod["initContainers" if init else "containers"] if c["name"] == name]
+    assert len(found) == 1, f"container {name}"
+    result: Obj = found[0]
+    return result
+
+
+def envs(c: Obj) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def backing(r: Rendered, c: Obj, path: str) -> tuple[Obj, Obj, str]:
+    """(volume, mount, path inside the volume) of the mount that holds ``path`` in ``c``."""
+    mounts = [
+        m
+        for m in c["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert mounts, f"{c['name']}: nothing mounted at {path}"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = daemonset(r)["spec"]["template"]["spec"]["volumes"]
+    volume = next(v for v in volumes if v["name"] == mount["name"])
+    return volume, mount, posixpath.relpath(path, mount["mountPath"])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_renders_valid_kubernetes_objects(variant: str) -> None:
+    rendered = render(VARIANTS[variant])
+    assert rendered.objects
+    for obj in rendered.objects:
+        k8s.validate(obj)
+        assert k8s.semantic_problems(obj) == [], obj["kind"]
+        assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+    assert rendered.notes.strip()
+
+
+def test_validation_catches_a_broken_object(defaults: Rendered) -> None:
+    # The check above is only worth something if it fails on an unknown field.
+    ds = yaml.safe_load(yaml.safe_dump(daemonset(defaults)))
+    ds["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(jsonschema.ValidationError, match="volumeMount"):
+        k8s.validate(ds)
+    ds = yaml.safe_load(yaml.safe_dump(daemonset(defaults)))
+    ds["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["name"] = "nope"
+    assert k8s.semantic_problems(ds)
+
+
+def test_defaults_create_no_rbac_and_no_monitor(defaults: Rendered) -> None:
+    assert sorted(defaults.kinds()) == ["ConfigMap", "DaemonSet", "Service", "ServiceAccount"]
+    pod = daemonset(defaults)["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert defaults.one("ServiceAccount")["automountServiceAccountToken"] is False
+
+
+def test_the_plugin_gets_every_serve_flag_by_its_env_with_the_plugins_defaults(
+    defaults: Rendered,
+) -> None:
+    env = envs(container(defaults, "vgpu-plugin"))
+    flag_envs = {f.env for f in FLAGS}
+    assert set(env) - flag_envs == set(NVIDIA_ENVS)
+    assert {k: env[k] for k in NVIDIA_ENVS} == NVIDIA_ENVS
+    for f in FLAGS:
+        if f.env == "NODE_NAME":
+            assert env[f.env] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        elif f.env == "VGPU_NODE_LABELS_FILE":
+            assert f.env not in env  # no labels source by default
+        elif f.env == "VGPU_HOST_ROOT":
+            assert env[f.env] == Config().host_root == spec_for("hostRoot").default  # type: ignore[union-attr]
+        else:
+            assert env[f.env] == f.default, f.env
+    assert env["VGPU_HOST_ROOT"] == "/usr/local/vgpu"
+    assert env["VGPU_LOCK_DIR"] == "/tmp/vgpulock"
+    assert env["VGPU_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
+    assert env["VGPU_POD_RESOURCES_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert env["VGPU_METRICS_ADDRESS"] == ":9400"
+
+
+@pytest.mark.parametrize("variant", ["defaults", "elsewhere"])
+def test_every_path_the_plugin_uses_is_the_right_host_mount(variant: str) -> None:
+    r = render(VARIANTS[variant])
+    values = {"hostRoot": "/usr/local/vgpu", "kubeletDir": "/var/lib/kubelet"}
+    values |= {k: v for k, v in VARIANTS[variant].items() if isinstance(v, str)}
+    c = container(r, "vgpu-plugin")
+    env = envs(c)
+
+    def host(path: str, read_only: bool = False) -> tuple[str, str]:
+        volume, mount, inner = backing(r, c, path)
+        assert "hostPath" in volume, f"{path} is not on the host"
+        assert bool(mount.get("readOnly")) == read_only, path
+        assert "subPath" not in mount
+        return posixpath.normpath(posixpath.join(volume["hostPath"]["path"], inner)), volume[
+            "hostPath"
+        ]["type"]
+
+    kubelet = values["kubeletDir"]
+    assert host(env["VGPU_DEVICE_PLUGIN_DIR"]) == (f"{kubelet}/device-plugins", "Directory")
+    socket = env["VGPU_POD_RESOURCES_SOCKET"]
+    assert host(socket, read_only=True)[0] == f"{kubelet}/pod-resources/kubelet.sock"
+    # Paths the plugin hands to the kubelet are host paths: the same inside and outside.
+    for name in ("VGPU_HOST_ROOT", "VGPU_LOCK_DIR"):
+        assert host(env[name]) == (env[name], "DirectoryOrCreate"), name
+    assert env["VGPU_HOST_ROOT"] == values["hostRoot"]
+    assert host(env["VGPU_STATE_DIR"])[1] == "DirectoryOrCreate"  # records outlive the pod
+    volume, mount, inner = backing(r, c, env["VGPU_CONFIG"])
+    assert "configMap" in volume and "subPath" not in mount and mount["readOnly"] is True
+    cm = r.one("ConfigMap", volume["configMap"]["name"])
+    assert inner in cm["data"]
+
+
+def test_metrics_port_service_and_address_agree() -> None:
+    for variant in ("defaults", "elsewhere"):
+        r = render(VARIANTS[variant])
+        c = container(r, "vgpu-plugin")
+        port = parse_address(envs(c)["VGPU_METRICS_ADDRESS"])[1]
+        assert c["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+        service = r.one("Service")["spec"]
+        assert service["clusterIP"] == "None"
+        assert service["ports"][0]["port"] == port
+        assert service["ports"][0]["targetPort"] == "metrics"
+        assert service["selector"] == daemonset(r)["spec"]["selector"]["matchLabels"]
+    assert parse_address(envs(container(render(), "vgpu-plugin"))["VGPU_METRICS_ADDRESS"]) == (
+        "0.0.0.0",
+        9400,
+    )
+
+
+def test_commands_are_the_clis(defaults: Rendered) -> None:
+    parser = cli.build_parser()
+    main = container(defaults, "vgpu-plugin")
+    init = container(defaults, "install-shim", init=True)
+    assert main["command"] == init["command"] == ["vgpu-plugin"]
+    assert parser.parse_args(main["args"]).command == "serve"
+    args = parser.parse_args(init["args"])
+    assert (args.command, args.keep) == ("install-shim", 3)
+    # install-shim puts the shim where serve and Allocate look for it.
+    assert envs(init)["VGPU_HOST_ROOT"] == envs(main)["VGPU_HOST_ROOT"]
+    assert backing(defaults, init, envs(init)["VGPU_HOST_ROOT"])[0]["name"] == "host-root"
+    state = backing(defaults, init, envs(init)["VGPU_STATE_DIR"])
+    assert state[0]["name"] == "state" and state[1]["readOnly"] is True
+    keep_all = render({"shim": {"keepVersions": 0}})
+    assert container(keep_all, "install-shim", init=True)["args"] == ["install-shim"]
+
+
+def test_nothing_runs_more_privileged_than_it_needs() -> None:
+    for overrides in VARIANTS.values():
+        r = render(overrides)
+        pod = daemonset(r)["spec"]["template"]["spec"]
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+        host_paths = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+        assert host_paths <= {
+            "device-plugins",
+            "pod-resources",
+            "host-root",
+            "state",
+            "lock-dir",
+            "cdi-spec-dir",  # the allocations' CDI specs (docs/security.md)
+            "host-node-labels",
+        }
+
+
+def test_scheduling_and_rollout(defaults: Rendered) -> None:
+    ds = daemonset(defaults)
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }
+    probe = container(defaults, "vgpu-plugin")["readinessProbe"]
+    assert probe["httpGet"] == {"path": "/metrics", "port": "metrics"}
+
+
+@pytest.mark.parametrize("variant", ["defaults", "elsewhere", "nvidia time-slicing config"])
+def test_the_configmap_passes_check_config(variant: str, tmp_path: Path) -> None:
+    r = render(VARIANTS[variant])
+    text = r.one("ConfigMap")["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert cli.main(["check-config", str(path), "--no-nvml"]) == 0
+    config = load_config(path)
+    if variant == "nvidia time-slicing config":
+        assert (config.resource_name, config.sharing.split_count) == ("nvidia.com/gpu.shared", 4)
+    else:
+        assert config.resource_name == VARIANTS[variant].get("resourceName", "nvidia.com/gpu")
+        assert config.sharing == Sharing()  # the plugin's own defaults
+
+
+def test_the_chart_refuses_what_would_silently_misbehave() -> None:
+    refused: list[dict[str, Any]] = [
+        {"config": {"version": "v1", "resourceName": "x.com/y"}},  # the chart value is the one
+        {"config": {"version": "v1", "hostRoot": "/x"}},  # VGPU_HOST_ROOT would win silently
+        {"nodeLabels": {"fromAPI": True, "hostFile": "/etc/labels"}},
+        {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
+        {"metrics": {"port": "9400"}},
+        {"log": {"level": "verbose"}},
+        {"hostRoot": "relative/path"},
+        {"unknownTopLevelKey": 1},
+    ]
+    for overrides in refused:
+        with pytest.raises((ChartFail, jsonschema.ValidationError)):
+            render(overrides)
+
+
+def test_node_labels_from_the_api_reach_the_plugin_and_only_the_helpers_get_a_token() -> None:
+    r = render(VARIANTS["labels from the API"])
+    role = r.one("ClusterRole")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    binding = r.one("ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "vgpu-plugin", "namespace": NAMESPACE}
+    ]
+    plugin = container(r, "vgpu-plugin")
+    labels_file = envs(plugin)["VGPU_NODE_LABELS_FILE"]
+    volume, mount, _ = backing(r, plugin, labels_file)
+    assert "emptyDir" in volume and mount["readOnly"] is True
+    init = container(r, "node-labels", init=True)
+    sidecar = container(r, "node-labels-refresh")
+    for helper in (init, sidecar):
+        assert helper["command"] == ["vgpu-node-labels"]
+        assert helper["args"][helper["args"].index("--output") + 1] == labels_file
+        assert backing(r, helper, labels_file)[0]["name"] == volume["name"]
+        assert envs(helper)["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        token = backing(r, helper, "/var/run/secrets/kubernetes.io/serviceaccount/token")[0]
+        assert token["name"] == "api-token"
+    assert "--interval" in sidecar["args"] and "--interval" not in init["args"]
+    assert all(m["name"] != "api-token" for m in plugin["volumeMounts"])
+    pod = daemonset(r)["spec"]["template"]["spec"]
+    init_names = [c["name"] for c in pod["initContainers"]]
+    assert init_names == ["install-shim", "node-labels"]  # the file exists before serve starts
+    once = render(VARIANTS["labels from the API, no sidecar"])
+    assert [c["name"] for c in daemonset(once)["spec"]["template"]["spec"]["containers"]] == [
+        "vgpu-plugin"
+    ]
+
+
+def test_node_labels_from_a_host_file_mount_its_directory() -> None:
+    r = render(VARIANTS["labels from a host file"])
+    plugin = container(r, "vgpu-plugin")
+    labels_file = envs(plugin)["VGPU_NODE_LABELS_FILE"]
+    volume, mount, inner = backing(r, plugin, labels_file)
+    # The directory, not the file: a replaced file (rename) is then seen by the plugin.
+    assert volume["hostPath"] == {"path": "/etc/vgpu", "type": "Directory"}
+    assert inner == "node-labels" and mount["readOnly"] is True
+    assert r.maybe("ClusterRole") is None
+
+
+def test_chart_version_follows_the_plugin(defaults: Rendered) -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert meta["appVersion"] == __version__
+    assert container(defaults, "vgpu-plugin")["image"] == f"vgpu-plugin:{__version__}"
+    pinned = render(VARIANTS["pinned image, own account, extras"])
+    assert container(pinned, "vgpu-plugin")["image"] == "registry.example/vgpu@sha256:" + "ab" * 32
+    assert daemonset(pinned)["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-agents"
+    assert pinned.maybe("ServiceAccount") is None
+
+
+def test_a_helm_binary_agrees_with_the_test_renderer() -> None:
+    helm = shutil.which("helm")
+    if helm is None:
+        pytest.skip(
+            "no helm binary on PATH: the chart is rendered by tests/deployment/gotemplate.py"
+        )
+    for overrides in VARIANTS.values():
+        args = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+        values = yaml.safe_dump(overrides)
+        out = subprocess.run(
+            [*args, "--values", "-"], input=values, capture_output=True, text=True, check=True
+        ).stdout
+        theirs = sorted(parse_documents([out]), key=key)
+        ours = sorted(render(overrides).objects, key=key)
+        assert [key(o) for o in theirs] == [key(o) for o in ours]
+        assert [diff(a, b) for a, b in zip(theirs, ours, strict=True)] == [[] for _ in ours]

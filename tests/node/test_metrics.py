@@ -1,0 +1,300 @@
+"""Metrics scraped over real HTTP from a node of real records and region files."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import prometheus_client
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from synthetic_regions import Dev, Proc, Snap
+
+from vgpu_plugin.core.devices import MIB, GpuLimit
+from vgpu_plugin.node import metrics
+from vgpu_plugin.node.nodeview import GpuFacts, NodeView, region_path, view_provider
+from vgpu_plugin.node.state import AllocationRecord, AllocationStore
+
+GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
+GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+
+
+class Regions:
+    """Region contents by path; a file must exist on disk for a region to be read, as with
+    the real reader, and a registered exception is raised instead of a snapshot."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[Path, Snap | Exception] = {}
+
+    def put(self, root: Path, alloc_id: str, snap: Snap | Exception) -> None:
+        path = region_path(root, alloc_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"region")
+        self.by_path[path] = snap
+
+    def __call__(self, path: Path) -> Snap:
+        if not path.exists():
+            raise OSError(f"{path}: no such file")
+        found = self.by_path[path]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+
+def record(
+    alloc_id: str, created: float, *limits: GpuLimit, pod: str | None = None, k: int = 0
+) -> AllocationRecord:
+    devices = tuple(f"{lim.uuid}-{k}" for lim in limits)
+    return AllocationRecord(
+        allocation_id=alloc_id,
+        device_ids=devices,
+        resource_name="nvidia.com/gpu",
+        created=created,
+        limits=limits,
+        namespace="ml" if pod else None,
+        pod=pod,
+        container="server" if pod else None,
+    )
+
+
+@dataclass
+class Node:
+    root: Path
+    store: AllocationStore
+    regions: Regions
+    gpus: list[GpuFacts]
+    metrics: metrics.PluginMetrics
+    port: int
+
+    def scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            assert resp.status == 200
+            text = resp.read().decode()
+        out: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
+        return out
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    root = tmp_path / "host"
+    store = AllocationStore(tmp_path / "state")
+    regions = Regions()
+    gpus = [
+        GpuFacts(GPU_A, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, 4, 30 << 30, True),
+        GpuFacts(GPU_B, 1, "NVIDIA A100-SXM4-80GB", 80 << 30, 4, None, False),
+    ]
+    provider = view_provider(root, store.all, lambda: gpus, read_region=regions)
+    pm = metrics.new_registry(provider)
+    server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
+    try:
+        yield Node(root, store, regions, gpus, pm, port)
+    finally:
+        server.shutdown()
+
+
+def samples(
+    scraped: dict[str, list[tuple[dict[str, str], float]]], name: str, **match: str
+) -> list[tuple[dict[str, str], float]]:
+    return [
+        (labels, v)
+        for labels, v in scraped.get(name, [])
+        if all(labels.get(k) == want for k, want in match.items())
+    ]
+
+
+def value(scraped: dict[str, list[tuple[dict[str, str], float]]], name: str, **match: str) -> float:
+    found = samples(scraped, name, **match)
+    assert len(found) == 1, f"{name} {match}: {found}"
+    return found[0][1]
+
+
+def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None:
+    node.store.add(
+        record(
+            "a1",
+            100,
+            GpuLimit(GPU_A, 20389 * MIB, 25),
+            GpuLimit(GPU_B, 40778 * MIB, 50),
+            pod="infer-a",
+        )
+    )
+    node.store.add(record("a2", 200, GpuLimit(GPU_A, 20389 * MIB, 25), k=1))
+    node.regions.put(
+        node.root,
+        "a1",
+        Snap(
+            (Dev(GPU_A, 3 * MIB), Dev(GPU_B, 5 * MIB)),
+            (Proc(True, (1 * MIB, 5 * MIB)), Proc(True, (2 * MIB, 0)), Proc(False, (0, 0))),
+        ),
+    )
+    got = node.scrape()
+
+    a1 = {"namespace": "ml", "pod": "infer-a", "container": "server", "allocation_id": "a1"}
+    assert samples(got, "vgpu_container_memory_limit_bytes", gpu_uuid=GPU_A, **a1)[0][0] == {
+        **a1,
+        "gpu_uuid": GPU_A,
+    }
+    assert value(got, "vgpu_container_memory_limit_bytes", gpu_uuid=GPU_B, **a1) == 40778 * MIB
+    assert value(got, "vgpu_container_memory_used_bytes", gpu_uuid=GPU_A, **a1) == 3 * MIB
+    assert value(got, "vgpu_container_memory_used_bytes", gpu_uuid=GPU_B, **a1) == 5 * MIB
+    assert value(got, "vgpu_container_compute_limit_percent", gpu_uuid=GPU_B, **a1) == 50
+    assert value(got, "vgpu_container_processes", gpu_uuid=GPU_A, **a1) == 2
+    assert value(got, "vgpu_container_processes", gpu_uuid=GPU_B, **a1) == 1
+
+    # No region yet (no CUDA call in the container) and no pod known yet: limits still there.
+    a2 = {"namespace": "", "pod": "", "container": "", "allocation_id": "a2", "gpu_uuid": GPU_A}
+    assert value(got, "vgpu_container_memory_limit_bytes", **a2) == 20389 * MIB
+    assert value(got, "vgpu_container_memory_used_bytes", **a2) == 0
+    assert value(got, "vgpu_container_compute_limit_percent", **a2) == 25
+    assert value(got, "vgpu_container_processes", **a2) == 0
+
+    gpu_a = {"gpu_uuid": GPU_A, "gpu_index": "0", "model": "NVIDIA A100-SXM4-80GB"}
+    gpu_b = {**gpu_a, "gpu_uuid": GPU_B, "gpu_index": "1"}
+    assert value(got, "vgpu_gpu_slices", **gpu_a) == 4
+    assert value(got, "vgpu_gpu_slices_allocated", **gpu_a) == 2
+    assert value(got, "vgpu_gpu_slices_allocated", **gpu_b) == 1
+    assert value(got, "vgpu_gpu_memory_used_bytes", **gpu_a) == 30 << 30
+    assert samples(got, "vgpu_gpu_memory_used_bytes", gpu_uuid=GPU_B) == []  # NVML unknown
+    assert value(got, "vgpu_gpu_memory_containers_bytes", **gpu_a) == 3 * MIB
+    assert value(got, "vgpu_gpu_memory_limited_bytes", **gpu_a) == 2 * 20389 * MIB
+    assert value(got, "vgpu_gpu_healthy", **gpu_a) == 1
+    assert value(got, "vgpu_gpu_healthy", **gpu_b) == 0
+    assert value(got, "vgpu_node_view_up") == 1
+
+
+def test_an_allocation_is_exported_from_its_record_until_the_record_is_dropped(
+    node: Node,
+) -> None:
+    assert samples(node.scrape(), "vgpu_container_memory_limit_bytes") == []
+    node.store.add(record("fresh", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    got = node.scrape()
+    assert value(got, "vgpu_container_memory_limit_bytes", allocation_id="fresh") == 1000 * MIB
+    # The pod shows up in the record's labels once cleanup has learnt it.
+    labelled = replace(node.store.get("fresh"), namespace="ns", pod="p", container="c")
+    node.store.add(labelled)
+    got = node.scrape()
+    assert value(got, "vgpu_container_memory_limit_bytes", allocation_id="fresh", pod="p") > 0
+    node.store.remove("fresh")
+    assert samples(node.scrape(), "vgpu_container_memory_limit_bytes") == []
+
+
+def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:
+    node.store.add(record("bad", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    node.regions.put(node.root, "bad", ValueError("bad magic"))
+    node.regions.put(node.root, "foreign", Snap((Dev(GPU_B, 1 << 40),), ()))
+    got = node.scrape()
+    for alloc in ("bad", "foreign"):
+        assert value(got, "vgpu_container_memory_limit_bytes", allocation_id=alloc) == 1000 * MIB
+        assert samples(got, "vgpu_container_memory_used_bytes", allocation_id=alloc) == []
+        assert value(got, "vgpu_container_region_valid", allocation_id=alloc) == 0
+    # The foreign region's 1 TiB is not charged to any GPU.
+    assert value(got, "vgpu_gpu_memory_containers_bytes", gpu_uuid=GPU_A) == 0
+
+
+def test_the_plugins_own_instruments(node: Node) -> None:
+    pm = node.metrics
+    pm.allocate_seconds.observe(0.0003)
+    pm.allocate_seconds.observe(0.2)
+    pm.allocate_errors.inc()
+    pm.registrations.inc(2)
+    pm.config_reloaded(ok=True)
+    pm.config_reloaded(ok=False)
+    pm.config_reloaded(ok=False)
+    pm.health_changed(healthy=False)
+    got = node.scrape()
+    assert value(got, "vgpu_allocate_seconds_bucket", le="0.0001") == 0
+    assert value(got, "vgpu_allocate_seconds_bucket", le="0.0005") == 1
+    assert value(got, "vgpu_allocate_seconds_bucket", le="0.25") == 2
+    assert value(got, "vgpu_allocate_seconds_count") == 2
+    assert value(got, "vgpu_allocate_errors_total") == 1
+    assert value(got, "vgpu_registrations_total") == 2
+    assert value(got, "vgpu_config_reloads_total", result="ok") == 1
+    assert value(got, "vgpu_config_reloads_total", result="error") == 2
+    assert value(got, "vgpu_health_changes_total", healthy="false") == 1
+    assert value(got, "vgpu_health_changes_total", healthy="true") == 0
+
+
+def test_a_failing_view_keeps_the_plugins_metrics_served() -> None:
+    def broken() -> NodeView:
+        raise RuntimeError("state dir unreadable")
+
+    pm = metrics.new_registry(broken)
+    pm.registrations.inc()
+    server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        server.shutdown()
+    assert "vgpu_node_view_up 0.0" in text
+    assert "vgpu_registrations_total 1.0" in text
+
+
+def test_nothing_lands_in_the_global_registry() -> None:
+    metrics.new_registry(lambda: NodeView((), ()))
+    names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not [n for n in names if n.startswith("vgpu_")]
+
+
+def test_shutdown_closes_the_port() -> None:
+    pm = metrics.new_registry()
+    server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
+    assert port > 0
+    server.shutdown()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    # The port is free again.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("address", "parsed"),
+    [
+        (":9400", ("0.0.0.0", 9400)),
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("[::1]:9400", ("::1", 9400)),
+        ("0.0.0.0:80", ("0.0.0.0", 80)),
+    ],
+)
+def test_parse_address(address: str, parsed: tuple[str, int]) -> None:
+    assert metrics.parse_address(address) == parsed
+
+
+@pytest.mark.parametrize("address", ["9400", "host:", "host:port", ":99999"])
+def test_parse_address_refuses(address: str) -> None:
+    with pytest.raises(ValueError, match="not \\[HOST\\]:PORT"):
+        metrics.parse_address(address)
+
+
+def test_an_ended_allocation_in_its_cleanup_grace_is_not_counted(node: Node) -> None:
+    """A pod deleted and created again: the old allocation waits out the grace, held by
+    nobody; the GPU counts only the new one's slices and limits (issue 14, item 11)."""
+    lim = GpuLimit(GPU_A, 8192 * MIB, 50)
+    old = replace(record("old", 100.0, lim, pod="infer-a", k=0), released=150.0)
+    node.store.add(old)
+    node.store.add(record("new", 160.0, lim, pod="infer-a", k=1))
+    scraped = node.scrape()
+    assert value(scraped, "vgpu_gpu_slices_allocated", gpu_uuid=GPU_A) == 1
+    assert value(scraped, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == 8192 * MIB
+    limits = samples(scraped, "vgpu_container_memory_limit_bytes", pod="infer-a")
+    assert [labels["allocation_id"] for labels, _ in limits] == ["new"]
+
+
+def test_an_ended_allocation_with_live_processes_still_counts(node: Node) -> None:
+    lim = GpuLimit(GPU_A, 8192 * MIB, 50)
+    node.store.add(replace(record("old", 100.0, lim, pod="infer-a"), released=150.0))
+    node.regions.put(node.root, "old", Snap((Dev(GPU_A, 100 * MIB),), (Proc(True, (100 * MIB,)),)))
+    scraped = node.scrape()
+    assert value(scraped, "vgpu_gpu_slices_allocated", gpu_uuid=GPU_A) == 1
+    assert value(scraped, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == 8192 * MIB

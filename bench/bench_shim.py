@@ -4,6 +4,10 @@
 
 Prints, in one run (with and without the shim interleaved; the best of --repeat runs, since a
 shared machine only ever adds time, except where a median is named):
+- instructions added per cuLaunchKernel (target <= 30) and per cuMemAlloc + cuMemFree pair
+  (target <= 300), counted by callgrind (valgrind) and so repeatable on a loaded machine: the
+  program runs n and 3n calls with and without the shim, and the added count per call is
+  ((shim 3n - shim n) - (plain 3n - plain n)) / 2n, start-up cost cancelled;
 - ns added per cuLaunchKernel with no compute limit (target <= 20) and per cuMemAlloc +
   cuMemFree pair under a memory limit (target <= 150): measured in one process under the
   shim, alternating blocks of calls through the hook and straight to the driver's own entry
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +68,7 @@ class Bench:
         # The same environment, byte for byte as long, without the preload (the dynamic loader
         # skips blanks): a different environment size moves the stack and changes timings.
         self.plain = dict(self.shim, LD_PRELOAD=" " * len(lib))
+        self.cg_runs: list[Path] = []
 
     def run(self, env: Mapping[str, str], *args: str | int) -> dict[str, float]:
         prog = str(self.tree / "tests" / "shim_bench")
@@ -77,6 +83,25 @@ class Bench:
             plain.append(self.run(self.plain, *args)[key])
             shim.append(self.run(self.shim, *args)[key])
         return min(plain), min(shim)
+
+    def instructions(self, env: Mapping[str, str], what: str, n: int) -> int:
+        """Instructions the whole program `shim_bench <what> <n>` executes (callgrind)."""
+        out = self.tmp / f"callgrind.{what}.{n}.{len(self.cg_runs)}"
+        self.cg_runs.append(out)
+        prog = str(self.tree / "tests" / "shim_bench")
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", prog, what, str(n)]
+        subprocess.run(cmd, env=dict(env), capture_output=True, check=True)
+        for line in out.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no instruction total in {out}")
+
+    def added_instructions(self, what: str, n: int) -> tuple[float, float]:
+        """(instructions per call without the shim, instructions the shim adds per call)."""
+        s1, s3 = self.instructions(self.shim, what, n), self.instructions(self.shim, what, 3 * n)
+        p1, p3 = self.instructions(self.plain, what, n), self.instructions(self.plain, what, 3 * n)
+        per_plain = (p3 - p1) / (2 * n)
+        return per_plain, (s3 - s1) / (2 * n) - per_plain
 
     def concurrent_alloc(self, env: Mapping[str, str], procs: int, n: int) -> float:
         prog = str(self.tree / "tests" / "shim_bench")
@@ -153,6 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         b = Bench(tree, Path(tmp))
         print(f"shim bench on simgpu, {os.cpu_count()} CPUs, best of {args.repeat} runs")
+
+        if shutil.which("valgrind"):
+            base, added = b.added_instructions("launch", 1000)
+            print(
+                f"cuLaunchKernel, no compute limit: {base:.0f} instructions/call, "
+                f"added {added:+.0f} (callgrind; target <= 30)"
+            )
+            base, added = b.added_instructions("alloc", 1000)
+            print(
+                f"cuMemAlloc+cuMemFree under a limit: {base:.0f} instructions/pair, "
+                f"added {added:+.0f} (callgrind; target <= 300)"
+            )
+        else:
+            print("instruction counts: not measured (valgrind is not installed)")
 
         ab = [b.run(b.shim, "ab-launch", 400000) for _ in range(args.repeat)]
         real, hook = min(r["real_ns"] for r in ab), min(r["hook_ns"] for r in ab)

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 class Dev:
     uuid: str
     used: int  # bytes the region's total says the container uses on this GPU
+    refused: int = 0  # the region's counters (vgpu_region_device_stats)
+    fallbacks: int = 0
+    peak: int = 0
+    gpu_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,12 @@ def node(tmp_path: Path) -> SyntheticNode:
     n.region(
         "alloc-1",
         Snap(
-            (Dev(GPU_A, 1024 * MIB), Dev(GPU_B, 300 * MIB)),
+            (
+                Dev(
+                    GPU_A, 1024 * MIB, refused=3, fallbacks=1, peak=2048 * MIB, gpu_ns=1_500_000_000
+                ),
+                Dev(GPU_B, 300 * MIB, peak=300 * MIB),
+            ),
             (Proc(True, (1000 * MIB, 300 * MIB)), Proc(True, (24 * MIB, 0)), Proc(False, (0, 0))),
         ),
     )
@@ -119,12 +124,13 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
 
     containers = lines[lines.index("Containers") + 1 :]
     assert containers[0].split()[:3] == ["NAMESPACE/POD/CONTAINER", "ALLOCATION", "GPU"]
-    first = ["ml/infer-a/server", "alloc-1", GPU_A, "1024/20389", "25%", "2", "ok"]
-    assert containers[1].split()[:7] == first
+    # used/limit, then peak, refused, fell back to managed memory, GPU seconds (the region's).
+    first = ["ml/infer-a/server", "alloc-1", GPU_A, "1024/20389", "2048", "3", "1", "1.5", "25%"]
+    assert containers[1].split()[:11] == [*first, "2", "ok"]
     assert containers[1].split("ok", 1)[1].strip() == (
         "not requested: its GPUs have different limits (the hook applies one to all)"
     )
-    assert containers[2].split() == [GPU_B, "300/40778", "50%"]
+    assert containers[2].split() == [GPU_B, "300/40778", "300", "0", "0", "0.0", "50%"]
     assert containers[3].split() == [
         "(pod",
         "not",
@@ -133,6 +139,10 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "alloc-2",
         GPU_A,
         "0/20389",
+        "0",
+        "0",
+        "0",
+        "0.0",
         "unlimited",
         "0",
         "missing",
@@ -175,16 +185,24 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
         "gpus": [
             {
                 "compute_limit": 25,
+                "fallbacks": 1,
+                "gpu_seconds": 1.5,
                 "memory_limit": 20389 * MIB,
+                "memory_peak": 2048 * MIB,
                 "memory_used": 1024 * MIB,
                 "processes": 2,
+                "refused": 3,
                 "uuid": GPU_A,
             },
             {
                 "compute_limit": 50,
+                "fallbacks": 0,
+                "gpu_seconds": 0.0,
                 "memory_limit": 40778 * MIB,
+                "memory_peak": 300 * MIB,
                 "memory_used": 300 * MIB,
                 "processes": 1,
+                "refused": 0,
                 "uuid": GPU_B,
             },
         ],

@@ -10,6 +10,7 @@ from pathlib import Path
 import native_build
 import pytest
 import test_shim_compute as compute
+import test_shim_invariant as invariant
 import test_shim_loading as loading
 import test_shim_memory as memory
 import test_shim_views as views
@@ -133,3 +134,37 @@ def test_contexts(asan: Shim) -> None:
 
 def test_paced_launches(asan_tree: Path, tmp_path: Path) -> None:
     compute.test_every_launch_api_is_paced(asan_tree, tmp_path)
+
+
+# The invariant's paths (pools, contexts every way, graphs, NVML process lists, lock files).
+def test_pool_then_another_path(asan: Shim) -> None:
+    invariant.test_a_pool_that_keeps_its_cache_then_another_path_stays_within_the_limit(asan)
+
+
+@pytest.mark.parametrize("how", ["runtime", "runtime_alloc"])
+def test_context_made_past_the_shim(asan: Shim, how: str) -> None:
+    invariant.test_a_context_made_past_the_shim_is_charged_when_first_met(asan, how)
+
+
+def test_contexts_beside_neighbours(asan: Shim) -> None:
+    invariant.test_contexts_are_charged_exactly_while_neighbours_allocate_and_free(asan)
+
+
+def test_graph_memory(asan: Shim) -> None:
+    invariant.test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit(asan)
+
+
+def test_nvml_process_lists(asan: Shim) -> None:
+    invariant.test_nvml_process_lists_show_only_the_containers_processes(asan)
+
+
+def test_counters(asan: Shim) -> None:
+    invariant.test_the_region_counts_refusals_fallbacks_peak_and_gpu_time(asan)
+
+
+def test_leased_lock_file(asan: Shim, tmp_path: Path) -> None:
+    invariant.test_a_leased_lock_file_does_not_stall_context_creation(asan, tmp_path)
+
+
+def test_context_growth(asan: Shim) -> None:
+    invariant.test_a_contexts_growth_is_charged_and_refused_past_the_limit(asan)

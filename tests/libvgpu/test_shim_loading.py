@@ -124,11 +124,13 @@ QUERIES = {
     "cuGetProcAddress:12000:0": ("libvgpu.so", "cuGetProcAddress_v2"),
     "cuMipmappedArrayCreate:12000:0": ("libvgpu.so", "cuMipmappedArrayCreate"),
     "cuMipmappedArrayDestroy:5000:0": ("libvgpu.so", "cuMipmappedArrayDestroy"),
+    "cuStreamSynchronize:12000:1": ("libvgpu.so", "cuStreamSynchronize_ptsz"),
+    "cuCtxSetCurrent:12000:0": ("libvgpu.so", "cuCtxSetCurrent"),
     # not hooked: the driver's own, in the variant it chose
     "cuInit:12000:0": ("libcuda.so.1", "cuInit"),
     "cuMemcpyAsync:12000:1": ("libcuda.so.1", "cuMemcpyAsync_ptsz"),
     "cuEventRecord:12000:1": ("libcuda.so.1", "cuEventRecord_ptsz"),
-    "cuStreamSynchronize:12000:0": ("libcuda.so.1", "cuStreamSynchronize"),
+    "cuStreamQuery:12000:0": ("libcuda.so.1", "cuStreamQuery"),
     "cuMipmappedArrayGetLevel:12000:0": ("libcuda.so.1", "cuMipmappedArrayGetLevel"),
     "cuMemMapArrayAsync:12000:1": ("libcuda.so.1", "cuMemMapArrayAsync_ptsz"),
 }

@@ -61,17 +61,24 @@ def _drive(
         ((time.monotonic() + rng.uniform(0.2, seconds * 0.7), v) for v in victims),
         key=lambda tv: tv[0],
     )
-    snapshots, peak = 0, 0
+    snapshots, peak, peak_physical = 0, 0, 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if due and time.monotonic() >= due[0][0]:
-            due.pop(0)[1].send_signal(signal.SIGKILL)
+            victim = due.pop(0)[1]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            shim.node.reap()  # the GPU frees a dead process's memory (simgpu: when asked)
         try:
             used, region_limit = _used(shim)
         except RegionError:  # not created yet by the first process
             continue
         assert region_limit == limit
         assert used <= limit, f"{used} bytes charged past the limit of {limit}"
+        # What the GPU really holds for the container's processes (the only ones on it).
+        physical = shim.node.gpu(0).used_memory
+        assert physical <= limit, f"the GPU holds {physical} bytes, past the limit of {limit}"
+        peak_physical = max(peak_physical, physical)
         peak = max(peak, used)
         snapshots += 1
         time.sleep(0.005)
@@ -96,6 +103,7 @@ def _drive(
     return {
         "snapshots": snapshots,
         "peak": peak,
+        "peak_physical": peak_physical,
         "final": final,
         "contexts": len(survivors) * CONTEXT,
         "granted": granted,

@@ -143,7 +143,10 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
         node.root,
         "a1",
         Snap(
-            (Dev(GPU_A, 3 * MIB), Dev(GPU_B, 5 * MIB)),
+            (
+                Dev(GPU_A, 3 * MIB, refused=4, fallbacks=2, peak=7 * MIB, gpu_ns=2_500_000_000),
+                Dev(GPU_B, 5 * MIB),
+            ),
             (Proc(True, (1 * MIB, 5 * MIB)), Proc(True, (2 * MIB, 0)), Proc(False, (0, 0))),
         ),
     )
@@ -160,6 +163,12 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
     assert value(got, "vgpu_container_compute_limit_percent", gpu_uuid=GPU_B, **a1) == 50
     assert value(got, "vgpu_container_processes", gpu_uuid=GPU_A, **a1) == 2
     assert value(got, "vgpu_container_processes", gpu_uuid=GPU_B, **a1) == 1
+    # The region's counters: refusals, managed fallbacks, peak, measured GPU time.
+    assert value(got, "vgpu_container_memory_refusals_total", gpu_uuid=GPU_A, **a1) == 4
+    assert value(got, "vgpu_container_managed_fallbacks_total", gpu_uuid=GPU_A, **a1) == 2
+    assert value(got, "vgpu_container_memory_peak_bytes", gpu_uuid=GPU_A, **a1) == 7 * MIB
+    assert value(got, "vgpu_container_gpu_seconds_total", gpu_uuid=GPU_A, **a1) == 2.5
+    assert value(got, "vgpu_container_memory_refusals_total", gpu_uuid=GPU_B, **a1) == 0
 
     # No region yet (no CUDA call in the container) and no pod known yet: limits still there.
     a2 = {"namespace": "", "pod": "", "container": "", "allocation_id": "a2", "gpu_uuid": GPU_A}

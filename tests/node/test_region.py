@@ -226,7 +226,7 @@ def _corrupt(path: Path, how: str) -> None:
     if how == "bad magic":
         data[0:8] = b"NOTVGPU\0"
     elif how == "wrong version":
-        data[8:12] = (2).to_bytes(4, "little")
+        data[8:12] = (1).to_bytes(4, "little")  # a region of the previous layout
     elif how == "truncated":
         del data[4096:]
     elif how == "size field":
@@ -242,7 +242,7 @@ def _corrupt(path: Path, how: str) -> None:
 
 REFUSALS = {
     "bad magic": "not a vgpu region: bad magic",
-    "wrong version": "layout version 2, this build reads version 1",
+    "wrong version": "layout version 1, this build reads version 2",
     "truncated": "is truncated: 4096 bytes",
     "size field": "wrong size",
     "device count": "is corrupt: 99 devices",

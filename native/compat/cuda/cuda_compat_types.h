@@ -315,6 +315,23 @@ typedef struct CUmemPoolProps_st {
 } CUmemPoolProps_v1;
 typedef CUmemPoolProps_v1 CUmemPoolProps;
 
+/* Graph memory nodes (cuGraphAddMemAllocNode) and the device's graph memory. */
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS_v1;
+typedef CUDA_MEM_ALLOC_NODE_PARAMS_v1 CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef enum CUgraphMem_attribute_enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH
+} CUgraphMem_attribute;
+
 #define CU_MEM_CREATE_USAGE_TILE_POOL 0x1
 #define CU_MEM_CREATE_USAGE_HW_DECOMPRESS 0x2
 

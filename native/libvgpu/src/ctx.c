@@ -1,12 +1,25 @@
 /* Contexts: which device each context is on, and the memory each context takes.
  *
- * A context costs GPU memory the driver never reports per context. It is measured as the
- * device's free-memory delta across the creation, read through NVML (the only reading
- * possible before the first context exists), while holding the GPU's node-wide flock
- * (<lock dir>/<GPU-UUID>.lock), so that other measured creations on the GPU do not overlap;
- * the kernel drops the lock of a process that dies. The charge goes to the region like any
- * allocation (refused over the limit: the context is undone) and is given back when the
- * context goes, together with every allocation the context owned. */
+ * A context costs GPU memory (hundreds of MiB on a real GPU) that no CUDA call reports. The
+ * driver does account it, per process: NVML's process list (nvmlDeviceGetComputeRunningProcesses)
+ * gives each process's used memory, contexts included. So a context is charged the growth of
+ * this process's own usage across its creation, less what the shim itself charged this process
+ * meanwhile (another thread's allocation): a neighbour's allocation or free, in this container
+ * or another, cannot move the measure. Creations and measures of one process are serialised by
+ * a process-private mutex (g_ctx.measure_mu); nothing node-wide is taken.
+ *
+ * Where NVML does not list this process (its pid is another namespace's, as a real driver reports
+ * host pids to a container), the device's free-memory drop is measured instead, under the GPU's
+ * node-wide flock (<lock dir>/<GPU-UUID>.lock) so that creations on the GPU do not overlap: the
+ * first creation of a process on a device takes the lock and learns which measure works.
+ *
+ * Each context is charged once, whatever created it: cuCtxCreate*, the retain that activates a
+ * primary context, or, for a context the shim did not see created (the runtime's private path),
+ * the first time the shim meets it (cuCtxSetCurrent, an allocation, a view): then it is charged
+ * what NVML says this process holds beyond what the shim has charged it. cuCtxSetLimit's growth
+ * (heap, stack, printf FIFO) is charged to the context the same way. The charge goes to the
+ * region like any allocation (refused over the limit: a new context is undone) and is given
+ * back when the context goes, together with every allocation the context owned. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -31,7 +44,8 @@ static struct {
     unsigned next;
     struct { CUcontext ctx; int ordinal; } known[64];
     CUcontext primary[VGPU_MAX_ORDINALS];
-} g_ctx = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    pthread_mutex_t measure_mu; /* creations and measures of this process, one at a time */
+} g_ctx = {.mu = PTHREAD_MUTEX_INITIALIZER, .measure_mu = PTHREAD_MUTEX_INITIALIZER};
 
 static _Thread_local struct {
     CUcontext ctx;
@@ -58,6 +72,9 @@ static int known_ordinal(CUcontext ctx) {
     return ord;
 }
 
+static int ctx_charged(CUcontext ctx);
+static int charge_found(CUcontext ctx, struct vgpu_dev *d);
+
 static int __attribute__((noinline)) lookup_ordinal(CUcontext ctx, int is_current) {
     int ord = known_ordinal(ctx);
     if (ord >= 0) return ord;
@@ -75,6 +92,10 @@ static int __attribute__((noinline)) lookup_ordinal(CUcontext ctx, int is_curren
         }
     }
     if (rc != CUDA_SUCCESS) return -1;
+    /* Never seen: made where the shim could not see it (the runtime activates the primary
+     * context through its own path), or seen so long ago that it left the table. */
+    struct vgpu_dev *d = vgpu.limited && !ctx_charged(ctx) ? vgpu_dev((int)dev) : NULL;
+    if (d && charge_found(ctx, d) != 0) return -1; /* refused, and asked again next time */
     remember(ctx, (int)dev);
     return (int)dev;
 }
@@ -118,17 +139,42 @@ static void gone(CUcontext ctx) {
 
 /* --- measuring a context's memory ------------------------------------------------------------ */
 
+/* The lock file is shared by every container of the node, so nothing a tenant does to it may
+ * stall or deny another's start-up:
+ * - O_NONBLOCK: a tenant that replaced the file with its own and holds a lease on it
+ *   (F_SETLEASE) would block every opener for fs.lease-break-time (45 s); a FIFO in its place
+ *   would block forever. Non-blocking, such an open fails at once (EWOULDBLOCK), or opens
+ *   something that is not a regular file, and is refused;
+ * - O_NOFOLLOW: a symlink planted in its place is not followed;
+ * - read-only: flock needs no write access, so a file whose mode a root container's umask
+ *   made 0644 still locks; and whoever creates it makes it 0666 (fchmod: the umask is the
+ *   tenant's), so no later process is denied it.
+ * Whatever fails, the context is measured without the lock (the bound: GPU_LOCK_WAIT_MS). */
+static int open_lock(const char *path) {
+    int flags = O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+    int fd = open(path, flags, 0666);
+    if (fd < 0 && errno == ENOENT && mkdir(vgpu.cfg.lock_dir, 0777) == 0) {
+        chmod(vgpu.cfg.lock_dir, 01777);
+        fd = open(path, flags, 0666);
+    }
+    if (fd < 0) return -1;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        errno = EINVAL;
+        return -1;
+    }
+    if (st.st_uid == geteuid() && (st.st_mode & 0777) != 0666) fchmod(fd, 0666);
+    return fd;
+}
+
 static int lock_gpu(const char *uuid) {
     char path[sizeof vgpu.cfg.lock_dir + VGPU_UUID_SIZE + 8];
     snprintf(path, sizeof path, "%s/%s.lock", vgpu.cfg.lock_dir, uuid);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
-    if (fd < 0 && errno == ENOENT && mkdir(vgpu.cfg.lock_dir, 0777) == 0) {
-        chmod(vgpu.cfg.lock_dir, 01777);
-        fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
-    }
+    int fd = open_lock(path);
     if (fd < 0) {
         VLOG(VGPU_LOG_WARN, "cannot open the GPU lock %s: %s; measuring without it", path,
-             strerror(errno));
+             errno == EINVAL ? "not a regular file" : strerror(errno));
         return -1;
     }
     /* Bounded wait: the lock dir is shared by every container on the node, so a tenant
@@ -170,44 +216,125 @@ static uint64_t gpu_free(const struct vgpu_dev *d, int *ok) {
     return *ok ? m.free : 0;
 }
 
-struct measure {
-    int fd, ok;
-    uint64_t before;
-};
-
-static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
-    m->fd = lock_gpu(d->uuid);
-    m->before = gpu_free(d, &m->ok);
+/* This process's used memory on d as the driver accounts it: 1 (in *out), 0 when NVML lists
+ * no such process (none yet, or its pid is another namespace's), -1 when NVML cannot say. */
+static int proc_used(const struct vgpu_dev *d, uint64_t *out) {
+    enum { MAX_LISTED = 256 };
+    nvmlDevice_t h;
+    nvmlProcessInfo_v2_t infos[MAX_LISTED];
+    unsigned int n = MAX_LISTED;
+    nvmlReturn_t rc = NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (!vgpu_nvml_ready() || vgpu.real.nvmlDeviceGetHandleByUUID(d->uuid, &h) != NVML_SUCCESS) return -1;
+    if (vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3)
+        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3(h, &n, (nvmlProcessInfo_t *)infos);
+    else if (vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2)
+        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2(h, &n, infos);
+    if (rc != NVML_SUCCESS) return -1;
+    unsigned int pid = (unsigned int)getpid();
+    for (unsigned int i = 0; i < n && i < MAX_LISTED; i++) {
+        if (infos[i].pid == pid && infos[i].usedGpuMemory != (unsigned long long)NVML_VALUE_NOT_AVAILABLE) {
+            *out = infos[i].usedGpuMemory;
+            return 1;
+        }
+    }
+    return 0;
 }
 
-/* Charge the delta to ctx; 0, or -1 when the limit refuses it (the caller undoes ctx). */
-static int measure_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
-    int ok2 = 0;
-    uint64_t after = m->ok ? gpu_free(d, &ok2) : 0;
-    uint64_t delta = m->ok && ok2 && m->before > after ? m->before - after : 0;
-    if (delta > MAX_CONTEXT_CHARGE) delta = 0;
-    int rc = 0;
-    if (vgpu_charge(d, delta) != CUDA_SUCCESS) {
-        VLOG(VGPU_LOG_WARN, "a new context on GPU %s takes %llu bytes, over the container's "
-                 "memory limit: refused", d->uuid, (unsigned long long)delta);
-        rc = -1;
+static int64_t own_committed(const struct vgpu_dev *d) {
+    return d->accounted ? (int64_t)vgpu_region_own_committed(vgpu.region, d->rdev) : 0;
+}
+
+/* Per device: does NVML list this process (1), not (-1), unknown yet (0). measure_mu held. */
+static int g_listed[VGPU_MAX_ORDINALS];
+
+enum { BY_NONE, BY_PROCESS, BY_DEVICE };
+
+struct measure {
+    int fd, how, have_free;
+    uint64_t proc_before, free_before;
+    int64_t own_before;
+};
+
+/* g_ctx.measure_mu held. */
+static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
+    int listed = g_listed[d->ordinal];
+    uint64_t before = 0;
+    int st = listed >= 0 ? proc_used(d, &before) : -1;
+    *m = (struct measure){.fd = -1, .how = st >= 0 ? BY_PROCESS : BY_NONE, .proc_before = before,
+                          .own_before = own_committed(d)};
+    if (listed != 1) { /* the device's drop, in case this process turns out not to be listed */
+        m->fd = lock_gpu(d->uuid);
+        m->free_before = gpu_free(d, &m->have_free);
+    }
+}
+
+/* What the measured call took on d (0 when it cannot be told). Drops the GPU lock. */
+static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d) {
+    uint64_t after = 0, delta = 0;
+    int st = m->how == BY_PROCESS ? proc_used(d, &after) : -1;
+    if (st == 1) {
+        g_listed[d->ordinal] = 1;
+        int64_t grew = (int64_t)(after - m->proc_before) - (own_committed(d) - m->own_before);
+        delta = grew > 0 ? (uint64_t)grew : 0;
     } else {
-        vgpu_commit(d, delta);
-        if (d->accounted) vgpu_tab_put(VGPU_OBJ_CTX, (uint64_t)(uintptr_t)ctx, d->ordinal, delta, ctx);
-        VLOG(VGPU_LOG_DEBUG, "context %p on GPU %s charged %llu bytes", (void *)ctx, d->uuid,
-             (unsigned long long)delta);
+        if (st == 0) g_listed[d->ordinal] = -1; /* a new context, yet not listed: another pid */
+        int ok = 0;
+        uint64_t free_after = m->have_free ? gpu_free(d, &ok) : 0;
+        delta = ok && m->free_before > free_after ? m->free_before - free_after : 0;
+        if (delta > MAX_CONTEXT_CHARGE) delta = 0; /* not our context alone */
     }
     unlock_gpu(m->fd);
+    m->fd = -1;
+    return delta;
+}
+
+/* Charge `bytes` to ctx's record on d (made if new): 0, or -1 when the limit refuses it. */
+static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, const char *what) {
+    if (vgpu_charge(d, bytes) != CUDA_SUCCESS) {
+        VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit: "
+             "refused", what, d->uuid, (unsigned long long)bytes);
+        return -1;
+    }
+    vgpu_commit(d, bytes);
+    if (d->accounted) {
+        struct vgpu_rec r;
+        uint64_t key = (uint64_t)(uintptr_t)ctx, had = vgpu_tab_take(VGPU_OBJ_CTX, key, &r) ? r.bytes : 0;
+        vgpu_tab_put(VGPU_OBJ_CTX, key, d->ordinal, had + bytes, ctx);
+    }
+    VLOG(VGPU_LOG_DEBUG, "%s %p on GPU %s charged %llu bytes", what, (void *)ctx, d->uuid,
+         (unsigned long long)bytes);
+    return 0;
+}
+
+static int ctx_charged(CUcontext ctx) {
+    struct vgpu_rec r;
+    if (!ctx) return 1;
+    return vgpu_tab_get(VGPU_OBJ_CTX, (uint64_t)(uintptr_t)ctx, &r);
+}
+
+/* A context the shim meets for the first time, already made (the runtime's own path): charge
+ * it what NVML says this process holds on d beyond what the shim has charged it. 0, or -1
+ * refused (the caller's allocation is then refused too, until the context fits). */
+static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev *d) {
+    if (!d->accounted || !vgpu.limited) return 0;
+    int rc = 0;
+    pthread_mutex_lock(&g_ctx.measure_mu);
+    uint64_t used = 0;
+    if (!ctx_charged(ctx)) {
+        int st = proc_used(d, &used);
+        int64_t extra = st == 1 ? (int64_t)used - own_committed(d) : 0;
+        if (st != 1)
+            VLOG(VGPU_LOG_INFO, "context %p on GPU %s was made out of the shim's sight and NVML does "
+                 "not list this process: charged nothing", (void *)ctx, d->uuid);
+        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, "a context made by the runtime");
+    }
+    pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
 }
 
 /* --- creation and destruction hooks ---------------------------------------------------------- */
 
-#define NEED(fn)                                                                               \
-    do {                                                                                       \
-        vgpu_ensure();                                                                         \
-        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
-    } while (0)
+#define NEED VGPU_NEED
 
 /* The device a new context goes on: NULL to create it unmeasured. *refuse: fail closed. */
 static struct vgpu_dev *creating_on(CUdevice dev, int *refuse) {
@@ -218,53 +345,70 @@ static struct vgpu_dev *creating_on(CUdevice dev, int *refuse) {
     return d && d->accounted ? d : NULL;
 }
 
-#define CREATE_BODY(dev, call)                                                                 \
-    do {                                                                                       \
-        int refuse_;                                                                           \
-        struct vgpu_dev *d_ = creating_on((dev), &refuse_);                                    \
-        if (refuse_) return CUDA_ERROR_OUT_OF_MEMORY;                                          \
-        if (!d_) return (call);                                                                \
-        struct measure m_;                                                                     \
-        measure_begin(&m_, d_);                                                                \
-        CUresult rc_ = (call);                                                                 \
-        if (rc_ == CUDA_SUCCESS) {                                                             \
-            remember(*pctx, d_->ordinal);                                                      \
-            if (measure_end(&m_, d_, *pctx) != 0) {                                            \
-                vgpu.real.cuCtxDestroy_v2(*pctx);                                              \
-                gone(*pctx);                                                                   \
-                *pctx = NULL;                                                                  \
-                rc_ = CUDA_ERROR_OUT_OF_MEMORY;                                                \
-            }                                                                                  \
-        } else {                                                                               \
-            unlock_gpu(m_.fd);                                                                 \
-        }                                                                                      \
-        return rc_;                                                                            \
-    } while (0)
+/* The four ABIs of cuCtxCreate, one implementation. */
+struct create_args {
+    int version; /* 1..4 */
+    unsigned int flags;
+    CUdevice dev;
+    CUexecAffinityParam *affinity;
+    int naffinity;
+    CUctxCreateParams *params;
+};
+
+static CUresult real_create(CUcontext *pctx, const struct create_args *a) {
+    switch (a->version) {
+    case 1: return vgpu.real.cuCtxCreate(pctx, a->flags, a->dev);
+    case 2: return vgpu.real.cuCtxCreate_v2(pctx, a->flags, a->dev);
+    case 3: return vgpu.real.cuCtxCreate_v3(pctx, a->affinity, a->naffinity, a->flags, a->dev);
+    default: return vgpu.real.cuCtxCreate_v4(pctx, a->params, a->flags, a->dev);
+    }
+}
+
+static CUresult create_ctx(CUcontext *pctx, const struct create_args *a) {
+    int refuse;
+    struct vgpu_dev *d = pctx ? creating_on(a->dev, &refuse) : NULL;
+    if (pctx && refuse) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!d) return real_create(pctx, a);
+    struct measure m;
+    pthread_mutex_lock(&g_ctx.measure_mu);
+    measure_begin(&m, d);
+    CUresult rc = real_create(pctx, a);
+    uint64_t bytes = measure_end(&m, d);
+    if (rc == CUDA_SUCCESS) {
+        remember(*pctx, d->ordinal);
+        if (charge_ctx(d, *pctx, bytes, "a new context") != 0) {
+            vgpu.real.cuCtxDestroy_v2(*pctx);
+            gone(*pctx);
+            *pctx = NULL;
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    pthread_mutex_unlock(&g_ctx.measure_mu);
+    return rc;
+}
 
 VGPU_API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     NEED(cuCtxCreate);
-    if (!pctx) return vgpu.real.cuCtxCreate(pctx, flags, dev);
-    CREATE_BODY(dev, vgpu.real.cuCtxCreate(pctx, flags, dev));
+    return create_ctx(pctx, &(struct create_args){.version = 1, .flags = flags, .dev = dev});
 }
 
 VGPU_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     NEED(cuCtxCreate_v2);
-    if (!pctx) return vgpu.real.cuCtxCreate_v2(pctx, flags, dev);
-    CREATE_BODY(dev, vgpu.real.cuCtxCreate_v2(pctx, flags, dev));
+    return create_ctx(pctx, &(struct create_args){.version = 2, .flags = flags, .dev = dev});
 }
 
 VGPU_API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
                                  unsigned int flags, CUdevice dev) {
     NEED(cuCtxCreate_v3);
-    if (!pctx) return vgpu.real.cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev);
-    CREATE_BODY(dev, vgpu.real.cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev));
+    return create_ctx(pctx, &(struct create_args){.version = 3, .flags = flags, .dev = dev,
+                                                  .affinity = paramsArray, .naffinity = numParams});
 }
 
 VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams,
                                  unsigned int flags, CUdevice dev) {
     NEED(cuCtxCreate_v4);
-    if (!pctx) return vgpu.real.cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev);
-    CREATE_BODY(dev, vgpu.real.cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev));
+    return create_ctx(pctx, &(struct create_args){.version = 4, .flags = flags, .dev = dev,
+                                                  .params = ctxCreateParams});
 }
 
 static CUresult destroy(CUcontext ctx, __typeof__(cuCtxDestroy_v2) *real) {
@@ -301,29 +445,69 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     int refuse;
     struct vgpu_dev *d = pctx ? creating_on(dev, &refuse) : NULL;
     if (pctx && refuse) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d || primary_active(dev) == 1) {
-        CUresult rc = vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
-        if (rc == CUDA_SUCCESS && d) {
-            remember(*pctx, d->ordinal);
-            g_ctx.primary[d->ordinal] = *pctx;
-        }
-        return rc;
-    }
+    if (!d) return vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
     struct measure m;
-    measure_begin(&m, d);
-    int was_active = primary_active(dev) == 1; /* another thread may have won the lock */
+    pthread_mutex_lock(&g_ctx.measure_mu);
+    int was_active = primary_active(dev) == 1;
+    if (!was_active) measure_begin(&m, d);
     CUresult rc = vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
-    if (rc != CUDA_SUCCESS || was_active) {
-        unlock_gpu(m.fd);
-        return rc;
+    uint64_t bytes = was_active ? 0 : measure_end(&m, d);
+    if (rc == CUDA_SUCCESS) {
+        CUcontext ctx = *pctx;
+        g_ctx.primary[d->ordinal] = ctx;
+        if (!was_active) {
+            remember(ctx, d->ordinal);
+            if (charge_ctx(d, ctx, bytes, "a new context") != 0) {
+                vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+                gone(ctx);
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+            }
+        }
     }
-    remember(*pctx, d->ordinal);
-    g_ctx.primary[d->ordinal] = *pctx;
-    if (measure_end(&m, d, *pctx) != 0) {
-        vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
-        gone(*pctx);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_unlock(&g_ctx.measure_mu);
+    /* Already active, maybe by the runtime's own path: charged now if it never was. */
+    if (rc == CUDA_SUCCESS && was_active) {
+        CUcontext c;
+        (void)c;
+        if (!ctx_charged(*pctx) && charge_found(*pctx, d) != 0) {
+            vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        remember(*pctx, d->ordinal);
     }
+    return rc;
+}
+
+/* The runtime makes the primary context current after activating it through its own path:
+ * the first time the shim sees a context, it is charged (vgpu_ctx_dev -> charge_found). */
+VGPU_API CUresult cuCtxSetCurrent(CUcontext ctx) {
+    NEED(cuCtxSetCurrent);
+    CUresult rc = vgpu.real.cuCtxSetCurrent(ctx);
+    CUcontext cur;
+    if (rc == CUDA_SUCCESS && ctx && vgpu.limited) (void)vgpu_ctx_dev(NULL, &cur);
+    return rc;
+}
+
+/* Growing a context's heap, stack or printf FIFO takes GPU memory: charged to the context
+ * (refused, and the old size put back, over the limit). */
+VGPU_API CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
+    NEED(cuCtxSetLimit);
+    if (LIKELY(!vgpu.limited)) return vgpu.real.cuCtxSetLimit(limit, value);
+    CUcontext ctx;
+    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
+    if (!d || !d->accounted) return d ? vgpu.real.cuCtxSetLimit(limit, value) : UNRESOLVED(ctx, vgpu.real.cuCtxSetLimit(limit, value));
+    size_t old = 0;
+    int have_old = vgpu.real.cuCtxGetLimit && vgpu.real.cuCtxGetLimit(&old, limit) == CUDA_SUCCESS;
+    struct measure m;
+    pthread_mutex_lock(&g_ctx.measure_mu);
+    measure_begin(&m, d);
+    CUresult rc = vgpu.real.cuCtxSetLimit(limit, value);
+    uint64_t grew = measure_end(&m, d);
+    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, "a context's new limit") != 0) {
+        if (have_old) vgpu.real.cuCtxSetLimit(limit, old);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
 }
 
@@ -331,30 +515,29 @@ static void primary_maybe_gone(CUdevice dev) {
     if ((unsigned)dev < VGPU_MAX_ORDINALS && primary_active(dev) == 0) gone(g_ctx.primary[dev]);
 }
 
-VGPU_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    NEED(cuDevicePrimaryCtxRelease_v2);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+/* Release and reset, each ABI: the same bookkeeping after the driver's call. */
+static CUresult primary_call(CUdevice dev, CUresult (*real)(CUdevice)) {
+    CUresult rc = real(dev);
     if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
     return rc;
+}
+
+VGPU_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    NEED(cuDevicePrimaryCtxRelease_v2);
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxRelease_v2);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
     NEED(cuDevicePrimaryCtxRelease);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRelease(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxRelease);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     NEED(cuDevicePrimaryCtxReset_v2);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxReset_v2(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxReset_v2);
 }
 
 VGPU_API CUresult cuDevicePrimaryCtxReset(CUdevice dev) {
     NEED(cuDevicePrimaryCtxReset);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxReset(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
-    return rc;
+    return primary_call(dev, vgpu.real.cuDevicePrimaryCtxReset);
 }

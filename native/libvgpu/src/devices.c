@@ -161,11 +161,7 @@ static struct vgpu_dev *__attribute__((noinline)) resolve(int ordinal) {
     return d;
 }
 
-struct vgpu_dev *vgpu_dev(int ordinal) {
-    if (UNLIKELY((unsigned)ordinal >= VGPU_MAX_ORDINALS)) return NULL;
-    struct vgpu_dev *d = &vgpu.dev[ordinal];
-    return LIKELY(__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)) ? d : resolve(ordinal);
-}
+struct vgpu_dev *vgpu_dev_resolve(int ordinal) { return resolve(ordinal); }
 
 struct vgpu_dev *vgpu_current_dev(void) {
     CUdevice dev;
@@ -243,27 +239,25 @@ struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid) {
 
 /* --- charging ------------------------------------------------------------------------------ */
 
-CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
-    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d->accounted) return CUDA_SUCCESS;
-    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
-    if (LIKELY(rc == VGPU_REGION_OK)) return CUDA_SUCCESS;
+/* Refused: before saying so, what this process's pools keep cached goes back to the GPU (and
+ * its charge to the container), then the reservation is tried once more. */
+CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int rc) {
+    if (rc == VGPU_REGION_DENIED && vgpu_pools_trim(d) > 0 &&
+        vgpu_region_reserve(vgpu.region, d->rdev, bytes) == VGPU_REGION_OK)
+        return CUDA_SUCCESS;
+    if (rc == VGPU_REGION_DENIED) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_REFUSED, 1);
     VLOG(VGPU_LOG_INFO, "allocation of %llu bytes on GPU %s refused: %llu of %llu bytes in use",
          (unsigned long long)bytes, d->uuid, (unsigned long long)vgpu_used(d),
          (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+void vgpu_note_fallback(struct vgpu_dev *d) {
+    if (d->accounted) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_FALLBACK, 1);
 }
 
-void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
-}
-
-void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+void vgpu_note_gpu_time(struct vgpu_dev *d, uint64_t ns) {
+    if (d->accounted && ns) vgpu_region_count(vgpu.region, d->rdev, VGPU_COUNT_GPU_NS, ns);
 }
 
 uint64_t vgpu_used(struct vgpu_dev *d) {

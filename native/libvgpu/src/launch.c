@@ -132,6 +132,7 @@ static void reap(int wait) {
             held = overlap_trim(p->ctx, p->start, &ms);
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
             vgpu_pace_add(p->d->pace, p->charged - settle_charge(p->key, measured));
+            vgpu_note_gpu_time(p->d, (uint64_t)measured);
         }
         if (!held) event_put(p->start, p->ctx);
         event_put(p->end, p->ctx);
@@ -294,10 +295,15 @@ VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction
     HOOK_BODY(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra));
 }
 
+/* Once the process has made graph allocations, a graph launch also settles their memory. */
 VGPU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
+        return vgpu_graph_launch(hGraphExec, hStream, 0, slow_cuGraphLaunch);
     HOOK_BODY(cuGraphLaunch, (hGraphExec, hStream));
 }
 
 VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
+        return vgpu_graph_launch(hGraphExec, hStream, 1, slow_cuGraphLaunch_ptsz);
     HOOK_BODY(cuGraphLaunch_ptsz, (hGraphExec, hStream));
 }

@@ -84,7 +84,7 @@ static void resolve(void *handle, const char *name, void **slot, const void *hoo
 /* The limits: everything the NVML hooks need. Reads files and envs only (no lookup that
  * could re-enter the shim), so it needs no t_loading. */
 static void limits_once(void) {
-    vgpu.log_level = vgpu_log_level_from_env();
+    vgpu.log_level = vgpu_log_level();
     vgpu_config_load(&vgpu.cfg);
     vgpu.limited = vgpu.cfg.mode != VGPU_MODE_NONE;
     if (vgpu.cfg.mode == VGPU_MODE_ENV || vgpu.cfg.mode == VGPU_MODE_FILE) {

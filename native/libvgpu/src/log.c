@@ -1,22 +1,37 @@
-/* Logging: one line per event on stderr, prefixed "[vgpu]". The level comes from
- * LIBVGPU_LOG_LEVEL (error|warn|info|debug, default warn), read once at load; hooks test it
- * with one branch (VLOG) so nothing is formatted on the hot path unless debugging. */
+/* Logging: one line per event on stderr, prefixed "[vgpu]" (log.h). The level comes from
+ * LIBVGPU_LOG_LEVEL (error|warn|info|debug, default warn), read once, at the first message or
+ * the first hook; hooks test it with one branch (VLOG) so nothing is formatted on the hot path
+ * unless debugging. */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#include "shim.h"
+#include "log.h"
 
-int vgpu_log_level_from_env(void) {
+static int g_level = -1; /* -1: not read yet */
+static pthread_once_t g_level_once = PTHREAD_ONCE_INIT;
+
+static void read_level(void) {
     static const char *const names[] = {"error", "warn", "info", "debug"};
     const char *v = getenv("LIBVGPU_LOG_LEVEL");
-    if (!v || !*v) return VGPU_LOG_WARN;
-    for (int i = 0; i < 4; i++)
-        if (strcasecmp(v, names[i]) == 0) return i;
-    fprintf(stderr, "[vgpu] warn: LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn\n", v);
-    return VGPU_LOG_WARN;
+    int level = VGPU_LOG_WARN;
+    if (v && *v) {
+        int i = 0;
+        while (i < 4 && strcasecmp(v, names[i]) != 0) i++;
+        if (i < 4) level = i;
+        else fprintf(stderr, "[vgpu] warn: LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn\n", v);
+    }
+    __atomic_store_n(&g_level, level, __ATOMIC_RELEASE);
+}
+
+int vgpu_log_level(void) {
+    int level = __atomic_load_n(&g_level, __ATOMIC_ACQUIRE);
+    if (__builtin_expect(level >= 0, 1)) return level;
+    pthread_once(&g_level_once, read_level);
+    return __atomic_load_n(&g_level, __ATOMIC_ACQUIRE);
 }
 
 void vgpu_log(int level, const char *fmt, ...) {

@@ -9,11 +9,7 @@
 
 #include "shim.h"
 
-#define NEED(fn)                                                                               \
-    do {                                                                                       \
-        vgpu_ensure();                                                                         \
-        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
-    } while (0)
+#define NEED VGPU_NEED
 
 /* After the real call: commit and record, or roll back. */
 static CUresult finish(struct vgpu_dev *d, CUresult rc, int kind, uint64_t key, uint64_t bytes,
@@ -39,63 +35,121 @@ static void give_back(const struct vgpu_rec *r) {
 
 /* No device for the call: without a context (ctx NULL) the driver answers, and refuses too;
  * a context whose device the shim cannot resolve is refused while limits are in force. */
-#define UNRESOLVED(ctx, call) ((ctx) ? CUDA_ERROR_OUT_OF_MEMORY : (call))
 
-static CUresult alloc_v2(CUdeviceptr *dptr, size_t bytes) {
+/* The ABIs of an entry point differ only in widths: the legacy (v1) forms of CUDA < 3.2 take
+ * and return 32-bit pointers and sizes. Each kind of allocation has one implementation taking
+ * `v1`, a constant at every call (inlined, so the v2 path pays nothing for it). */
+
+static inline CUresult real_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
+    if (!v1) return vgpu.real.cuMemAlloc_v2(dptr, bytes);
+    CUdeviceptr_v1 p = 0;
+    CUresult rc = vgpu.real.cuMemAlloc(&p, (unsigned int)bytes);
+    *dptr = p;
+    return rc;
+}
+
+static CUresult real_pitch_v1(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned int elem);
+
+static inline CUresult real_free(int v1, CUdeviceptr p) {
+    return v1 ? vgpu.real.cuMemFree((CUdeviceptr_v1)p) : vgpu.real.cuMemFree_v2(p);
+}
+
+/* Oversubscribed (CUDA_OVERSUBSCRIBE=true): an allocation the limit admits but the GPU cannot
+ * hold becomes managed (host-backed) memory of the same size. A v1 caller can only take a
+ * 32-bit address: a managed pointer above 4 GiB is given back and the allocation refused. */
+CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, size_t bytes) {
+    if (!vgpu.cfg.oversubscribe || !vgpu.real.cuMemAllocManaged) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUdeviceptr p = 0;
+    CUresult rc = vgpu.real.cuMemAllocManaged(&p, bytes, CU_MEM_ATTACH_GLOBAL);
+    if (rc == CUDA_SUCCESS && v1 && p > 0xffffffffull) {
+        vgpu.real.cuMemFree_v2(p);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc == CUDA_SUCCESS) {
+        *dptr = p;
+        vgpu_note_fallback(d);
+        VLOG(VGPU_LOG_DEBUG, "%zu bytes on GPU %s fell back to managed memory", bytes, d->uuid);
+    }
+    return rc;
+}
+
+static inline CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
     CUcontext ctx;
     struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
-    if (!d) return UNRESOLVED(ctx, vgpu.real.cuMemAlloc_v2(dptr, bytes));
+    if (!d) return UNRESOLVED(ctx, real_alloc(v1, dptr, bytes));
     CUresult rc = vgpu_charge(d, bytes);
     if (rc != CUDA_SUCCESS) return rc;
-    rc = vgpu.real.cuMemAlloc_v2(dptr, bytes);
-    /* Oversubscribed: within the limit but more than the GPU holds -> host-backed memory. */
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && vgpu.cfg.oversubscribe && vgpu.real.cuMemAllocManaged) {
-        rc = vgpu.real.cuMemAllocManaged(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
-        if (rc == CUDA_SUCCESS)
-            VLOG(VGPU_LOG_DEBUG, "%zu bytes on GPU %s fell back to managed memory", bytes, d->uuid);
-    }
+    rc = real_alloc(v1, dptr, bytes);
+    if (UNLIKELY(rc == CUDA_ERROR_OUT_OF_MEMORY)) rc = vgpu_managed_fallback(d, v1, dptr, bytes);
     return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytes, ctx);
 }
 
 VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     NEED(cuMemAlloc_v2);
     if (LIKELY(!vgpu.limited) || !dptr) return vgpu.real.cuMemAlloc_v2(dptr, bytesize);
-    return alloc_v2(dptr, bytesize);
+    return mem_alloc(0, dptr, bytesize);
 }
 
 /* The 32-bit ABI of CUDA < 3.2: still exported by drivers, so a way around the limit. */
 VGPU_API CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize) {
     NEED(cuMemAlloc);
     if (LIKELY(!vgpu.limited) || !dptr) return vgpu.real.cuMemAlloc(dptr, bytesize);
-    CUcontext ctx;
-    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
-    if (!d) return UNRESOLVED(ctx, vgpu.real.cuMemAlloc(dptr, bytesize));
-    CUresult rc = vgpu_charge(d, bytesize);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = vgpu.real.cuMemAlloc(dptr, bytesize);
-    return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytesize, ctx);
+    CUdeviceptr p = 0;
+    CUresult rc = mem_alloc(1, &p, bytesize);
+    if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr_v1)p;
+    return rc;
 }
 
 /* Pitch: the driver picks the pitch. Charge a bound first (rows rounded to 512 bytes, as
- * drivers do), then settle on the real pitch x height; usage never passes the limit. */
-static CUresult settle_pitch(struct vgpu_dev *d, CUcontext ctx, uint64_t bound, CUresult rc,
-                             uint64_t ptr, uint64_t actual) {
+ * drivers do), then settle on the real pitch x height; usage never passes the limit.
+ * Oversubscribed, a pitch the GPU cannot hold becomes managed memory with the bound's pitch. */
+static uint64_t pitch_row(size_t width) { return ((uint64_t)width + 511) / 512 * 512; }
+
+static uint64_t pitch_bound(size_t width, size_t height) {
+    uint64_t row = pitch_row(width);
+    return height && row > UINT64_MAX / height ? UINT64_MAX : row * height;
+}
+
+static CUresult mem_alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                unsigned int elem) {
+#define REAL_PITCH()                                                                           \
+    (v1 ? real_pitch_v1(dptr, pitch, width, height, elem)                                      \
+        : vgpu.real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem))
+    CUcontext ctx;
+    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
+    if (!d) return UNRESOLVED(ctx, REAL_PITCH());
+    uint64_t bound = pitch_bound(width, height);
+    CUresult rc = vgpu_charge(d, bound);
+    if (rc != CUDA_SUCCESS) return rc;
+    rc = REAL_PITCH();
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && bound != UINT64_MAX &&
+        vgpu_managed_fallback(d, v1, dptr, (size_t)bound) == CUDA_SUCCESS) {
+        *pitch = (size_t)pitch_row(width);
+        return finish(d, CUDA_SUCCESS, VGPU_OBJ_PTR, *dptr, bound, ctx);
+    }
+#undef REAL_PITCH
     if (rc != CUDA_SUCCESS) {
         vgpu_rollback(d, bound);
         return rc;
     }
+    uint64_t actual = (uint64_t)*pitch * height;
     if (actual < bound) {
         vgpu_rollback(d, bound - actual);
     } else if (actual > bound && vgpu_charge(d, actual - bound) != CUDA_SUCCESS) {
         vgpu_rollback(d, bound);
-        return CUDA_ERROR_OUT_OF_MEMORY; /* the caller frees what the driver gave */
+        real_free(v1, *dptr); /* a pitch past the bound that the limit cannot take */
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    return finish(d, CUDA_SUCCESS, VGPU_OBJ_PTR, ptr, actual, ctx);
+    return finish(d, CUDA_SUCCESS, VGPU_OBJ_PTR, *dptr, actual, ctx);
 }
 
-static uint64_t pitch_bound(size_t width, size_t height) {
-    uint64_t row = ((uint64_t)width + 511) / 512 * 512;
-    return height && row > UINT64_MAX / height ? UINT64_MAX : row * height;
+static CUresult real_pitch_v1(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned int elem) {
+    CUdeviceptr_v1 p = 0;
+    unsigned int pt = 0;
+    CUresult rc = vgpu.real.cuMemAllocPitch(&p, &pt, (unsigned int)width, (unsigned int)height, elem);
+    *dptr = p;
+    *pitch = pt;
+    return rc;
 }
 
 VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
@@ -103,19 +157,7 @@ VGPU_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t W
     NEED(cuMemAllocPitch_v2);
     if (LIKELY(!vgpu.limited) || !dptr || !pPitch)
         return vgpu.real.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    CUcontext ctx;
-    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
-    if (!d)
-        return UNRESOLVED(ctx, vgpu.real.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height,
-                                                            ElementSizeBytes));
-    uint64_t bound = pitch_bound(WidthInBytes, Height);
-    CUresult rc = vgpu_charge(d, bound);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = vgpu.real.cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t actual = rc == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0;
-    rc = settle_pitch(d, ctx, bound, rc, rc == CUDA_SUCCESS ? *dptr : 0, actual);
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) vgpu.real.cuMemFree_v2(*dptr);
-    return rc;
+    return mem_alloc_pitch(0, dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
 }
 
 VGPU_API CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, unsigned int WidthInBytes,
@@ -123,22 +165,16 @@ VGPU_API CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pPitch, un
     NEED(cuMemAllocPitch);
     if (LIKELY(!vgpu.limited) || !dptr || !pPitch)
         return vgpu.real.cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    CUcontext ctx;
-    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
-    if (!d)
-        return UNRESOLVED(ctx, vgpu.real.cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height,
-                                                         ElementSizeBytes));
-    uint64_t bound = pitch_bound(WidthInBytes, Height);
-    CUresult rc = vgpu_charge(d, bound);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = vgpu.real.cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes);
-    uint64_t actual = rc == CUDA_SUCCESS ? (uint64_t)*pPitch * Height : 0;
-    rc = settle_pitch(d, ctx, bound, rc, rc == CUDA_SUCCESS ? *dptr : 0, actual);
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && actual) vgpu.real.cuMemFree(*dptr);
+    CUdeviceptr p = 0;
+    size_t pitch = 0;
+    CUresult rc = mem_alloc_pitch(1, &p, &pitch, WidthInBytes, Height, ElementSizeBytes);
+    if (rc == CUDA_SUCCESS) {
+        *dptr = (CUdeviceptr_v1)p;
+        *pPitch = (unsigned int)pitch;
+    }
     return rc;
 }
 
-/* Managed memory is charged in full to the current device: it may all become resident. */
 VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
     NEED(cuMemAllocManaged);
     if (LIKELY(!vgpu.limited) || !dptr) return vgpu.real.cuMemAllocManaged(dptr, bytesize, flags);
@@ -151,118 +187,46 @@ VGPU_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned
     return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytesize, ctx);
 }
 
-/* --- stream-ordered allocation --------------------------------------------------------------
- * Charged to the stream's device (or the pool's); released when the free is enqueued. Pool
- * memory is not owned by a context, so records carry none. */
-
-static struct vgpu_dev *pool_dev(CUmemoryPool pool, CUstream s, int ptsz, CUcontext *ctx) {
-    struct vgpu_rec r;
-    *ctx = NULL;
-    if (pool && vgpu_tab_get(VGPU_OBJ_POOL, (uint64_t)(uintptr_t)pool, &r)) {
-        *ctx = (CUcontext)pool; /* only "there is a device", for UNRESOLVED */
-        return vgpu_dev(r.ordinal);
-    }
-    return vgpu_stream_dev(s, ptsz, ctx);
-}
-
-static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream s, int ptsz) {
-    CUresult rc;
-#define CALL_REAL()                                                                            \
-    (pool ? (ptsz ? vgpu.real.cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, s)                \
-                  : vgpu.real.cuMemAllocFromPoolAsync(dptr, bytes, pool, s))                    \
-          : (ptsz ? vgpu.real.cuMemAllocAsync_ptsz(dptr, bytes, s)                              \
-                  : vgpu.real.cuMemAllocAsync(dptr, bytes, s)))
-    CUcontext ctx = NULL;
-    struct vgpu_dev *d = dptr ? pool_dev(pool, s, ptsz, &ctx) : NULL;
-    if (!d) return UNRESOLVED(ctx, CALL_REAL());
-    rc = vgpu_charge(d, bytes);
-    if (rc != CUDA_SUCCESS) return rc;
-    rc = CALL_REAL();
-    if (rc == CUDA_ERROR_OUT_OF_MEMORY && vgpu.cfg.oversubscribe && vgpu.real.cuMemAllocManaged)
-        rc = vgpu.real.cuMemAllocManaged(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
-#undef CALL_REAL
-    return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytes, NULL);
-}
-
-VGPU_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
-    NEED(cuMemAllocAsync);
-    if (LIKELY(!vgpu.limited)) return vgpu.real.cuMemAllocAsync(dptr, bytesize, hStream);
-    return alloc_async(dptr, bytesize, NULL, hStream, 0);
-}
-
-VGPU_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
-    NEED(cuMemAllocAsync_ptsz);
-    if (LIKELY(!vgpu.limited)) return vgpu.real.cuMemAllocAsync_ptsz(dptr, bytesize, hStream);
-    return alloc_async(dptr, bytesize, NULL, hStream, 1);
-}
-
-VGPU_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                          CUstream hStream) {
-    NEED(cuMemAllocFromPoolAsync);
-    if (LIKELY(!vgpu.limited) || !pool) return vgpu.real.cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream);
-    return alloc_async(dptr, bytesize, pool, hStream, 0);
-}
-
-VGPU_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
-                                               CUstream hStream) {
-    NEED(cuMemAllocFromPoolAsync_ptsz);
-    if (LIKELY(!vgpu.limited) || !pool)
-        return vgpu.real.cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream);
-    return alloc_async(dptr, bytesize, pool, hStream, 1);
-}
-
-/* Pools remember their device, so allocations from them are charged there. */
-VGPU_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *poolProps) {
-    NEED(cuMemPoolCreate);
-    CUresult rc = vgpu.real.cuMemPoolCreate(pool, poolProps);
-    if (rc == CUDA_SUCCESS && vgpu.limited && poolProps &&
-        poolProps->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
-        vgpu_tab_put(VGPU_OBJ_POOL, (uint64_t)(uintptr_t)*pool, poolProps->location.id, 0, NULL);
-    return rc;
-}
-
-VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
-    NEED(cuMemPoolDestroy);
-    CUresult rc = vgpu.real.cuMemPoolDestroy(pool);
-    struct vgpu_rec r;
-    if (rc == CUDA_SUCCESS && vgpu.limited) vgpu_tab_take(VGPU_OBJ_POOL, (uint64_t)(uintptr_t)pool, &r);
-    return rc;
-}
+/* Stream-ordered allocation and pools: pool.c. */
 
 /* --- frees: take the record first (the address may be reused the moment the driver frees
- * it), put it back if the driver refuses. */
+ * it), put it back if the driver refuses. One implementation for every free of a pointer,
+ * array or mipmapped array; `which` names the real entry point. */
 
-#define FREE_BODY(KIND, KEY, CALL)                                                             \
-    do {                                                                                       \
-        struct vgpu_rec r_;                                                                    \
-        if (LIKELY(!vgpu.limited)) return (CALL);                                              \
-        int had_ = vgpu_tab_take((KIND), (KEY), &r_);                                          \
-        CUresult rc_ = (CALL);                                                                 \
-        if (had_) {                                                                            \
-            if (rc_ == CUDA_SUCCESS) give_back(&r_);                                           \
-            else vgpu_tab_put(r_.kind, r_.key, r_.ordinal, r_.bytes, r_.ctx);                  \
-        }                                                                                      \
-        return rc_;                                                                            \
-    } while (0)
+enum real_free_fn { FREE_V2, FREE_V1, FREE_ARRAY, FREE_MIPMAP };
+
+static inline CUresult real_free_any(enum real_free_fn which, uint64_t key) {
+    switch (which) {
+    case FREE_V2: return vgpu.real.cuMemFree_v2((CUdeviceptr)key);
+    case FREE_V1: return vgpu.real.cuMemFree((CUdeviceptr_v1)key);
+    case FREE_ARRAY: return vgpu.real.cuArrayDestroy((CUarray)(uintptr_t)key);
+    default: return vgpu.real.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)key);
+    }
+}
+
+static inline CUresult mem_free(enum real_free_fn which, int kind, uint64_t key) {
+    if (LIKELY(!vgpu.limited)) return real_free_any(which, key);
+    struct vgpu_rec r;
+    int had = vgpu_tab_take(kind, key, &r);
+    /* cuMemFree also frees stream-ordered memory (the driver synchronises first). */
+    int pooled = !had && kind == VGPU_OBJ_PTR && vgpu_tab_take(VGPU_OBJ_POOLPTR, key, &r);
+    CUresult rc = real_free_any(which, key);
+    if (had || pooled) {
+        if (rc != CUDA_SUCCESS) vgpu_tab_restore(&r);
+        else if (pooled) vgpu_pool_freed(&r);
+        else give_back(&r);
+    }
+    return rc;
+}
 
 VGPU_API CUresult cuMemFree_v2(CUdeviceptr dptr) {
     NEED(cuMemFree_v2);
-    FREE_BODY(VGPU_OBJ_PTR, dptr, vgpu.real.cuMemFree_v2(dptr));
+    return mem_free(FREE_V2, VGPU_OBJ_PTR, dptr);
 }
 
 VGPU_API CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     NEED(cuMemFree);
-    FREE_BODY(VGPU_OBJ_PTR, dptr, vgpu.real.cuMemFree(dptr));
-}
-
-VGPU_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
-    NEED(cuMemFreeAsync);
-    FREE_BODY(VGPU_OBJ_PTR, dptr, vgpu.real.cuMemFreeAsync(dptr, hStream));
-}
-
-VGPU_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
-    NEED(cuMemFreeAsync_ptsz);
-    FREE_BODY(VGPU_OBJ_PTR, dptr, vgpu.real.cuMemFreeAsync_ptsz(dptr, hStream));
+    return mem_free(FREE_V1, VGPU_OBJ_PTR, dptr);
 }
 
 /* --- virtual memory management: the physical handle carries the charge ----------------------- */
@@ -298,7 +262,7 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     CUresult rc = vgpu.real.cuMemRelease(handle);
     if (refs == 0) {
         if (rc == CUDA_SUCCESS) give_back(&r);
-        else vgpu_tab_put(r.kind, r.key, r.ordinal, r.bytes, r.ctx);
+        else vgpu_tab_restore(&r);
     } else if (refs > 0 && rc != CUDA_SUCCESS) {
         vgpu_tab_unref(VGPU_OBJ_VMM, handle, +1, &r);
     }
@@ -409,7 +373,7 @@ VGPU_API CUresult cuArray3DCreate(CUarray *pHandle, const CUDA_ARRAY3D_DESCRIPTO
 
 VGPU_API CUresult cuArrayDestroy(CUarray hArray) {
     NEED(cuArrayDestroy);
-    FREE_BODY(VGPU_OBJ_ARRAY, (uint64_t)(uintptr_t)hArray, vgpu.real.cuArrayDestroy(hArray));
+    return mem_free(FREE_ARRAY, VGPU_OBJ_ARRAY, (uint64_t)(uintptr_t)hArray);
 }
 
 /* Its levels (cuMipmappedArrayGetLevel) belong to it: they are neither charged nor freed apart. */
@@ -432,6 +396,5 @@ VGPU_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pHandle, const CUDA_A
 
 VGPU_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
     NEED(cuMipmappedArrayDestroy);
-    FREE_BODY(VGPU_OBJ_MIPMAP, (uint64_t)(uintptr_t)hMipmappedArray,
-              vgpu.real.cuMipmappedArrayDestroy(hMipmappedArray));
+    return mem_free(FREE_MIPMAP, VGPU_OBJ_MIPMAP, (uint64_t)(uintptr_t)hMipmappedArray);
 }

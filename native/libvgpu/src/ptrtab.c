@@ -93,31 +93,38 @@ static void erase(struct stripe *s, uint32_t i) {
 }
 
 static void release(const struct vgpu_rec *r) {
+    if (r->kind == VGPU_OBJ_POOLPTR) { /* the pool holds the charge */
+        vgpu_pool_freed(r);
+        return;
+    }
     struct vgpu_dev *d = vgpu_dev(r->ordinal);
     if (d) vgpu_uncharge(d, r->bytes);
 }
 
-int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
-    uint64_t h = hash(kind, key);
+int vgpu_tab_put_rec(const struct vgpu_rec *in) {
+    uint64_t key = in->key;
+    uint64_t h = hash(in->kind, key);
     struct stripe *s = stripe_of(h);
-    struct vgpu_rec rec = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
-                           .kind = (uint8_t)kind, .used = 1, .refs = 1};
     struct vgpu_rec stale = {0};
     stripe_lock(s);
-    long at = find(s, kind, key, h);
-    if (at >= 0) {
-        /* The driver handed out an address we still list: its free passed us by (say, with
-         * its context). Give the old charge back rather than keep it forever. */
-        stale = s->slots[at];
-        s->slots[at] = rec;
-    } else if ((uint64_t)(s->n + 1) * 10 > (uint64_t)s->cap * 7 && grow(s) != 0) {
+    if (UNLIKELY((s->n + 1) * 10 > s->cap * 7) && grow(s) != 0) {
         stripe_unlock(s);
         return -1;
-    } else {
-        place(s, &rec);
     }
+    /* One probe run: the key's record if it is there, else the first empty slot. */
+    uint32_t mask = s->cap - 1, i = home(s, h);
+    while (s->slots[i].used && (s->slots[i].key != key || s->slots[i].kind != in->kind)) i = (i + 1) & mask;
+    if (s->slots[i].used) {
+        /* The driver handed out an address we still list: its free passed us by (say, with
+         * its context). Give the old charge back rather than keep it forever. */
+        stale = s->slots[i];
+    } else {
+        s->n++;
+    }
+    s->slots[i] = *in;
+    s->slots[i].used = 1;
     stripe_unlock(s);
-    if (stale.used) release(&stale);
+    if (UNLIKELY(stale.used)) release(&stale);
     return 0;
 }
 

@@ -2,13 +2,17 @@
  * release, reclaiming dead processes' slots, and repair after a writer died mid-update.
  *
  * Concurrency, in one place:
- * - Every change of a device total happens under the region's robust process-shared mutex,
- *   together with the change of the slot it belongs to. The check and the charge are one
- *   critical section, so no interleaving of processes can push a total past a limit.
- * - A process killed inside a critical section cannot wedge anyone: the kernel marks the
- *   robust mutex OWNER_DIED and wakes a waiter, which gets EOWNERDEAD, reclaims the dead
- *   slots, recomputes every total from the live slots (the truth; a writer only ever writes
- *   its own slot or dead ones) and marks the mutex consistent.
+ * - Every change of a device total happens under the region's lock, together with the change
+ *   of the slot it belongs to. The check and the charge are one critical section, so no
+ *   interleaving of processes can push a total past a limit.
+ * - The lock is one word in the file: 0 free, else the holder's slot index + 1, taken with a
+ *   compare-and-swap and dropped with a store (a robust pthread mutex cost ~230 instructions
+ *   a lock/unlock pair, a third of what the shim added to an allocation and its free). The
+ *   holder's slot is held by its OFD lock for the process's life, so a waiter that finds the
+ *   lock held for long asks the kernel whether the holder lives; a process killed inside a
+ *   critical section has its lock taken over (one compare-and-swap: one taker), and the
+ *   taker reclaims the dead slots and recomputes every total from the live slots (the
+ *   truth; a writer only ever writes its own slot or dead ones).
  * - A process killed outside a critical section leaves a LIVE slot whose OFD lock the kernel
  *   dropped; the next registration, denied reservation or vgpu_region_reap() reclaims it,
  *   under the mutex, so exactly once.
@@ -22,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "region_internal.h"
@@ -130,48 +135,66 @@ static void repair_locked(struct vgpu_region *r) {
 
 /* The lock is held for tens of nanoseconds, so a waiter first watches the lock word (reads
  * only, no writes to bounce the line) for a few pauses, then yields its CPU a few times (on
- * a busy node the holder may be waiting for a CPU, possibly ours), and only then sleeps in
- * the kernel: a futex sleep costs microseconds on both sides and convoys the next waiters.
- * Tuned with bench/bench_region.py. */
+ * a busy node the holder may be waiting for a CPU, possibly ours), then naps, asking the
+ * kernel at each nap whether the holder still lives (its slot's OFD lock). Tuned with
+ * bench/bench_region.py. */
 enum { LOCK_SPINS = 4, LOCK_YIELDS = 32 };
 
-static int __attribute__((noinline)) lock_contended(struct vgpu_region *r) {
-    pthread_mutex_t *m = vgpu_region_mutex(r->file);
-    int rc = EBUSY;
-    for (int i = 0; i < LOCK_SPINS + LOCK_YIELDS && rc == EBUSY; i++) {
-        uint32_t w = vgpu_region_lock_word(r->file);
-        if (w & VGPU_FUTEX_OWNER_DIED) break; /* pthread_mutex_lock repairs */
-        if (w != 0) {
-            if (i < LOCK_SPINS)
-                cpu_relax();
-            else
-                sched_yield();
+static int __attribute__((noinline)) lock_contended(struct vgpu_region *r, uint32_t me, int registering) {
+    uint32_t *w = &r->file->lock;
+    long nap_ns = 20000; /* 20 us, doubling up to 1 ms */
+    for (int i = 0;; i++) {
+        uint32_t cur = __atomic_load_n(w, __ATOMIC_RELAXED);
+        if (cur == 0) {
+            if (__atomic_compare_exchange_n(w, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 0;
             continue;
         }
-        rc = pthread_mutex_trylock(m);
+        if (cur == me && registering) {
+            /* We hold this slot's byte now, so whoever held the region's lock as this slot
+             * died holding it (no thread of ours can: we have no slot yet). */
+            if (__atomic_compare_exchange_n(w, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
+        } else if (i < LOCK_SPINS) {
+            cpu_relax();
+        } else if (i < LOCK_SPINS + LOCK_YIELDS) {
+            sched_yield();
+        } else if (cur != me && r->fd >= 0 && vgpu_region_holder_dead(r->fd, cur)) {
+            /* Its holder died inside a critical section: whoever swaps the word repairs. (Our
+             * own slot is never asked about: it is another thread of ours, and our own OFD
+             * lock does not conflict with us, so it would look dead.) */
+            if (__atomic_compare_exchange_n(w, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
+        } else {
+            struct timespec ts = {0, nap_ns};
+            nanosleep(&ts, NULL);
+            if (nap_ns < 1000000) nap_ns *= 2;
+        }
     }
-    return rc == EBUSY ? pthread_mutex_lock(m) : rc;
 }
 
-static int region_lock(struct vgpu_region *r) {
-    pthread_mutex_t *m = vgpu_region_mutex(r->file);
-    int rc = pthread_mutex_trylock(m);
-    if (VGPU_UNLIKELY(rc == EBUSY)) rc = lock_contended(r);
-    if (VGPU_UNLIKELY(rc == EOWNERDEAD)) {
-        repair_locked(r);
-        rc = pthread_mutex_consistent(m);
-    }
-    if (VGPU_UNLIKELY(rc != 0)) {
-        if (!__atomic_exchange_n(&r->warned_broken, 1, __ATOMIC_RELAXED))
-            vgpu_region_warn("cannot lock the region %s: %s; allocations are refused", r->path,
-                             strerror(rc));
-        return -1;
-    }
+static void repair_locked(struct vgpu_region *r);
+
+/* Take the region's lock as slot `slot` (ours, or the one a registration holds). */
+static inline int region_lock_as(struct vgpu_region *r, int slot, int registering) {
+    uint32_t me = (uint32_t)slot + 1, zero = 0;
+    if (VGPU_LIKELY(__atomic_compare_exchange_n(&r->file->lock, &zero, me, 0, __ATOMIC_ACQUIRE,
+                                                __ATOMIC_RELAXED)))
+        return 0;
+    if (lock_contended(r, me, registering)) repair_locked(r);
     return 0;
 }
 
+static inline int region_lock(struct vgpu_region *r) {
+    int s = __atomic_load_n(&r->slot, __ATOMIC_RELAXED);
+    if (VGPU_UNLIKELY(s < 0)) {
+        if (!__atomic_exchange_n(&r->warned_broken, 1, __ATOMIC_RELAXED))
+            vgpu_region_warn("cannot lock the region %s: this process has no slot; allocations "
+                             "are refused", r->path);
+        return -1;
+    }
+    return region_lock_as(r, s, 0);
+}
+
 static inline void region_unlock(struct vgpu_region *r) {
-    pthread_mutex_unlock(vgpu_region_mutex(r->file));
+    __atomic_store_n(&r->file->lock, 0u, __ATOMIC_RELEASE);
 }
 
 /* --- slots -------------------------------------------------------------------------------- */
@@ -180,20 +203,15 @@ static int register_slot(struct vgpu_region *r, char *err, size_t errlen) {
     struct vgpu_region_file *f = r->file;
     uint64_t start = vgpu_proc_start_time();
     int32_t pid = (int32_t)getpid();
-    if (region_lock(r) != 0) {
-        vgpu_region_seterr(err, errlen, "cannot lock region %s", r->path);
-        return -1;
-    }
-    reap_locked(r, -1);
+    /* The slot first: its OFD lock is this process's identity as the region lock's holder.
+     * A slot whose byte is locked is a live process's (or one between leaving and closing
+     * its file); a LIVE slot whose byte we could lock is a dead process's, reclaimed below. */
     int slot = -1;
-    for (int s = 0; s < VGPU_MAX_SLOTS && slot < 0; s++) {
-        /* A FREE slot whose byte is still locked belongs to a process between leaving and
-         * closing its file: skip it. */
-        if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_FREE &&
-            vgpu_slot_lock(r->fd, s, F_WRLCK) == 0)
-            slot = s;
-    }
+    for (int s = 0; s < VGPU_MAX_SLOTS && slot < 0; s++)
+        if (vgpu_slot_lock(r->fd, s, F_WRLCK) == 0) slot = s;
     if (slot >= 0) {
+        region_lock_as(r, slot, 1);
+        reap_locked(r, -1); /* our slot too, if a dead process left it LIVE */
         struct vgpu_region_slot *sl = &f->slots[slot];
         write_begin(f);
         for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
@@ -205,8 +223,8 @@ static int register_slot(struct vgpu_region *r, char *err, size_t errlen) {
         ST(&sl->state, (uint32_t)VGPU_SLOT_LIVE);
         if ((uint32_t)slot >= LD_RELAXED(&f->slot_hwm)) ST(&f->slot_hwm, (uint32_t)slot + 1);
         write_end(f);
+        region_unlock(r);
     }
-    region_unlock(r);
     if (slot < 0) {
         vgpu_region_seterr(err, errlen, "region %s: all %d process slots are in use", r->path,
                            VGPU_MAX_SLOTS);
@@ -385,20 +403,55 @@ VGPU_EXPORT uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev)
     return s < 0 ? 0 : LD(&r->file->slots[s].dev[dev].charged);
 }
 
+uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev) {
+    if (bad_dev(r, dev)) return 0;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    if (s < 0) return 0;
+    const struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
+    uint64_t charged = LD(&sd->charged), pending = LD(&sd->pending);
+    return charged > pending ? charged - pending : 0;
+}
+
+void vgpu_region_count(struct vgpu_region *r, int dev, enum vgpu_region_counter what, uint64_t n) {
+    if (bad_dev(r, dev)) return;
+    struct vgpu_region_device_stats *st = &r->file->stats[dev];
+    uint64_t *c = what == VGPU_COUNT_REFUSED ? &st->refused : what == VGPU_COUNT_FALLBACK ? &st->fallbacks : &st->gpu_ns;
+    __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
+}
+
+int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid) {
+    if (!r) return 0;
+    const struct vgpu_region_file *f = r->file;
+    uint32_t hwm = LD_RELAXED(&f->slot_hwm);
+    for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++)
+        if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_LIVE && LD_RELAXED(&f->slots[s].pid) == pid) return 1;
+    return 0;
+}
+
 /* --- reserve, commit, rollback, release ---------------------------------------------------- */
 
 static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
     return used <= limit && bytes <= limit - used;
 }
 
+static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force);
+
 VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
+    return reserve(r, dev, bytes, 0);
+}
+
+void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (reserve(r, dev, bytes, 1) == VGPU_REGION_OK) vgpu_region_commit(r, dev, bytes);
+}
+
+static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force) {
     if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
     int s = ensure_slot(r);
     if (VGPU_UNLIKELY(s < 0 || region_lock(r) != 0)) return VGPU_REGION_EFAIL;
     struct vgpu_region_file *f = r->file;
     uint64_t limit = r->limit[dev];
     uint64_t used = LD_RELAXED(&f->used[dev]);
-    int ok = fits(used, bytes, limit);
+    int ok = fits(used, bytes, limit) || force;
     if (VGPU_UNLIKELY(!ok) && reap_locked(r, dev) > 0) {
         used = LD_RELAXED(&f->used[dev]);
         ok = fits(used, bytes, limit);
@@ -409,6 +462,7 @@ VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t byt
         ST(&sd->charged, LD_RELAXED(&sd->charged) + bytes);
         __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELEASE);
         ST(&f->used[dev], used + bytes);
+        if (used + bytes > LD_RELAXED(&f->stats[dev].peak)) ST(&f->stats[dev].peak, used + bytes);
     }
     write_end(f);
     region_unlock(r);
@@ -424,9 +478,14 @@ static void pending_sub(uint64_t *p, uint64_t bytes) {
 }
 
 VGPU_EXPORT void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (bad_dev(r, dev)) return;
+    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (s >= 0) pending_sub(&r->file->slots[s].dev[dev].pending, bytes);
+    if (VGPU_UNLIKELY(s < 0)) return;
+    /* One RMW; a commit without its reserve (a forked child finishing its parent's
+     * allocation) would go below 0: put the difference back. */
+    uint64_t *p = &r->file->slots[s].dev[dev].pending;
+    uint64_t old = __atomic_fetch_sub(p, bytes, __ATOMIC_RELEASE);
+    if (VGPU_UNLIKELY(old < bytes)) __atomic_fetch_add(p, bytes - old, __ATOMIC_RELAXED);
 }
 
 /* Uncharge up to `bytes` from our slot and the total. Mutex held. */

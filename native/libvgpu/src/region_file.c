@@ -13,8 +13,6 @@
 
 static const char k_magic[8] = "VGPUREG";
 
-_Static_assert(sizeof(pthread_mutex_t) <= sizeof(((struct vgpu_region_file *)0)->lock),
-               "the region's lock field cannot hold a pthread_mutex_t");
 _Static_assert(sizeof(struct vgpu_region_slot) % 64 == 0, "slots must fill whole cache lines");
 _Static_assert(offsetof(struct vgpu_region_file, lock) == 64 &&
                    offsetof(struct vgpu_region_file, used) == 120,
@@ -35,17 +33,6 @@ void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(err, errlen, fmt, ap);
     va_end(ap);
-}
-
-void vgpu_region_warn(const char *fmt, ...) {
-    const char *level = getenv("LIBVGPU_LOG_LEVEL");
-    if (level && strcmp(level, "error") == 0) return;
-    char line[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(line, sizeof line, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "[vgpu] region: %s\n", line);
 }
 
 uint64_t vgpu_proc_start_time(void) {
@@ -244,15 +231,9 @@ static int init_file(int fd, const struct vgpu_limits *l) {
         f->devices[d].memory_limit = l->devices[d].memory_limit;
         f->devices[d].sm_percent = l->devices[d].sm_percent;
     }
-    pthread_mutexattr_t a;
-    int rc = pthread_mutexattr_init(&a);
-    if (rc == 0) rc = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    if (rc == 0) rc = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    if (rc == 0) rc = pthread_mutex_init(vgpu_region_mutex(f), &a);
-    pthread_mutexattr_destroy(&a);
+    /* The lock word is 0: free. */
     munmap(f, sizeof *f);
-    if (rc != 0) errno = rc;
-    return rc == 0 ? 0 : -1;
+    return 0;
 }
 
 VGPU_EXPORT int vgpu_region_create(const char *path, const struct vgpu_limits *limits,

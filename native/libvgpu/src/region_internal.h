@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "log.h"
+#include "region_private.h"
 #include "vgpu/region.h"
 
 #define VGPU_EXPORT __attribute__((visibility("default")))
@@ -45,8 +47,8 @@ struct vgpu_region {
 /* printf into err (may be NULL or 0 long). */
 void vgpu_region_seterr(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* A "[vgpu] region: ..." warning on stderr unless LIBVGPU_LOG_LEVEL=error. */
-void vgpu_region_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* A "[vgpu] warn: region: ..." line through the shim's one logger (log.h). */
+#define vgpu_region_warn(...) VGPU_LOGF(VGPU_LOG_WARN, "region: " __VA_ARGS__)
 
 /* Open the region file at `path` without following a symlink or blocking (the directory is
  * the tenant's), and refuse anything but a regular file of at least a region's size.
@@ -74,9 +76,6 @@ int vgpu_slot_dead(int fd, int slot);
 /* Take (F_WRLCK) or drop (F_UNLCK) this description's lock on the byte of slot `slot`. */
 int vgpu_slot_lock(int fd, int slot, int type);
 
-static inline pthread_mutex_t *vgpu_region_mutex(struct vgpu_region_file *f) {
-    return (pthread_mutex_t *)(void *)f->lock;
-}
 
 /* The device count, bounded: the file is writable by the tenant, so a count changed after
  * validation must still keep every loop inside the arrays. */
@@ -85,12 +84,15 @@ static inline uint32_t vgpu_region_ndev(const struct vgpu_region_file *f) {
     return n <= VGPU_MAX_DEVICES ? n : VGPU_MAX_DEVICES;
 }
 
-/* The futex word of the robust mutex (glibc keeps it first; the kernel sets OWNER_DIED in
- * it when the holder dies). Read-only peeks, never written by us. */
+/* The lock word: 0 free, else the holder's slot index + 1. */
 static inline uint32_t vgpu_region_lock_word(const struct vgpu_region_file *f) {
-    return __atomic_load_n((const uint32_t *)(const void *)f->lock, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&f->lock, __ATOMIC_ACQUIRE);
 }
-enum { VGPU_FUTEX_OWNER_DIED = 0x40000000 };
+/* 1 when lock word `w` names a holder whose slot lock is free, seen through `fd` (not the
+ * holder's own description): the holder died holding the region's lock. */
+static inline int vgpu_region_holder_dead(int fd, uint32_t w) {
+    return w != 0 && w <= VGPU_MAX_SLOTS && vgpu_slot_dead(fd, (int)w - 1);
+}
 
 /* --- region_snapshot.c: the writers' half of the snapshot protocol ------------------------- */
 

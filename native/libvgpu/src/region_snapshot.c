@@ -14,8 +14,8 @@
  *    next writer, which holds the mutex anyway, copies the state into `published` (a few KB,
  *    once per request) and the reader takes that copy under its own seqlock, provided it was
  *    made after the reader started (its source generation is newer than the one seen then).
- * 3. A generation stuck odd with OWNER_DIED in the lock word means the last writer died
- *    mid-update and no tenant has come by to repair: the reader builds the view the repair
+ * 3. A generation stuck odd with the lock word naming a dead holder (its slot's OFD lock is
+ *    free) means the last writer died mid-update and no tenant has come by to repair: the reader builds the view the repair
  *    would produce (live slots only, totals summed from them) and says so (`recovered`).
  * 4. A generation stuck odd with a live holder (a stopped process) is reported as busy after
  *    a while: there is no consistent view to give, and the reader never waits on the lock.
@@ -155,9 +155,10 @@ struct view {
 
 struct attempt {
     uint64_t g1, g2;
-    uint32_t lock1, lock2; /* the futex word around the copy (live view only) */
+    uint32_t lock1, lock2; /* the lock word around the copy (live view only) */
     uint32_t hwm;
     uint8_t dead[VGPU_MAX_SLOTS]; /* the recovered view's dead slots */
+    int holder_dead;              /* the lock's holder died (generation odd) */
 };
 
 /* Read view `v`'s generation (and, for the live view, line 0 and the lock word with it: a
@@ -188,7 +189,8 @@ static int read_once(struct reader *r, const struct view *v, uint64_t stale_at,
     if (v->source_generation && *v->source_generation <= stale_at) return 0;
     if (a->hwm && fetch(r, v->slots, v->slots + a->hwm) != 0) return -1;
     /* A writer died mid-update: which slots' owners are gone, seen inside the window. */
-    if ((a->g1 & 1) && (a->lock1 & VGPU_FUTEX_OWNER_DIED)) {
+    a->holder_dead = (a->g1 & 1) && vgpu_region_holder_dead(r->fd, a->lock1);
+    if (a->holder_dead) {
         for (uint32_t s = 0; s < a->hwm; s++)
             a->dead[s] = v->slots[s].state == VGPU_SLOT_LIVE && vgpu_slot_dead(r->fd, (int)s);
     }
@@ -272,8 +274,8 @@ static int take_copy(struct reader *r, struct vgpu_region_snapshot *out) {
             build(r, &live, &a, 0, out);
             return 0;
         }
-        if (a.g1 == a.g2 && (a.lock1 & a.lock2 & VGPU_FUTEX_OWNER_DIED)) {
-            /* Nobody took the lock meanwhile: a repairer clears OWNER_DIED first. */
+        if (a.g1 == a.g2 && a.lock1 == a.lock2 && a.holder_dead) {
+            /* Nobody took the lock meanwhile: a repairer swaps the word first. */
             build(r, &live, &a, 1, out);
             return 0;
         }
@@ -318,6 +320,11 @@ static int snapshot(struct reader *r, struct vgpu_region_snapshot *out) {
         memcpy(out->devices[d].uuid, dv->uuid, sizeof out->devices[d].uuid - 1);
         out->devices[d].memory_limit = dv->memory_limit;
         out->devices[d].sm_percent = dv->sm_percent;
+        const struct vgpu_region_device_stats *st = &r->c->stats[d];
+        out->devices[d].refused = st->refused;
+        out->devices[d].fallbacks = st->fallbacks;
+        out->devices[d].peak = st->peak;
+        out->devices[d].gpu_ns = st->gpu_ns;
     }
     int rc = take_copy(r, out);
     /* The identity and the devices again: the first read of them may have raced a rewrite of

@@ -13,12 +13,16 @@
 
 #define __CUDA_API_VERSION_INTERNAL 1
 #include <cuda.h>
+/* The versioned NVML entry points under their own names (nvml.h would rename the legacy ones). */
+#define NVML_NO_UNVERSIONED_FUNC_DEFS
 #include <nvml.h>
 
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "log.h"
+#include "region_private.h"
 #include "vgpu/region.h"
 
 #define VGPU_API __attribute__((visibility("default")))
@@ -44,11 +48,14 @@
     H(cuCtxCreate) H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4)                       \
     H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
     H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
-    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2)                                   \
+    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2) H(cuCtxSetCurrent)              \
+    H(cuCtxSetLimit) H(cuCtxSynchronize) H(cuStreamSynchronize) H(cuStreamSynchronize_ptsz)     \
     H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
     H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
-    H(cuGraphLaunch) H(cuGraphLaunch_ptsz)
+    H(cuGraphLaunch) H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode)                           \
+    H(cuGraphInstantiate) H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags)             \
+    H(cuGraphExecDestroy)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -56,9 +63,14 @@
     R(cuDevicePrimaryCtxGetState) R(cuEventCreate) R(cuEventDestroy_v2) R(cuEventRecord)       \
     R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
     R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
-    R(cuCtxPopCurrent_v2)
+    R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
+    R(cuCtxGetLimit)     \
+    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim)
 
-#define VGPU_NVML_HOOKS(H) H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)
+#define VGPU_NVML_HOOKS(H)                                                                     \
+    H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
+    H(nvmlDeviceGetComputeRunningProcesses) H(nvmlDeviceGetComputeRunningProcesses_v2)          \
+    H(nvmlDeviceGetComputeRunningProcesses_v3)
 
 #define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)
 
@@ -137,6 +149,7 @@ struct vgpu_state {
     int log_level;            /* 0 error .. 3 debug */
     int limited;              /* any limit applies: hooks do real work */
     int pace_any;             /* some device is paced */
+    int graph_mem;            /* the process has made graph allocations: launches settle them */
     void *cuda;               /* dlopen handles of the real libraries */
     void *nvml;
     int nvml_state;           /* 0 not tried, 1 usable, -1 unavailable */
@@ -177,28 +190,57 @@ VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
 /* The real dlsym (dlsym.c), resolved on first use. */
 VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
 
-/* log.c */
-enum { VGPU_LOG_ERROR = 0, VGPU_LOG_WARN = 1, VGPU_LOG_INFO = 2, VGPU_LOG_DEBUG = 3 };
-VGPU_HIDDEN int vgpu_log_level_from_env(void);
-VGPU_HIDDEN void vgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* log.c (log.h): the hooks test the level cached in vgpu.log_level, set with the limits. */
 #define VLOG(level, ...)                                                                       \
     do {                                                                                       \
         if (UNLIKELY((level) <= vgpu.log_level)) vgpu_log((level), __VA_ARGS__);               \
     } while (0)
 
+#define VGPU_NEED(fn)                                                                          \
+    do {                                                                                       \
+        vgpu_ensure();                                                                         \
+        if (UNLIKELY(!vgpu.real.fn)) return CUDA_ERROR_NOT_INITIALIZED;                        \
+    } while (0)
+
+/* No device for the call: without a context (ctx NULL) the driver answers, and refuses too;
+ * a context whose device the shim cannot resolve is refused while limits are in force. */
+#define UNRESOLVED(ctx, call) ((ctx) ? CUDA_ERROR_OUT_OF_MEMORY : (call))
+
 /* devices.c */
 /* The state of CUDA device `ordinal`, resolved on first use; NULL when it cannot be. */
-VGPU_HIDDEN struct vgpu_dev *vgpu_dev(int ordinal);
+VGPU_HIDDEN struct vgpu_dev *vgpu_dev_resolve(int ordinal);
+static inline struct vgpu_dev *vgpu_dev(int ordinal) {
+    if (UNLIKELY((unsigned)ordinal >= VGPU_MAX_ORDINALS)) return NULL;
+    struct vgpu_dev *d = &vgpu.dev[ordinal];
+    return LIKELY(__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE)) ? d : vgpu_dev_resolve(ordinal);
+}
 /* The device of the calling thread's current context, or NULL. */
 VGPU_HIDDEN struct vgpu_dev *vgpu_current_dev(void);
 VGPU_HIDDEN void vgpu_format_uuid(const CUuuid *u, char out[VGPU_UUID_SIZE]);
 /* Charge `bytes` to d before an allocation: CUDA_SUCCESS (charged, or nothing to charge) or
  * CUDA_ERROR_OUT_OF_MEMORY. */
-VGPU_HIDDEN CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_commit(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes);
-VGPU_HIDDEN void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes);
+/* Inline: they are most of what an allocation and its free add. */
+VGPU_HIDDEN CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int rc);
+static inline CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
+    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!d->accounted) return CUDA_SUCCESS;
+    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    return LIKELY(rc == VGPU_REGION_OK) ? CUDA_SUCCESS : vgpu_charge_denied(d, bytes, rc);
+}
+static inline void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+}
+static inline void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
+}
+static inline void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
+    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+}
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
+/* GPU time measured on d (launch.c). */
+VGPU_HIDDEN void vgpu_note_gpu_time(struct vgpu_dev *d, uint64_t ns);
+/* An allocation on d fell back to managed memory (counted in the region). */
+VGPU_HIDDEN void vgpu_note_fallback(struct vgpu_dev *d);
 /* Every GPU of the container with its limits, as the shared files record them. */
 VGPU_HIDDEN void vgpu_container_limits(struct vgpu_limits *lim);
 /* The region's device for a GPU UUID (NVML views); NULL if the GPU is not limited. */
@@ -208,6 +250,9 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
 enum {
     VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
     VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
+    VGPU_OBJ_POOLPTR = 7, /* stream-ordered memory of a pool: the pool carries the charge */
+    VGPU_OBJ_GRAPH = 8,   /* a graph's allocation nodes (bytes), not charged by themselves */
+    VGPU_OBJ_EXEC = 9,    /* an executable graph's allocation nodes; refs 1 once launched */
 };
 struct vgpu_rec {
     uint64_t key;
@@ -216,9 +261,16 @@ struct vgpu_rec {
     int16_t ordinal;
     uint8_t kind;
     uint8_t used;
-    uint32_t refs;  /* VMM handles: retains */
+    uint32_t refs;  /* VMM handles: retains; POOLPTR: the pool's index in pool.c + 1 */
 };
-VGPU_HIDDEN int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx);
+VGPU_HIDDEN int vgpu_tab_put_rec(const struct vgpu_rec *rec);
+static inline int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
+                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    return vgpu_tab_put_rec(&r);
+}
+/* Put back a record taken out (the driver refused the free). */
+static inline void vgpu_tab_restore(const struct vgpu_rec *r) { vgpu_tab_put_rec(r); }
 VGPU_HIDDEN int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out);
 /* A copy of the record, left in place; 1 if found. */
 VGPU_HIDDEN int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out);
@@ -227,6 +279,26 @@ VGPU_HIDDEN int vgpu_tab_get(int kind, uint64_t key, struct vgpu_rec *out);
 VGPU_HIDDEN int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out);
 /* Remove every record owned by ctx, releasing its charge. */
 VGPU_HIDDEN void vgpu_tab_drop_ctx(CUcontext ctx);
+
+/* mem.c: with CUDA_OVERSUBSCRIBE, an allocation the GPU cannot hold as managed memory
+ * (v1: only below 4 GiB). CUDA_ERROR_OUT_OF_MEMORY when not oversubscribed or impossible. */
+VGPU_HIDDEN CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, size_t bytes);
+
+/* pool.c: pools charge their reservation, not their allocations. */
+/* Trim this process's pools on d to nothing and give back what they released: the last
+ * resort before refusing an allocation. Returns the bytes released. */
+VGPU_HIDDEN uint64_t vgpu_pools_trim(struct vgpu_dev *d);
+/* Give back what this process's pools on d have released since their last call (views). */
+VGPU_HIDDEN void vgpu_pools_reconcile(struct vgpu_dev *d);
+/* The same on every device, where a pool may hold a cache (after a synchronisation). */
+VGPU_HIDDEN void vgpu_pools_settle(void);
+/* A pool allocation's record, taken out by a successful free. */
+VGPU_HIDDEN void vgpu_pool_freed(const struct vgpu_rec *r);
+
+/* graph.c: graph memory, charged like a pool's reservation. */
+VGPU_HIDDEN CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz,
+                                       CUresult (*launch)(CUgraphExec, CUstream));
+VGPU_HIDDEN void vgpu_graphs_settle(void);
 
 /* ctx.c: contexts, their devices and the memory they take. */
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */

@@ -82,6 +82,8 @@ static void ctx_deactivate_locked(struct CUctx_st *c) {
     sim_stream_free_ctx_locked(c);
     sim_module_free_ctx_locked(c);
     simgpu_context_remove(c->phys);
+    if (c->grown) simgpu_mem_uncharge(c->phys, c->grown);
+    c->grown = 0;
 }
 
 static CUresult check_flags(unsigned int flags) {
@@ -403,15 +405,34 @@ CUresult cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     return CUDA_SUCCESS;
 }
 
+/* A context's device heap and printf FIFO are GPU memory: what they take beyond their
+ * defaults is charged to the current context (CUDA_ERROR_OUT_OF_MEMORY when the GPU cannot
+ * hold it, the old size kept) and goes with it. The limits themselves are the process's. */
+static uint64_t beyond_default(CUlimit limit, size_t value) {
+    static const size_t dflt[CU_LIMIT_MAX] = {[CU_LIMIT_PRINTF_FIFO_SIZE] = 1 << 20,
+                                              [CU_LIMIT_MALLOC_HEAP_SIZE] = 8 << 20};
+    if (limit != CU_LIMIT_PRINTF_FIFO_SIZE && limit != CU_LIMIT_MALLOC_HEAP_SIZE) return 0;
+    return value > dflt[limit] ? value - dflt[limit] : 0;
+}
+
 CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
     if (rc != CUDA_SUCCESS) return rc;
     if ((int)limit < 0 || limit >= CU_LIMIT_MAX) return CUDA_ERROR_UNSUPPORTED_LIMIT;
     sim_lock();
-    g_limits[limit] = value;
+    uint64_t before = beyond_default(limit, g_limits[limit]), after = beyond_default(limit, value);
+    if (after > before && simgpu_mem_charge(c->phys, after - before) != 0) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    } else {
+        uint64_t back = after < before ? before - after : 0;
+        if (back > c->grown) back = c->grown; /* another context grew it: that one holds it */
+        if (back) simgpu_mem_uncharge(c->phys, back);
+        c->grown = c->grown - back + (after > before ? after - before : 0);
+        g_limits[limit] = value;
+    }
     sim_unlock();
-    return CUDA_SUCCESS;
+    return rc;
 }
 
 /* Entry points cuGetProcAddress hands out (cuda_internal.h, SIM_SELF). */

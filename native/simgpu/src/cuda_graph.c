@@ -13,6 +13,7 @@ struct CUgraphNode_st {
     struct CUgraph_st *graph;
     int kernel;       /* 0: an empty node */
     uint64_t dur_ns;  /* fixed when added: the parameters are copied then, as on the real driver */
+    struct sim_graph_alloc alloc; /* a memory allocation node (cuda_graphmem.c); else zero */
 };
 
 struct CUgraph_st {
@@ -27,6 +28,7 @@ struct CUgraphExec_st {
     uint32_t magic;
     size_t n;
     uint64_t *dur_ns; /* the kernels, in order */
+    struct sim_graph_alloc mem; /* its allocation nodes' memory, held from its first launch */
 };
 
 static CUresult graph_valid(const struct CUgraph_st *g) {
@@ -46,6 +48,7 @@ static void graph_free_locked(struct CUgraph_st *g) {
     sim_link_del_locked(&g->link);
     for (size_t i = 0; i < g->n; i++) {
         g->nodes[i]->magic = 0;
+        sim_graph_alloc_node_free(&g->nodes[i]->alloc);
         free(g->nodes[i]);
     }
     free(g->nodes);
@@ -209,6 +212,14 @@ CUresult cuGraphAddEmptyNode(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps
     return add_node(ph, g, deps, ndeps, NULL, NULL, NULL, NULL, NULL);
 }
 
+/* An empty node that carries an allocation (cuda_graphmem.c fills it in). */
+CUresult sim_graph_add_alloc_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                  const struct sim_graph_alloc *alloc) {
+    CUresult rc = add_node(ph, g, deps, ndeps, NULL, NULL, NULL, NULL, NULL);
+    if (rc == CUDA_SUCCESS) (*ph)->alloc = *alloc;
+    return rc;
+}
+
 CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes) {
     CUresult rc = sim_ready();
     if (rc == CUDA_SUCCESS) rc = graph_valid(hGraph);
@@ -244,8 +255,10 @@ static CUresult instantiate(CUgraphExec *ph, CUgraph g, unsigned long long flags
     sim_lock();
     sim_link_add_locked(&x->link);
     sim_unlock();
-    for (size_t i = 0; i < g->n; i++)
+    for (size_t i = 0; i < g->n; i++) {
         if (g->nodes[i]->kernel) x->dur_ns[x->n++] = g->nodes[i]->dur_ns;
+        sim_graph_alloc_add(&x->mem, &g->nodes[i]->alloc);
+    }
     *ph = x;
     return CUDA_SUCCESS;
 }
@@ -274,6 +287,7 @@ CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     sim_lock();
     hGraphExec->magic = 0;
     sim_link_del_locked(&hGraphExec->link);
+    sim_graph_alloc_unmap_locked(&hGraphExec->mem);
     sim_unlock();
     free(hGraphExec->dur_ns);
     free(hGraphExec);
@@ -288,6 +302,7 @@ static CUresult graph_launch(CUgraphExec x, CUstream h, int ptds) {
     if (!x || x->magic != SIM_EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
     sim_lock();
     rc = sim_stream_get(h, ptds, &c, &s);
+    if (rc == CUDA_SUCCESS && !s->capture) rc = sim_graph_alloc_map_locked(&x->mem);
     for (size_t i = 0; rc == CUDA_SUCCESS && i < x->n; i++)
         rc = s->capture ? sim_capture_kernel_locked(s, NULL, x->dur_ns[i]) : sim_submit_kernel_locked(c, s, x->dur_ns[i]);
     sim_unlock();

@@ -84,6 +84,7 @@ struct CUctx_st {
     struct CUstream_st *streams;
     struct sim_cls *cls;       /* the runtime's context-local storage (cuda_cls.c) */
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
+    uint64_t grown;            /* memory its heap and printf FIFO take beyond the defaults */
 };
 
 /* Handles the caller may never destroy stay linked in a process list, so leak checkers (our
@@ -245,6 +246,23 @@ SIM_HIDDEN CUresult sim_ctx_synchronize(struct CUctx_st *ctx);
 SIM_HIDDEN void sim_module_free_ctx_locked(struct CUctx_st *ctx);
 /* Duration of one launch of f with these parameters. */
 SIM_HIDDEN CUresult sim_launch_duration(struct CUfunc_st *f, void **params, void **extra, uint64_t *dur_ns);
+
+/* cuda_graphmem.c: graph memory. An allocation node reserves an address range when added;
+ * an executable graph holds its allocation nodes' memory on the node from its first launch
+ * until it is destroyed, as the real driver maps it at launch (sim_lock held). */
+struct sim_graph_alloc {
+    uint64_t bytes;  /* 0: none */
+    int dev;         /* CUDA ordinal */
+    void *va;        /* a node's reserved range (PROT_NONE), unmapped with its graph */
+    size_t va_len;
+    int mapped;      /* an executable graph's memory is held on the node */
+};
+SIM_HIDDEN void sim_graph_alloc_add(struct sim_graph_alloc *exec, const struct sim_graph_alloc *node);
+SIM_HIDDEN void sim_graph_alloc_node_free(struct sim_graph_alloc *node);
+SIM_HIDDEN CUresult sim_graph_alloc_map_locked(struct sim_graph_alloc *exec);
+SIM_HIDDEN void sim_graph_alloc_unmap_locked(struct sim_graph_alloc *exec);
+SIM_HIDDEN CUresult sim_graph_add_alloc_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                                             const struct sim_graph_alloc *alloc);
 
 /* cuda_exec.c: load an image as a module of the current context (the runtime's fat binaries). */
 SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);

@@ -107,11 +107,13 @@
     V("cuDeviceGetByPCIBusId", 4010, cuDeviceGetByPCIBusId) \
     V("cuDeviceGetCount", 2000, cuDeviceGetCount) \
     V("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool) \
+    V("cuDeviceGetGraphMemAttribute", 11040, cuDeviceGetGraphMemAttribute) \
     V("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool) \
     V("cuDeviceGetName", 2000, cuDeviceGetName) \
     V("cuDeviceGetPCIBusId", 4010, cuDeviceGetPCIBusId) \
     V("cuDeviceGetUuid", 9020, cuDeviceGetUuid) \
     V("cuDeviceGetUuid", 11040, cuDeviceGetUuid_v2) \
+    V("cuDeviceGraphMemTrim", 11040, cuDeviceGraphMemTrim) \
     V("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState) \
     V("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease) \
     V("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2) \
@@ -143,6 +145,8 @@
     V("cuGetProcAddress", 11030, cuGetProcAddress) \
     V("cuGetProcAddress", 12000, cuGetProcAddress_v2) \
     V("cuGraphAddEmptyNode", 10000, cuGraphAddEmptyNode) \
+    V("cuGraphAddMemAllocNode", 11040, cuGraphAddMemAllocNode) \
+    V("cuGraphAddMemFreeNode", 11040, cuGraphAddMemFreeNode) \
     V("cuGraphAddKernelNode", 10000, cuGraphAddKernelNode) \
     V("cuGraphAddKernelNode", 12000, cuGraphAddKernelNode_v2) \
     V("cuGraphCreate", 10000, cuGraphCreate) \

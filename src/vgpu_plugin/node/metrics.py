@@ -19,7 +19,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vgpu_plugin.node.nodeview import NodeView
@@ -79,7 +79,7 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
-def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
+def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     used = _gauge(
         "vgpu_container_memory_used_bytes",
         "GPU memory the container's processes use, as the shim accounts it",
@@ -99,6 +99,26 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
         "vgpu_container_processes",
         "live processes of the container with memory on this GPU",
         ALLOCATION_LABELS,
+    )
+    refused = CounterMetricFamily(
+        "vgpu_container_memory_refusals",
+        "allocations (and contexts, graph launches) refused at the container's memory limit",
+        labels=list(ALLOCATION_LABELS),
+    )
+    fallbacks = CounterMetricFamily(
+        "vgpu_container_managed_fallbacks",
+        "allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE)",
+        labels=list(ALLOCATION_LABELS),
+    )
+    peak = _gauge(
+        "vgpu_container_memory_peak_bytes",
+        "the highest GPU memory the container's processes were charged on this GPU",
+        ALLOCATION_LABELS,
+    )
+    gpu_time = CounterMetricFamily(
+        "vgpu_container_gpu_seconds",
+        "GPU time of the container's launches, as measured where its compute is limited",
+        labels=list(ALLOCATION_LABELS),
     )
     region = _gauge(
         "vgpu_container_region_valid",
@@ -124,9 +144,13 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
             limit.add_metric(labels, g.memory_limit)
             compute.add_metric(labels, g.compute_limit)
             procs.add_metric(labels, g.processes)
+            refused.add_metric(labels, g.refused)
+            fallbacks.add_metric(labels, g.fallbacks)
+            peak.add_metric(labels, g.memory_peak)
+            gpu_time.add_metric(labels, g.gpu_seconds)
             region.add_metric(labels, 0 if invalid else 1)
             driver.add_metric(labels, g.memory_limit if a.driver_limit_requested else 0)
-    yield from (used, limit, compute, procs, region, driver)
+    yield from (used, limit, compute, procs, refused, fallbacks, peak, gpu_time, region, driver)
 
 
 def _gpu_families(view: NodeView) -> Iterator[GaugeMetricFamily]:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
 from vgpu_plugin.core.devices import GpuLimit, NodePlan, parse_device_id
@@ -42,6 +42,14 @@ class RegionDevice(Protocol):
     def uuid(self) -> str: ...
     @property
     def used(self) -> int: ...
+    @property
+    def refused(self) -> int: ...  # allocations refused at the limit, ever
+    @property
+    def fallbacks(self) -> int: ...  # allocations that became managed memory (oversubscription)
+    @property
+    def peak(self) -> int: ...  # the highest usage charged, bytes
+    @property
+    def gpu_ns(self) -> int: ...  # GPU time of the container's measured (paced) launches
 
 
 class RegionProcess(Protocol):
@@ -106,6 +114,10 @@ class AllocationGpuView:
     memory_used: int | None  # bytes; None: the region could not be trusted
     compute_limit: int  # percent, 0 = not limited
     processes: int  # live processes with a charge on this GPU
+    refused: int = 0  # allocations refused at the limit (the region's counters, 0 untrusted)
+    fallbacks: int = 0  # allocations that fell back to managed memory
+    memory_peak: int = 0  # bytes, the highest usage charged
+    gpu_seconds: float = 0.0  # GPU time of measured (paced) launches
 
 
 @dataclass(frozen=True)
@@ -206,6 +218,18 @@ def _limits(record: AllocationRecord) -> list[GpuLimit]:
     return [GpuLimit(u, 0, 0) for u in uuids]
 
 
+def _counters(dev: RegionDevice | None) -> dict[str, Any]:
+    """The region's counters of one GPU, as AllocationGpuView's fields (none: all 0)."""
+    if dev is None:
+        return {}
+    return {
+        "refused": int(dev.refused),
+        "fallbacks": int(dev.fallbacks),
+        "memory_peak": int(dev.peak),
+        "gpu_seconds": int(dev.gpu_ns) / 1e9,
+    }
+
+
 def allocation_view(
     record: AllocationRecord, region: RegionRead, pod: PodRef | None
 ) -> AllocationView:
@@ -214,6 +238,7 @@ def allocation_view(
     state = region.state if isinstance(region, RegionProblem) else REGION_OK
     used: dict[str, int] = {}
     procs: dict[str, int] = {}
+    counters: dict[str, RegionDevice] = {}
     alive = 0
     if not isinstance(region, RegionProblem):
         foreign = [d.uuid for d in region.devices if d.uuid not in ours]
@@ -229,6 +254,7 @@ def allocation_view(
                 procs[dev.uuid] = sum(
                     1 for p in region.processes if p.alive and i < len(p.used) and p.used[i] > 0
                 )
+                counters[dev.uuid] = dev
             alive = sum(1 for p in region.processes if p.alive)
     trusted = state in (REGION_OK, REGION_MISSING)
     gpus = tuple(
@@ -238,6 +264,7 @@ def allocation_view(
             memory_used=used.get(g.uuid, 0) if trusted else None,
             compute_limit=g.compute_percent,
             processes=procs.get(g.uuid, 0),
+            **_counters(counters.get(g.uuid) if trusted else None),
         )
         for g in limits
     )

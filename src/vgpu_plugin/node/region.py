@@ -45,6 +45,10 @@ class DeviceUsage:
     memory_limit: int  # bytes, as the region's creator wrote it
     used: int  # bytes charged by the container's processes (their sum)
     sm_percent: int
+    refused: int = 0  # allocations refused at the limit, ever
+    fallbacks: int = 0  # allocations that fell back to managed memory (oversubscription)
+    peak: int = 0  # the highest usage charged, bytes
+    gpu_ns: int = 0  # GPU time of the container's measured (paced) launches
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ def read_region(path: str | os.PathLike[str]) -> RegionSnapshot:
             memory_limit=d.memory_limit,
             used=d.used,
             sm_percent=d.sm_percent,
+            refused=d.refused,
+            fallbacks=d.fallbacks,
+            peak=d.peak,
+            gpu_ns=d.gpu_ns,
         )
         for d in snap.devices[0:ndev]
     )

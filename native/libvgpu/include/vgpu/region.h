@@ -14,14 +14,14 @@
  *   or the first process), and never change. A process enforces min(its own limits, the
  *   region's): rewriting the region cannot raise anybody's limit.
  * - Slots are the truth. A slot holds a process's charge per device; device totals are the
- *   sum of the slots, kept in step under one robust process-shared mutex (and recomputed
- *   from the slots when a holder dies mid-update).
+ *   sum of the slots, kept in step under one process-shared lock word (and recomputed from
+ *   the slots when a holder dies mid-update).
  * - Liveness is a kernel lock: the owner of slot i holds an OFD write lock on the first byte
  *   of slots[i] for its lifetime. A slot whose byte can be locked belongs to a dead process;
  *   its charge is reclaimed once, under the mutex. No pid is ever compared, so pid
  *   namespaces and pid reuse do not matter; (pid, start time) are recorded for people.
  * - Writers bump `generation` to odd before and to even after each update (a seqlock): the
- *   host copies without taking the mutex and retries on change. A host that keeps losing the
+ *   host copies without taking the lock and retries on change. A host that keeps losing the
  *   race posts a ticket in `snap_request`; the next writer copies the state into `published`
  *   while it holds the mutex anyway.
  */
@@ -32,7 +32,7 @@
 #include <stdint.h>
 
 enum {
-    VGPU_REGION_VERSION = 1,
+    VGPU_REGION_VERSION = 2,  /* 2: per-device counters (stats) */
     VGPU_MAX_DEVICES = 16,
     VGPU_MAX_SLOTS = 256,
     VGPU_UUID_SIZE = 80,   /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" and NUL, with room */
@@ -75,6 +75,16 @@ struct vgpu_region_device {
     uint32_t reserved;
 };
 
+/* What the node can see of a device besides its usage: counters only ever grow (atomic adds
+ * by the container's processes, outside the lock), `peak` only rises (under the lock). */
+struct vgpu_region_device_stats {
+    uint64_t refused;        /* allocations (and contexts) refused at the limit */
+    uint64_t fallbacks;      /* allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE) */
+    uint64_t peak;           /* the highest usage charged, bytes */
+    uint64_t gpu_ns;         /* GPU time of the container's measured (paced) launches, ns */
+    uint64_t reserved[4];
+};
+
 struct vgpu_slot_device {
     uint64_t charged;        /* bytes charged to this process (includes pending) */
     uint64_t pending;        /* of which reserved but not yet committed (informational) */
@@ -111,7 +121,10 @@ struct vgpu_region_file {
     uint64_t reserved1[4];
     /* line 1: what every update touches, device 0's total included, so that an update on
        device 0 moves one cache line between processes */
-    uint64_t lock[6];        /* a pthread_mutex_t: process-shared, robust */
+    uint32_t lock;           /* 0: free; else the holder's slot index + 1 (its slot's OFD lock
+                                says whether it lives: a dead holder's lock is taken over) */
+    uint32_t reserved_lock;
+    uint64_t reserved_line1[5];
     uint64_t generation;     /* seqlock: odd while a writer is between its stores */
     uint64_t used[16];       /* per device: sum of the LIVE slots' charged */
     /* line 3, from byte 248 */
@@ -119,6 +132,8 @@ struct vgpu_region_file {
     uint32_t slot_hwm;       /* slots at or above this index have never been used */
     uint32_t reserved2;
     uint64_t reserved3[7];
+    /* from byte 320: counters, before the devices (which the host compares across reads) */
+    struct vgpu_region_device_stats stats[16];
     struct vgpu_region_device devices[16];
     struct vgpu_region_slot slots[256];
     struct vgpu_region_published published;
@@ -132,6 +147,10 @@ struct vgpu_snapshot_device {
     uint64_t used;           /* bytes charged on the device: the sum of the processes below */
     uint32_t sm_percent;
     uint32_t reserved;
+    uint64_t refused;        /* the device's counters (struct vgpu_region_device_stats) */
+    uint64_t fallbacks;
+    uint64_t peak;
+    uint64_t gpu_ns;
 };
 
 struct vgpu_snapshot_process {

@@ -8,13 +8,10 @@ so Allocate stays fast and never blocks on anything but local disk.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
@@ -25,9 +22,8 @@ from vgpu_plugin.core.devices import NodePlan, PhysicalGpu, plan_node
 from vgpu_plugin.core.grant import Grant, InvalidRequest, grant, new_allocation_id
 from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
-from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import write_atomically
 from vgpu_plugin.node.health import HealthChange
+from vgpu_plugin.node.hostfiles import remove_allocation, write_allocation
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 log = logging.getLogger(__name__)
@@ -250,15 +246,9 @@ class VgpuBackend:
     # --- host files -----------------------------------------------------------------------
 
     def _materialise(self, g: Grant, spec: ContainerSpec, resource_name: str) -> None:
-        """The rw dir, the read-only limits file and the record exist before we answer."""
-        alloc_dir = Path(spec.allocation_dir)
-        alloc_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
-        limits = Path(spec.limits_path)
-        limits.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(limits, spec.limits_text.encode(), 0o644)
-        if spec.cdi_spec is not None:
-            cdi_files.write_spec(self._cdi_spec_dir, g.allocation_id, spec.cdi_spec)
+        """The rw dir, the read-only limits file, the CDI spec (the same host files as a DRA
+        claim's: ``node/hostfiles.py``) and the record exist before we answer."""
+        write_allocation(spec, g.allocation_id, self._cdi_spec_dir)
         self._store.add(
             AllocationRecord(
                 allocation_id=g.allocation_id,
@@ -270,7 +260,6 @@ class VgpuBackend:
         )
 
     def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
-        shutil.rmtree(spec.allocation_dir, ignore_errors=True)
-        Path(spec.limits_path).unlink(missing_ok=True)
-        cdi_files.remove_spec(self._cdi_spec_dir, g.allocation_id)
+        aid = g.allocation_id
+        remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
         self._store.remove(g.allocation_id)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,9 @@ import pytest
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core import dra
 from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiHttp, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import Node
 
@@ -263,3 +267,114 @@ def test_ended_pods_are_cleaned_up_and_nothing_without_the_kubelet(served: Serve
         assert (served.host_root / "limits" / kept_id).exists()
     finally:
         served.podres.stop()
+
+
+@dataclass
+class DraServed:
+    devices: KubeletEmulator
+    dra: DraKubeletEmulator
+    api: FakeApiServer
+    http: FakeApiHttp
+    proc: subprocess.Popen[bytes]
+    host_root: Path
+    log: Path
+
+
+@contextlib.contextmanager
+def serve_with_dra(node: Node, native_tree: Path, tmp_path: Path, gpus: str) -> Iterator[DraServed]:
+    """`serve` with `dra.enabled` for ``gpus``, beside the device-plugin kubelet emulator, the
+    DRA kubelet emulator and an API server it reaches through its kubeconfig."""
+    host_root = tmp_path / "host"
+    install_shim(host_root, native_tree)
+    sockets = short_tmp_dir("serve-dra-")
+    (sockets / "registry").mkdir()
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"version: v1\nsharing: {{splitCount: 4}}\nhostRoot: {host_root}\n"
+        f"dra: {{enabled: true, gpus: {gpus}}}\n"
+    )
+    api = FakeApiServer()
+    http = FakeApiHttp(api).start()
+    env = node.env()
+    env["KUBECONFIG"] = str(http.write_kubeconfig(tmp_path / "kubeconfig"))
+    env["VGPU_DRA_REGISTRY_DIR"] = str(sockets / "registry")
+    env["VGPU_DRA_PLUGINS_DIR"] = str(sockets / "plugins")
+    log = tmp_path / "plugin.log"
+    argv = [
+        sys.executable, "-m", "vgpu_plugin", "serve",
+        "--config", str(config), "--device-plugin-dir", str(sockets),
+        "--state-dir", str(tmp_path / "state"), "--cdi-spec-dir", str(tmp_path / "cdi"),
+        "--lock-dir", str(tmp_path / "locks"), "--node-name", "node-1",
+        "--metrics-address", "127.0.0.1:0",
+        "--pod-resources-socket", str(sockets / "podres.sock"),
+    ]  # fmt: skip
+    devices = KubeletEmulator(sockets)
+    dra_kubelet = DraKubeletEmulator(sockets / "registry", "node-1", api)
+    devices.start()
+    dra_kubelet.start()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
+    try:
+        try:
+            dra_kubelet.wait_registered(dra.DRIVER_NAME, timeout=20)
+        except TimeoutError:
+            raise AssertionError(log.read_text()) from None
+        yield DraServed(devices, dra_kubelet, api, http, proc, host_root, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        dra_kubelet.stop()
+        devices.stop()
+        http.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_serve_with_dra_registers_with_the_kubelet_and_publishes_the_slice(
+    simgpu_node: Node, native_tree: Path, tmp_path: Path
+) -> None:
+    with serve_with_dra(simgpu_node, native_tree, tmp_path, "[all]") as s:
+        wait_until(lambda: len(s.api.slices) == 1)
+        (published,) = s.api.slices.values()
+        assert published["spec"]["nodeName"] == "node-1"
+        uuids = [g.uuid for g in simgpu_node.gpus()]
+        assert sorted(d["attributes"]["uuid"]["string"] for d in published["spec"]["devices"]) == (
+            sorted(uuids)
+        )
+        # Through the real kubernetes client: the slice was created over HTTP.
+        assert f"POST {FakeApiHttp._SLICES}" in s.http.calls
+        # A kubelet restart deletes the node's slices: the driver publishes again.
+        s.dra.restart()
+        s.dra.wait_registered(dra.DRIVER_NAME, timeout=20)
+        wait_until(lambda: len(s.api.slices) == 1)
+
+
+def test_serve_splits_a_node_between_the_device_plugin_and_dra(
+    simgpu_node: Node, native_tree: Path, tmp_path: Path
+) -> None:
+    a, b = (g.uuid for g in simgpu_node.gpus())
+    with serve_with_dra(simgpu_node, native_tree, tmp_path, '["1"]') as s:
+        # GPU 0: four slices of the device plugin; GPU 1: the DRA driver's one device.
+        s.devices.wait_registrations(1, timeout=20)
+        advertised = s.devices.wait_devices(RES, lambda d: len(d) == 4, timeout=10)
+        assert {d.ID.rsplit("-", 1)[0] for d in advertised} == {a}
+        wait_until(lambda: len(s.api.slices) == 1)
+        (published,) = s.api.slices.values()
+        assert [d["attributes"]["uuid"]["string"] for d in published["spec"]["devices"]] == [b]
+        # A claim on GPU 1 is prepared by the serve process; a slice of GPU 0 is allocated.
+        s.api.add_claim("ml", "infer", {"gpu": {"memory": "6Gi", "compute": "30"}})
+        claim = s.api.allocate("ml", "infer", published["spec"]["devices"][0]["name"])
+        uid = claim["metadata"]["uid"]
+        entry = s.dra.prepare(dra.DRIVER_NAME, claim).claims[uid]
+        assert entry.error == "", s.log.read_text()
+        limits = (s.host_root / "limits" / f"dra-{uid}").read_text()
+        assert b in limits and a not in limits
+        resp = s.devices.allocate(RES, [f"{a}-0"])
+        assert resp.container_responses[0].cdi_devices or resp.container_responses[0].mounts

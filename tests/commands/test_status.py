@@ -19,6 +19,7 @@ from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedClaims, PreparedDevice
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     GpuFacts,
@@ -123,10 +124,11 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
     assert row_b.split() == ["?", GPU_B, "?", "2/?", "40778/-", "300", "-", "unknown"]
 
     containers = lines[lines.index("Containers") + 1 :]
-    assert containers[0].split()[:3] == ["NAMESPACE/POD/CONTAINER", "ALLOCATION", "GPU"]
+    assert containers[0].split()[:4] == ["NAMESPACE/POD/CONTAINER", "FRONTEND", "ALLOCATION", "GPU"]
     # used/limit, then peak, refused, fell back to managed memory, GPU seconds (the region's).
-    first = ["ml/infer-a/server", "alloc-1", GPU_A, "1024/20389", "2048", "3", "1", "1.5", "25%"]
-    assert containers[1].split()[:11] == [*first, "2", "ok"]
+    first = ["ml/infer-a/server", "device-plugin", "alloc-1", GPU_A, "1024/20389", "2048", "3"]
+    first += ["1", "1.5", "25%"]
+    assert containers[1].split()[:12] == [*first, "2", "ok"]
     assert containers[1].split("ok", 1)[1].strip() == (
         "not requested: its GPUs have different limits (the hook applies one to all)"
     )
@@ -136,6 +138,7 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "not",
         "known",
         "yet)",
+        "device-plugin",
         "alloc-2",
         GPU_A,
         "0/20389",
@@ -148,11 +151,12 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "missing",
         "requested",
     ]
-    assert containers[4].split()[:7] == [
+    assert containers[4].split()[:8] == [
         "(pod",
         "not",
         "known",
         "yet)",
+        "device-plugin",
         "alloc-3",
         GPU_A,
         "-/20389",
@@ -178,10 +182,12 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
     a1 = doc["allocations"][0]
     assert list(a1) == sorted(a1)
     assert a1 == {
+        "claim": None,
         "created": 100.0,
         "driver_memory_limit": "not requested: its GPUs have different limits"
         " (the hook applies one to all)",
         "ended": False,
+        "frontend": "device-plugin",
         "gpus": [
             {
                 "compute_limit": 25,
@@ -423,3 +429,61 @@ def test_nvml_memory_used_is_empty_without_nvml() -> None:
 
     # This test process has no libnvidia-ml on its library path (no driver here).
     assert nvml_memory_used() == {}
+
+
+def test_dra_claims_are_listed_beside_the_device_plugins_allocations(
+    node: SyntheticNode, tmp_path: Path
+) -> None:
+    PreparedClaims(node.state).add(
+        prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=150.0)
+    )
+    node.region("dra-u-1", Snap((Dev(GPU_A, 512 * MIB),), (Proc(True, (512 * MIB,)),)))
+    view = node.collect(tmp_path / "no-kubelet.sock")
+    lines = render_status(view).splitlines()
+    row = next(line for line in lines if "dra-u-1" in line)
+    # used/limit, peak, refused, fallbacks, GPU seconds, compute, procs, region, driver limit
+    assert row.split() == [
+        "claim", "ml/infer", "dra", "dra-u-1", GPU_A, "512/6144", "0", "0", "0", "0.0", "30%",
+        "1", "ok", "unknown",
+    ]  # fmt: skip
+    # Between alloc-1 (created 100) and alloc-2 (200), as every allocation: oldest first.
+    ids = [a.id for a in view.allocations]
+    assert ids.index("alloc-1") < ids.index("dra-u-1") < ids.index("alloc-2")
+    doc = json.loads(status_json(view))
+    (claim,) = [a for a in doc["allocations"] if a["frontend"] == "dra"]
+    assert (claim["claim"], claim["pod"], claim["id"]) == ("ml/infer", None, "dra-u-1")
+    assert claim["gpus"][0]["memory_limit"] == 6 << 30
+    (gpu_a,) = [g for g in doc["gpus"] if g["uuid"] == GPU_A]
+    # alloc-1 and alloc-2 hold 20389 MiB each on GPU A (alloc-3 too); the claim adds 6 GiB.
+    plugin_only = sum(
+        g.memory_limit for a in view.allocations if a.frontend != "dra" and not a.ended
+        for g in a.gpus if g.uuid == GPU_A
+    )  # fmt: skip
+    assert gpu_a["memory_limited"] == plugin_only + (6 << 30)
+    assert gpu_a["slices_allocated"] == 3  # slices are the device plugin's only
+
+
+def test_an_unreadable_dra_claims_file_is_a_note_and_left_alone(
+    node: SyntheticNode, tmp_path: Path
+) -> None:
+    path = node.state / "dra-claims.json"
+    path.write_text("{not json")
+    view = node.collect(tmp_path / "no-kubelet.sock")
+    assert any("DRA claims file" in n and "not shown" in n for n in view.notes)
+    assert all(a.frontend == "device-plugin" for a in view.allocations)
+    assert path.read_text() == "{not json"  # status is read-only: nothing moved aside
+
+
+def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim:
+    aid = f"dra-{uid}"
+    return PreparedClaim(
+        uid=uid,
+        namespace="ml",
+        name="infer",
+        allocation_id=aid,
+        allocation_dir=f"/host/containers/{aid}",
+        limits_path=f"/host/limits/{aid}",
+        devices=(PreparedDevice(("gpu",), "node-1", "gpu-a", (f"vgpu-plugin/allocation={aid}",)),),
+        limits=limits,
+        created=created,
+    )

@@ -31,6 +31,12 @@ def versions() -> tuple[str, str]:
 
 # resource.k8s.io/v1, with consumable capacity, is served from Kubernetes 1.34 on.
 DRA_OLDEST = "1.34.0"
+# Kinds the chart renders only with DRA (the admission policy that holds the plugin to its own
+# node's ResourceSlice; served from 1.30): validated from DRA's version too.
+DRA_ONLY = {
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"),
+}
 _STR = {"type": "string"}
 SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -109,6 +115,7 @@ def validate(obj: Obj) -> None:
         return
     oldest, newest = versions()
     dra = str(obj.get("apiVersion", "")).startswith("resource.k8s.io/")
+    dra = dra or (obj.get("apiVersion"), obj.get("kind")) in DRA_ONLY
     if dra or "resourceClaims" in (obj.get("spec") or {}):
         # DRA's objects (docs/dra.md) exist from Kubernetes 1.34 on, whatever the chart's floor.
         oldest = max(oldest, DRA_OLDEST, key=lambda v: tuple(map(int, v.split("."))))

@@ -29,12 +29,16 @@ from deployment.gotemplate import ChartFail
 from vgpu_plugin import __version__
 from vgpu_plugin.commands import cli
 from vgpu_plugin.commands.settings import FLAGS
+from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config, Sharing, load_config
+from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.schema import spec_for
 from vgpu_plugin.node.metrics import parse_address
 
 # Envs the DaemonSet may set besides serve's flags: what the NVIDIA container toolkit reads.
 NVIDIA_ENVS = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+DRA_ELSEWHERE = "dra elsewhere, extended resource, labels from the API"
+GIB = 1 << 30
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -63,6 +67,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "affinity": {"nodeAffinity": {}},
         "shim": {"keepVersions": 0},
         "log": {"format": "json", "level": "debug"},
+    },
+    "dra": {"dra": {"enabled": True}},
+    "dra elsewhere, extended resource, labels from the API": {
+        "kubeletDir": "/var/lib/k0s/kubelet",
+        "nodeLabels": {"fromAPI": True},
+        "dra": {
+            "enabled": True,
+            "driverName": "gpu.example.com",
+            "gpus": ["2", "GPU-709f*"],
+            "memory": {"default": "5Gi", "minimum": "1Gi", "step": "1Gi"},
+            "compute": {"default": 25, "minimum": 5, "step": 5},
+            "deviceClass": {"name": "shared-gpu", "extendedResourceName": "example.com/gpu"},
+            "claimTemplates": [
+                {"name": "whole-default"},
+                {"name": "half", "namespace": "ml", "memory": "40Gi", "compute": 50},
+            ],
+        },
     },
     "nvidia time-slicing config": {
         "config": {
@@ -120,7 +141,8 @@ def test_every_variant_renders_valid_kubernetes_objects(variant: str) -> None:
     for obj in rendered.objects:
         k8s.validate(obj)
         assert k8s.semantic_problems(obj) == [], obj["kind"]
-        assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+        if obj["kind"] != "ResourceClaimTemplate":  # examples may go where the pods are
+            assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE
     assert rendered.notes.strip()
 
 
@@ -250,6 +272,8 @@ def test_nothing_runs_more_privileged_than_it_needs() -> None:
             "lock-dir",
             "cdi-spec-dir",  # the allocations' CDI specs (docs/security.md)
             "host-node-labels",
+            "plugins-registry",  # DRA only: the kubelet's plugin registration dir
+            "plugins",  # DRA only: the driver's service socket
         }
 
 
@@ -269,7 +293,9 @@ def test_scheduling_and_rollout(defaults: Rendered) -> None:
     assert probe["httpGet"] == {"path": "/metrics", "port": "metrics"}
 
 
-@pytest.mark.parametrize("variant", ["defaults", "elsewhere", "nvidia time-slicing config"])
+@pytest.mark.parametrize(
+    "variant", ["defaults", "elsewhere", "nvidia time-slicing config", "dra", DRA_ELSEWHERE]
+)
 def test_the_configmap_passes_check_config(variant: str, tmp_path: Path) -> None:
     r = render(VARIANTS[variant])
     text = r.one("ConfigMap")["data"]["config.yaml"]
@@ -277,6 +303,13 @@ def test_the_configmap_passes_check_config(variant: str, tmp_path: Path) -> None
     path.write_text(text)
     assert cli.main(["check-config", str(path), "--no-nvml"]) == 0
     config = load_config(path)
+    dra_values = VARIANTS[variant].get("dra", {})
+    assert config.dra.enabled is bool(dra_values)
+    if dra_values:
+        assert config.dra.driver_name == dra_values.get("driverName", "gpu.vgpu-plugin.io")
+        assert config.dra.gpus == tuple(dra_values.get("gpus", ["all"]))
+    if variant == DRA_ELSEWHERE:
+        assert config.dra.memory == (5 * GIB, GIB, GIB) and config.dra.compute == (25, 5, 5)
     if variant == "nvidia time-slicing config":
         assert (config.resource_name, config.sharing.split_count) == ("nvidia.com/gpu.shared", 4)
     else:
@@ -294,6 +327,10 @@ def test_the_chart_refuses_what_would_silently_misbehave() -> None:
         {"log": {"level": "verbose"}},
         {"hostRoot": "relative/path"},
         {"unknownTopLevelKey": 1},
+        {"config": {"version": "v1", "dra": {"enabled": True}}},  # the chart's dra values
+        {"dra": {"enabled": True, "driverName": "Not_A_Name"}},
+        {"dra": {"enabled": True, "claimTemplates": [{"name": "x", "compute": 0}]}},
+        {"dra": {"enabled": True, "deviceClass": {"name": "c", "extendedResourceName": "gpu"}}},
     ]
     for overrides in refused:
         with pytest.raises((ChartFail, jsonschema.ValidationError)):
@@ -370,3 +407,127 @@ def test_a_helm_binary_agrees_with_the_test_renderer() -> None:
         ours = sorted(render(overrides).objects, key=key)
         assert [key(o) for o in theirs] == [key(o) for o in ours]
         assert [diff(a, b) for a, b in zip(theirs, ours, strict=True)] == [[] for _ in ours]
+
+
+DRA_KINDS = {
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "DeviceClass",
+    "ResourceClaimTemplate",
+}
+
+
+def test_dra_is_off_by_default_and_adds_nothing(defaults: Rendered) -> None:
+    assert not DRA_KINDS & set(defaults.kinds())
+    plugin = container(defaults, "vgpu-plugin")
+    assert not {"VGPU_DRA_REGISTRY_DIR", "VGPU_DRA_PLUGINS_DIR"} & set(envs(plugin))
+    assert all(m["name"] != "api-token" for m in plugin["volumeMounts"])
+    assert "dra" not in yaml.safe_load(defaults.one("ConfigMap")["data"]["config.yaml"])
+
+
+@pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
+def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(variant: str) -> None:
+    r = render(VARIANTS[variant])
+    kubelet = VARIANTS[variant].get("kubeletDir", "/var/lib/kubelet")
+    plugin = container(r, "vgpu-plugin")
+    env = envs(plugin)
+    # The kubelet dials the service socket at the path the driver announces: a host path.
+    for name, sub, kind in (
+        ("VGPU_DRA_REGISTRY_DIR", "plugins_registry", "Directory"),
+        ("VGPU_DRA_PLUGINS_DIR", "plugins", "DirectoryOrCreate"),
+    ):
+        assert env[name] == f"{kubelet}/{sub}"
+        volume, mount, inner = backing(r, plugin, env[name])
+        assert volume["hostPath"] == {"path": env[name], "type": kind} and inner == "."
+        assert not mount.get("readOnly")
+    # The driver's API access: the pod's projected token, where the kubernetes client looks.
+    token = backing(r, plugin, "/var/run/secrets/kubernetes.io/serviceaccount/token")
+    assert token[0]["name"] == "api-token" and token[1]["readOnly"] is True
+    assert daemonset(r)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
+def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str) -> None:
+    r = render(VARIANTS[variant])
+    role = r.one("ClusterRole", "vgpu-plugin-dra")
+    # node/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; no list, no watch.
+    assert role["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+        {
+            "apiGroups": ["resource.k8s.io"],
+            "resources": ["resourceslices"],
+            "verbs": ["get", "create", "update", "delete"],
+        },
+    ]
+    binding = r.one("ClusterRoleBinding", "vgpu-plugin-dra")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = daemonset(r)["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    ]
+    # What RBAC cannot say: only the slice of the plugin pod's own node, of its own driver.
+    policy = r.one("ValidatingAdmissionPolicy")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    (rule,) = spec["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["resourceslices"]
+    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
+    (condition,) = spec["matchConditions"]
+    assert f"'system:serviceaccount:{NAMESPACE}:{account}'" in condition["expression"]
+    checks = " ".join(v["expression"] for v in spec["validations"])
+    assert "authentication.kubernetes.io/node-name" in " ".join(
+        v["expression"] for v in spec["variables"]
+    )
+    assert "variables.slice.spec.nodeName == variables.node" in checks
+    driver = VARIANTS[variant]["dra"].get("driverName", dra.DRIVER_NAME)
+    assert f"variables.slice.spec.driver == '{driver}'" in checks
+    bound = r.one("ValidatingAdmissionPolicyBinding")["spec"]
+    assert bound == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+@pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
+def test_the_device_class_selects_the_slice_the_driver_publishes(
+    variant: str, tmp_path: Path
+) -> None:
+    r = render(VARIANTS[variant])
+    values = VARIANTS[variant]["dra"]
+    (cls,) = [o for o in r.objects if o["kind"] == "DeviceClass"]
+    (selector,) = cls["spec"]["selectors"]
+    path = tmp_path / "config.yaml"
+    path.write_text(r.one("ConfigMap")["data"]["config.yaml"])
+    config = load_config(path)
+    gpu = PhysicalGpu(0, "GPU-709f0000-0000-0000-0000-000000000000", "A100", 80 * GIB, 0, "", 0)
+    published = dra.resource_slice(
+        "node-1",
+        config.dra.driver_name,
+        [(gpu, dra.DeviceFacts())],
+        generation=1,
+        memory=dra.CapacityPolicy(*config.dra.memory),
+        compute=dra.CapacityPolicy(*config.dra.compute),
+    )
+    assert selector == {"cel": {"expression": f'device.driver == "{published["spec"]["driver"]}"'}}
+    extended = values.get("deviceClass", {}).get("extendedResourceName")
+    assert cls["spec"].get("extendedResourceName") == extended
+    templates = [o for o in r.objects if o["kind"] == "ResourceClaimTemplate"]
+    wanted = values.get(
+        "claimTemplates",
+        [
+            {"name": "gpu-10gi", "memory": "10Gi"},
+            {"name": "gpu-6gi-30", "memory": "6Gi", "compute": 30},
+        ],
+    )
+    assert [t["metadata"]["name"] for t in templates] == [w["name"] for w in wanted]
+    for t, w in zip(templates, wanted, strict=True):
+        assert t["metadata"]["namespace"] == w.get("namespace", NAMESPACE)
+        (request,) = t["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["deviceClassName"] == cls["metadata"]["name"]
+        asked = {k: str(w[k]) for k in ("memory", "compute") if k in w}
+        assert request["exactly"].get("capacity", {}).get("requests", {}) == asked
+        # Each amount is one the slice's request policy takes as it is (no rounding).
+        capacity = published["spec"]["devices"][0]["capacity"]
+        for name, amount in asked.items():
+            valid = capacity[name]["requestPolicy"]["validRange"]
+            lo, step = dra.parse_quantity(valid["min"]), dra.parse_quantity(valid["step"])
+            assert (dra.parse_quantity(amount) - lo) % step == 0, (t["metadata"]["name"], name)

@@ -17,6 +17,8 @@ from google.protobuf import unknown_fields
 from vgpu_plugin.api import constants, generate
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as dp
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from vgpu_plugin.api.dra.v1 import api_pb2 as dra_v1
+from vgpu_plugin.api.dra.v1beta1 import api_pb2 as dra_v1beta1
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pr
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pr_grpc
 
@@ -77,6 +79,20 @@ PODRESOURCES_FIELDS = {
     "GetPodResourcesResponse": {"pod_resources": 1},
 }
 
+# k8s.io/kubelet dra/v1 and v1beta1; v1's Device.share_id is upstream's
+# `optional string share_id = 5` (checked in the descriptor of its generated api.pb.go).
+DRA_FIELDS = {
+    "NodePrepareResourcesRequest": {"claims": 1},
+    "NodePrepareResourcesResponse": {"claims": 1},
+    "NodePrepareResourceResponse": {"devices": 1, "error": 2},
+    "Device": {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4},
+    "NodeUnprepareResourcesRequest": {"claims": 1},
+    "NodeUnprepareResourcesResponse": {"claims": 1},
+    "NodeUnprepareResourceResponse": {"error": 1},
+    "Claim": {"namespace": 1, "uid": 2, "name": 3},
+}
+DRA_V1_FIELDS = {**DRA_FIELDS, "Device": {**DRA_FIELDS["Device"], "share_id": 5}}
+
 
 def test_committed_modules_are_what_the_protos_generate(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="regenerating needs grpcio-tools (a test extra)")
@@ -91,7 +107,12 @@ def test_committed_modules_are_what_the_protos_generate(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("module", "package", "expected"),
-    [(dp, "v1beta1", DEVICEPLUGIN_FIELDS), (pr, "v1", PODRESOURCES_FIELDS)],
+    [
+        (dp, "v1beta1", DEVICEPLUGIN_FIELDS),
+        (pr, "v1", PODRESOURCES_FIELDS),
+        (dra_v1, "k8s.io.kubelet.pkg.apis.dra.v1", DRA_V1_FIELDS),
+        (dra_v1beta1, "k8s.io.kubelet.pkg.apis.dra.v1beta1", DRA_FIELDS),
+    ],
 )
 def test_messages_match_upstream(module: Any, package: str, expected: dict[str, Any]) -> None:
     descriptor = module.DESCRIPTOR
@@ -100,6 +121,15 @@ def test_messages_match_upstream(module: Any, package: str, expected: dict[str, 
     for name, fields in expected.items():
         message = descriptor.message_types_by_name[name]
         assert {f.name: f.number for f in message.fields} == fields, name
+
+
+def test_dra_share_id_is_an_optional_string_as_upstream() -> None:
+    field = dra_v1.Device.DESCRIPTOR.fields_by_name["share_id"]
+    assert field.type == field.TYPE_STRING and field.has_presence
+    assert field.containing_oneof is not None and field.containing_oneof.name == "_share_id"
+    # Unset: nothing on the wire (the kubelet reads no share ID); set: field 5, length-delimited.
+    assert dra_v1.Device(device_name="d").SerializeToString() == b"\x1a\x01d"
+    assert dra_v1.Device(share_id="s").SerializeToString() == b"\x2a\x01s"
 
 
 def test_services_match_upstream() -> None:

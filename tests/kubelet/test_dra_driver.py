@@ -177,6 +177,16 @@ def test_prepare_is_idempotent_across_retries_and_plugin_restarts(node: Node) ->
     assert node.kubelet.prepare(DRIVER, claim) == first
 
 
+def test_a_result_without_a_share_id_answers_none(node: Node) -> None:
+    claim = claim_6g_30(node)
+    uid = claim["metadata"]["uid"]  # type: ignore[index]
+    stored = node.api.claims[("ml", "infer")]
+    del stored["status"]["allocation"]["devices"]["results"][0]["shareID"]
+    (device,) = node.kubelet.prepare(DRIVER, claim).claims[uid].devices
+    assert not device.HasField("share_id")  # absent, as upstream's optional field, not ""
+    assert device.device_name == DEV_A
+
+
 def test_v1beta1_prepares_the_same_devices_without_a_share_id(node: Node) -> None:
     claim = claim_6g_30(node)
     uid = claim["metadata"]["uid"]  # type: ignore[index]

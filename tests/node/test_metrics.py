@@ -16,6 +16,7 @@ from synthetic_regions import Dev, Proc, Snap
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
+from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedClaims, PreparedDevice
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     GpuFacts,
@@ -153,6 +154,7 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
     got = node.scrape()
 
     a1 = {"namespace": "ml", "pod": "infer-a", "container": "server", "allocation_id": "a1"}
+    a1 |= {"frontend": "device-plugin", "claim": ""}
     assert samples(got, "vgpu_container_memory_limit_bytes", gpu_uuid=GPU_A, **a1)[0][0] == {
         **a1,
         "gpu_uuid": GPU_A,
@@ -341,3 +343,47 @@ def test_an_ended_allocation_with_live_processes_still_counts(node: Node) -> Non
     scraped = node.scrape()
     assert value(scraped, "vgpu_gpu_slices_allocated", gpu_uuid=GPU_A) == 1
     assert value(scraped, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == 8192 * MIB
+
+
+def test_dra_claims_are_exported_beside_the_device_plugins_allocations(tmp_path: Path) -> None:
+    root = tmp_path / "host"
+    store = AllocationStore(tmp_path / "state")
+    store.add(record("a1", 1.0, GpuLimit(GPU_A, 10 * MIB, 25), pod="infer-a"))
+    claims = PreparedClaims(tmp_path / "state")
+    claims.add(prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=2.0))
+    regions = Regions()
+    regions.put(root, "dra-u-1", Snap((Dev(GPU_A, 2 * MIB),), (Proc(True, (2 * MIB,)),)))
+    gpus = [GpuFacts(GPU_A, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, None, None, True)]
+    provider = view_provider(root, store.all, lambda: gpus, read_region=regions, claims=claims.all)
+    pm = metrics.new_registry(provider)
+    server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
+    try:
+        got = Node(root, store, regions, gpus, pm, port).scrape()
+    finally:
+        server.shutdown()
+    dra = {"namespace": "ml", "pod": "", "container": "", "claim": "infer", "frontend": "dra"}
+    dra |= {"allocation_id": "dra-u-1", "gpu_uuid": GPU_A}
+    assert value(got, "vgpu_container_memory_limit_bytes", **dra) == 6 << 30
+    assert value(got, "vgpu_container_memory_used_bytes", **dra) == 2 * MIB
+    assert value(got, "vgpu_container_compute_limit_percent", **dra) == 30
+    assert value(got, "vgpu_container_processes", **dra) == 1
+    plugin = {"allocation_id": "a1", "frontend": "device-plugin", "claim": ""}
+    assert value(got, "vgpu_container_memory_limit_bytes", **plugin) == 10 * MIB
+    # The GPU's limited memory counts both front ends.
+    assert value(got, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == (6 << 30) + 10 * MIB
+    assert value(got, "vgpu_gpu_memory_containers_bytes", gpu_uuid=GPU_A) == 2 * MIB
+
+
+def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim:
+    aid = f"dra-{uid}"
+    return PreparedClaim(
+        uid=uid,
+        namespace="ml",
+        name="infer",
+        allocation_id=aid,
+        allocation_dir=f"/host/containers/{aid}",
+        limits_path=f"/host/limits/{aid}",
+        devices=(PreparedDevice(("gpu",), "node-1", "gpu-a", (f"vgpu-plugin/allocation={aid}",)),),
+        limits=limits,
+        created=created,
+    )

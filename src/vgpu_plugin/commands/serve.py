@@ -29,10 +29,17 @@ from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
+from vgpu_plugin.node.dra_claims import read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
 from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
-from vgpu_plugin.node.nodeview import gpu_facts_from_plan, live_processes, view_provider
+from vgpu_plugin.node.nodeview import (
+    GpuFacts,
+    dra_gpu_facts,
+    gpu_facts_from_plan,
+    live_processes,
+    view_provider,
+)
 from vgpu_plugin.node.nvml import (
     HealthWatcher,
     NvmlUnavailable,
@@ -188,10 +195,20 @@ class Plugin:
     def _start_metrics(self, store: AllocationStore) -> None:
         backend = self.backend
         assert backend is not None
+        dra = self._dra
+
+        def gpus() -> list[GpuFacts]:
+            used = nvml_memory_used()
+            facts = gpu_facts_from_plan(backend.plan, backend.unhealthy, used)
+            if dra is not None:
+                facts += dra_gpu_facts(dra.driver.gpus, backend.unhealthy, used)
+            return facts
+
         provider = view_provider(
             Path(backend.config.host_root),
             lambda: read_records(self.settings.state_dir)[0],
-            lambda: gpu_facts_from_plan(backend.plan, backend.unhealthy, nvml_memory_used()),
+            gpus,
+            claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
         )
         self._metrics = new_registry(provider)
         try:

@@ -27,6 +27,7 @@ from vgpu_plugin.kubelet.podresources import (
     list_assignments,
 )
 from vgpu_plugin.node.cleanup import holders
+from vgpu_plugin.node.dra_claims import read_prepared_claims
 from vgpu_plugin.node.nodeview import (
     REGION_OK,
     AllocationView,
@@ -123,8 +124,12 @@ def collect_view(
             facts = nvml_facts()
         except NvmlUnavailable as exc:
             notes.append(f"{exc}: NVML figures unknown")
-    regions = read_regions(host_root, [r.allocation_id for r in records], read_region)
-    return build_view(records, regions, _merge_slices(facts, slices), pods, notes)
+    claims, claims_problem = read_prepared_claims(state_dir)
+    if claims_problem:
+        notes.append(f"{claims_problem} (DRA allocations not shown)")
+    ids = [r.allocation_id for r in records] + [c.allocation_id for c in claims]
+    regions = read_regions(host_root, ids, read_region)
+    return build_view(records, regions, _merge_slices(facts, slices), pods, notes, claims)
 
 
 # --- rendering (pure) -----------------------------------------------------------------------
@@ -175,7 +180,10 @@ def _gpu_label(view: NodeView, uuid: str) -> str:
 
 
 def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
-    who = str(a.pod) if a.pod else "(pod not known yet)"
+    if a.claim is not None:
+        who = f"claim {a.claim}"
+    else:
+        who = str(a.pod) if a.pod else "(pod not known yet)"
     if a.ended:
         who += " (ended)"
     rows = []
@@ -184,6 +192,7 @@ def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
         rows.append(
             [
                 who if i == 0 else "",
+                a.frontend if i == 0 else "",
                 a.id if i == 0 else "",
                 _gpu_label(view, g.uuid),
                 f"{_mib(g.memory_used)}/{_mib(g.memory_limit)}",
@@ -222,6 +231,7 @@ def render_status(view: NodeView) -> str:
     if rows:
         headers = (
             "NAMESPACE/POD/CONTAINER",
+            "FRONTEND",
             "ALLOCATION",
             "GPU",
             "USED/LIMIT MiB",

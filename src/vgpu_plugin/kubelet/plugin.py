@@ -8,8 +8,6 @@ so Allocate stays fast and never blocks on anything but local disk.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +24,9 @@ from vgpu_plugin.core.grant import Grant, InvalidRequest, grant, new_allocation_
 from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
 from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import fsync_dir, write_atomically
+from vgpu_plugin.node.atomicfile import fsync_dir
 from vgpu_plugin.node.health import HealthChange
+from vgpu_plugin.node.hostfiles import remove_allocation, write_allocation
 from vgpu_plugin.node.nodeview import DRIVER_LIMIT_KEY
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
@@ -266,16 +265,10 @@ class VgpuBackend:
     # --- host files -----------------------------------------------------------------------
 
     def _materialise(self, g: Grant, spec: ContainerSpec) -> None:
-        """The rw dir, the read-only limits file and the CDI spec; their dirs are synced by
-        ``_sync_dirs`` and the record written by the caller, before we answer."""
-        alloc_dir = Path(spec.allocation_dir)
-        alloc_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
-        limits = Path(spec.limits_path)
-        limits.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(limits, spec.limits_text.encode(), 0o644, sync_dir=False)
-        if spec.cdi_spec is not None:
-            cdi_files.write_spec(self._cdi_spec_dir, g.allocation_id, spec.cdi_spec, sync_dir=False)
+        """The rw dir, the read-only limits file and the CDI spec (the same host files as a DRA
+        claim's: ``node/hostfiles.py``); their dirs are synced by ``_sync_dirs`` and the record
+        written by the caller, before we answer."""
+        write_allocation(spec, g.allocation_id, self._cdi_spec_dir, sync_dir=False)
 
     def _sync_dirs(self, prepared: Sequence[tuple[Grant, ContainerSpec]]) -> None:
         """One fsync per directory the allocations' files were created in."""
@@ -289,7 +282,6 @@ class VgpuBackend:
             fsync_dir(d)
 
     def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
-        shutil.rmtree(spec.allocation_dir, ignore_errors=True)
-        Path(spec.limits_path).unlink(missing_ok=True)
-        cdi_files.remove_spec(self._cdi_spec_dir, g.allocation_id)
+        aid = g.allocation_id
+        remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
         self._store.remove(g.allocation_id)

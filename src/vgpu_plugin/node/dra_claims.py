@@ -95,6 +95,22 @@ class PreparedClaim:
         )
 
 
+def read_prepared_claims(state_dir: Path | str) -> tuple[list[PreparedClaim], str | None]:
+    """The prepared claims on file, read-only (for ``status`` and the metrics): never moves an
+    unreadable file aside, but says why it gave nothing. No file: no claims, no problem."""
+    path = Path(state_dir) / FILE_NAME
+    try:
+        body = json.loads(path.read_bytes())
+        if body.get("format") != FORMAT or body.get("version") != 1:
+            raise ValueError("not a vgpu-plugin DRA claims file of version 1")
+        claims = [PreparedClaim.from_wire(c) for c in body["claims"]]
+    except FileNotFoundError:
+        return [], None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [], f"DRA claims file {path}: {exc}"
+    return sorted(claims, key=lambda c: (c.created, c.uid)), None
+
+
 class PreparedClaims:
     """The prepared claims by UID, kept in memory and on disk."""
 

@@ -13,15 +13,23 @@ from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import write_atomically
 
 
-def write_allocation(spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path) -> None:
-    alloc_dir = Path(spec.allocation_dir)
-    alloc_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
-    limits = Path(spec.limits_path)
-    limits.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(limits, spec.limits_text.encode(), 0o644)
-    if spec.cdi_spec is not None:
-        cdi_files.write_spec(cdi_spec_dir, allocation_id, spec.cdi_spec)
+def write_allocation(
+    spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path, sync_dir: bool = True
+) -> None:
+    """All or nothing: on OSError, what was written of this allocation is removed first.
+    ``sync_dir`` False: the caller fsyncs the files' dirs once for many allocations."""
+    try:
+        alloc_dir = Path(spec.allocation_dir)
+        alloc_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(alloc_dir, 0o777)  # the container's processes may run as any user
+        limits = Path(spec.limits_path)
+        limits.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(limits, spec.limits_text.encode(), 0o644, sync_dir=sync_dir)
+        if spec.cdi_spec is not None:
+            cdi_files.write_spec(cdi_spec_dir, allocation_id, spec.cdi_spec, sync_dir=sync_dir)
+    except OSError:
+        remove_allocation(spec.allocation_dir, spec.limits_path, allocation_id, cdi_spec_dir)
+        raise
 
 
 def remove_allocation(

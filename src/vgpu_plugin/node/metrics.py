@@ -26,7 +26,11 @@ from vgpu_plugin.node.nodeview import NodeView
 
 log = logging.getLogger(__name__)
 
-ALLOCATION_LABELS = ("namespace", "pod", "container", "gpu_uuid", "allocation_id")
+# frontend: device-plugin or dra; claim: a DRA allocation's claim (its namespace is in
+# namespace; pod and container are empty: a claim's containers share it).
+ALLOCATION_LABELS = (
+    "namespace", "pod", "container", "gpu_uuid", "allocation_id", "frontend", "claim",
+)  # fmt: skip
 GPU_LABELS = ("gpu_uuid", "gpu_index", "model")
 # Allocate is sub-millisecond when healthy; seconds means a stalled disk.
 ALLOCATE_BUCKETS = (
@@ -136,9 +140,12 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily | Counter
         if a.ended:  # nothing holds it: its container is gone, its files wait for cleanup
             continue
         ns, pod, ctr = (a.pod.namespace, a.pod.pod, a.pod.container) if a.pod else ("", "", "")
+        claim = ""
+        if a.claim is not None:
+            ns, _, claim = a.claim.partition("/")
         invalid = a.region_state.startswith("invalid")
         for g in a.gpus:
-            labels = [ns, pod, ctr, g.uuid, a.id]
+            labels = [ns, pod, ctr, g.uuid, a.id, a.frontend, claim]
             if g.memory_used is not None:
                 used.add_metric(labels, g.memory_used)
             limit.add_metric(labels, g.memory_limit)

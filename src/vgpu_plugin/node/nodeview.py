@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
-from vgpu_plugin.core.devices import GpuLimit, NodePlan, parse_device_id
+from vgpu_plugin.core.devices import GpuLimit, NodePlan, PhysicalGpu, parse_device_id
 from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.node.dra_claims import PreparedClaim
 from vgpu_plugin.node.state import AllocationRecord
 
 REGION_OK = "ok"
 REGION_MISSING = "missing"
+# Which front end made an allocation: the device plugin's Allocate, or a DRA claim.
+DEVICE_PLUGIN = "device-plugin"
+DRA = "dra"
 
 # What Allocate asked of the driver's own memory limit for the container (ContainerSpec's
 # ``driver_limit``: 'requested', 'off' or 'not requested: <why>'), kept in the record under
@@ -131,6 +135,9 @@ class AllocationView:
     # Held by no container (the cleaner's verdict) and no live process: waiting out the
     # cleanup grace. Shown, but not counted in the GPUs' slices and limits.
     ended: bool = False
+    frontend: str = DEVICE_PLUGIN  # DEVICE_PLUGIN or DRA
+    # A DRA allocation's claim, "<namespace>/<name>" (its containers share the allocation).
+    claim: str | None = None
     # The driver memory limit Allocate requested (DRIVER_LIMIT_KEY above).
     driver_memory_limit: str = DRIVER_LIMIT_UNKNOWN
 
@@ -271,8 +278,15 @@ def allocation_view(
     ended = record.released is not None and alive == 0
     return AllocationView(
         record.allocation_id, pod, gpus, alive, state, record.created, ended,
-        driver_limit_of(record),
+        driver_memory_limit=driver_limit_of(record),
     )  # fmt: skip
+
+
+def claim_view(claim: PreparedClaim, region: RegionRead) -> AllocationView:
+    """A prepared DRA claim as an allocation: its limits, its region's usage, its name."""
+    record = AllocationRecord(claim.allocation_id, (), DRA, claim.created, claim.limits)
+    view = allocation_view(record, region, None)
+    return replace(view, frontend=DRA, claim=f"{claim.namespace}/{claim.name}")
 
 
 def build_view(
@@ -281,19 +295,24 @@ def build_view(
     gpus: Sequence[GpuFacts],
     pods: Mapping[str, PodRef] | None = None,
     notes: Sequence[str] = (),
+    claims: Sequence[PreparedClaim] = (),
 ) -> NodeView:
     """The node as one value. ``pods``: each allocation's container (default: what the records
     were labelled with); an allocation absent from ``regions`` reads as region 'missing'.
+    ``claims``: the DRA driver's prepared claims, listed beside the device plugin's
+    allocations and counted in their GPUs' limits and usage (not in slices).
     Ended allocations are listed but count in no GPU's slices, limits or usage."""
     missing = RegionProblem(REGION_MISSING)
-    allocations = tuple(
+    plugin = [
         allocation_view(
             r,
             regions.get(r.allocation_id, missing),
             pods.get(r.allocation_id) if pods is not None else _record_pod(r),
         )
-        for r in sorted(records, key=lambda r: (r.created, r.allocation_id))
-    )
+        for r in records
+    ]
+    dra = [claim_view(c, regions.get(c.allocation_id, missing)) for c in claims]
+    allocations = tuple(sorted(plugin + dra, key=lambda a: (a.created, a.id)))
     ended = {a.id for a in allocations if a.ended}
     slices: dict[str, set[str]] = {}
     for r in records:
@@ -355,19 +374,43 @@ def gpu_facts_from_plan(
     ]
 
 
+def dra_gpu_facts(
+    gpus: Sequence[PhysicalGpu],
+    unhealthy: Collection[str] = (),
+    memory_used_nvml: Mapping[str, int] | None = None,
+) -> list[GpuFacts]:
+    """The DRA driver's GPUs: no slices (claims take amounts), the same health and NVML."""
+    used = memory_used_nvml or {}
+    return [
+        GpuFacts(
+            uuid=g.uuid,
+            index=g.index,
+            name=g.name,
+            memory_total=g.memory_total,
+            memory_used_nvml=used.get(g.uuid),
+            healthy=g.uuid not in unhealthy,
+        )
+        for g in gpus
+    ]
+
+
 def view_provider(
     host_root: Path,
     records: Callable[[], Sequence[AllocationRecord]],
     gpus: Callable[[], Sequence[GpuFacts]],
     read_region: ReadRegion | None = None,
     pods: Callable[[], Mapping[str, PodRef]] | None = None,
+    claims: Callable[[], Sequence[PreparedClaim]] | None = None,
 ) -> Callable[[], NodeView]:
-    """A ``() -> NodeView`` for the metrics collector: reads records and regions at each call,
-    so an allocation shows (with its limits, used 0) from the moment its record exists."""
+    """A ``() -> NodeView`` for the metrics collector: reads records, prepared DRA claims and
+    regions at each call, so an allocation shows (with its limits, used 0) from the moment its
+    record exists."""
 
     def provide() -> NodeView:
         rs = records()
-        regions = read_regions(host_root, (r.allocation_id for r in rs), read_region)
-        return build_view(rs, regions, gpus(), pods() if pods is not None else None)
+        cs = claims() if claims is not None else ()
+        ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]
+        regions = read_regions(host_root, ids, read_region)
+        return build_view(rs, regions, gpus(), pods() if pods is not None else None, claims=cs)
 
     return provide

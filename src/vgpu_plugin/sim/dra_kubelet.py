@@ -17,11 +17,14 @@ the claim does not ask, a share ID per allocation).
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +315,85 @@ class DraKubeletEmulator:
 def _ref(pb: Any, claim: Mapping[str, Any]) -> Any:
     m = claim["metadata"]
     return pb.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])
+
+
+class FakeApiHttp:
+    """``FakeApiServer`` over HTTP, for a driver in another process (``vgpu-plugin serve``):
+    the few ``resource.k8s.io/v1`` calls ``node/kubeapi.py`` makes, through the real
+    ``kubernetes`` client, and a kubeconfig file that points at it (``write_kubeconfig``)."""
+
+    _CLAIM = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
+    _SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+
+    def __init__(self, api: FakeApiServer) -> None:
+        self.api = api
+        self.calls: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _answer(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> Any:
+                return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def _handle(self) -> None:
+                method, path = self.command, self.path.split("?")[0]
+                outer.calls.append(f"{method} {path}")
+                found = outer._CLAIM.match(path)
+                name = path.removeprefix(outer._SLICES + "/") if path != outer._SLICES else ""
+                try:
+                    if method == "GET" and found:
+                        self._answer(200, dict(api.get_claim(found.group(1), found.group(2))))
+                    elif method == "GET" and name and name in api.slices:
+                        body = copy.deepcopy(api.slices[name])
+                        body["metadata"]["resourceVersion"] = str(api.publishes)
+                        self._answer(200, body)
+                    elif method in ("POST", "PUT") and path.startswith(outer._SLICES):
+                        body = self._body()
+                        api.publish(body)
+                        self._answer(201 if method == "POST" else 200, body)
+                    elif method == "DELETE" and name:
+                        api.delete(name)
+                        self._answer(200, {"kind": "Status", "status": "Success"})
+                    else:
+                        self._answer(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+                except ApiError as exc:
+                    self._answer(exc.status or 500, {"kind": "Status", "message": str(exc)})
+
+            do_GET = do_POST = do_PUT = do_DELETE = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> FakeApiHttp:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "driver", "user": {"token": "fake"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "driver"}}],
+            "current-context": "fake",
+        }
+        path.write_text(json.dumps(config))
+        return path

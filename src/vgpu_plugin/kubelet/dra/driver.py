@@ -196,9 +196,8 @@ class DraDriver:
                 ids.append(shim_device)
             devices.append(PreparedDevice((r.request,), r.pool, r.device, tuple(ids), r.share_id))
         try:
-            write_allocation(spec, aid, self._cdi_spec_dir)
+            write_allocation(spec, aid, self._cdi_spec_dir)  # all or nothing
         except OSError as exc:
-            remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
             raise ValueError(f"cannot prepare the claim's files on the host: {exc}") from exc
         return PreparedClaim(
             uid=claim.uid,

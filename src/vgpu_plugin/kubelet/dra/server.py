@@ -55,7 +55,7 @@ def _prepare(driver: DraDriver, request: Any, pb: Any, with_share_id: bool) -> A
                 "device_name": d.device_name,
                 "cdi_device_ids": list(d.cdi_device_ids),
             }
-            if with_share_id:
+            if with_share_id and d.share_id:  # optional upstream: unset, not "", when none
                 fields["share_id"] = d.share_id
             entry.devices.append(pb.Device(**fields))
     return out

@@ -73,6 +73,14 @@ static void print_layout(void) {
     OFF(nvmlEventData_t, eventType);
     OFF(nvmlEventData_t, eventData);
     OFF(nvmlEventData_t, gpuInstanceId);
+    SZ(nvmlProcessUtilizationSample_t);
+    OFF(nvmlProcessUtilizationSample_t, timeStamp);
+    OFF(nvmlProcessUtilizationSample_t, smUtil);
+    OFF(nvmlProcessUtilizationSample_t, decUtil);
+    SZ(nvmlIntNvLinkDeviceType_t);
+    VAL(NVML_NVLINK_DEVICE_TYPE_SWITCH);
+    VAL(NVML_NVLINK_DEVICE_TYPE_UNKNOWN);
+    VAL(NVML_NVLINK_MAX_LINKS);
     VAL(nvmlMemory_v2);
     VAL(nvmlPciInfoExt_v1);
     VAL(NVML_ERROR_DRIVER_NOT_LOADED);

@@ -1,10 +1,12 @@
 """The real-client tier's helpers: where its wheels are. The tier runs NVIDIA's CUDA runtime
-(libcudart 12 and 13) and CuPy, from PyPI, on a simulated node, each scenario without and with
-the shim; a test skips, saying so, only where its wheel is not installed
-(`pip install -e '.[test]'` installs them). Holds no tests."""
+(libcudart 12 and 13), CuPy and PyTorch, from PyPI, on a simulated node, each scenario without
+and with the shim; a test skips, saying so, only where its wheel is not installed
+(`pip install -e '.[test]'` installs all but PyTorch, which is several GB and comes with
+`pip install -e '.[test,clients-torch]'`). Holds no tests."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
@@ -27,3 +29,13 @@ def cudart_path(major: int) -> Path:
 def require_cupy() -> None:
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("cupy-cuda12x is not installed (pip install -e '.[test]')")
+
+
+def require_torch() -> None:
+    """PyTorch's CUDA build (PyPI's default Linux wheel), or skip."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("torch is not installed (pip install -e '.[test,clients-torch]')")
+    if version.endswith("+cpu"):
+        pytest.skip(f"torch {version} is the CPU-only build; the tier needs PyPI's CUDA build")

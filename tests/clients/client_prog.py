@@ -2,6 +2,7 @@
 
     python client_prog.py cudart <libcudart path> <scenario> [args]
     python client_prog.py cupy <scenario> [args]
+    python client_prog.py torch <scenario> [args]
 
 It prints ``key=value`` lines (read back by the tests) and, for ``hold``, prints ``ready`` and
 waits for a line on stdin so the test can look at the node while it runs. Exit status 0 unless
@@ -175,12 +176,64 @@ def pace_cupy(cp: Any, np: Any, module_path: str, seconds: float) -> None:
     out("share", 100.0 * done * 1e-3 / (time.monotonic() - start))
 
 
+# --- PyTorch ------------------------------------------------------------------------------------
+
+
+def torch_client(scenario: str, args: list[str]) -> None:
+    """PyTorch's CUDA build; the allocator backend comes from PYTORCH_CUDA_ALLOC_CONF."""
+    import torch
+
+    out("torch", torch.__version__)
+    out("available", int(torch.cuda.is_available()))
+    torch.cuda.init()
+    out("devices", torch.cuda.device_count())
+    out("backend", torch.cuda.memory.get_allocator_backend())
+    free, total = torch.cuda.mem_get_info(0)
+    out("free", free)
+    out("total", total)
+    out("total_global_mem", torch.cuda.get_device_properties(0).total_memory)
+    if scenario == "hold":
+        hold()
+    elif scenario == "fill":
+        fill_torch(torch, int(args[0]))
+    elif scenario == "compute":
+        host = torch.randn(1 << 16, dtype=torch.float32)
+        dev = host.to("cuda")
+        out("roundtrip_exact", int(torch.equal(dev.cpu(), host)))
+        # Elementwise kernels from torch's own fatbins: they launch and run as opaque kernels
+        # (5 us each on the simulated timeline) and compute nothing.
+        y = dev * 2 + 1
+        z = torch.sin(y).add_(dev)
+        torch.cuda.synchronize()
+        out("elementwise_shape", z.shape[0])
+        out("elementwise_dtype", str(z.dtype).removeprefix("torch."))
+        out("elementwise_device", z.device.type)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+def fill_torch(torch: Any, chunk: int) -> None:
+    held = []
+    try:
+        while True:
+            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        out("oom", 1)
+    out("allocated", len(held) * chunk)
+    del held
+    torch.cuda.empty_cache()  # the caching allocators keep freed blocks until asked
+    torch.cuda.synchronize()  # cudaMallocAsync's pool gives memory back at a synchronisation
+    out("after_free", torch.cuda.mem_get_info(0)[0])
+
+
 def main() -> None:
     client, rest = sys.argv[1], sys.argv[2:]
     if client == "cudart":
         cudart(rest[0], rest[1], rest[2:])
     elif client == "cupy":
         cupy_client(rest[0], rest[1:])
+    elif client == "torch":
+        torch_client(rest[0], rest[1:])
     else:
         raise SystemExit(f"unknown client {client}")
 

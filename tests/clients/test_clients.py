@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from client_helpers import cudart_path, require_cupy
+from client_helpers import cudart_path, require_cupy, require_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
 from test_shim_helpers import CONTEXT, GIB, MIB, Result, Shim, parse, read_until
@@ -193,3 +193,57 @@ def test_cupy_launches_are_paced_to_the_sm_limit(
     # Unpaced, the launches fill far more than the limit would allow (launch overhead between
     # bursts costs some points, more on a loaded host): the shim is what holds them to 35 %.
     assert abs(share - target) <= 5.0 if with_shim else share >= 60.0, share
+
+
+# --- PyTorch ------------------------------------------------------------------------------------
+
+# PyTorch's two allocators: its own caching allocator over cudaMalloc, and the runtime's
+# stream-ordered pools (cudaMallocAsync).
+ALLOCATORS = [
+    pytest.param({}, id="native"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, id="cudaMallocAsync"),
+]
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize("alloc_conf", ALLOCATORS)
+def test_torch_sees_the_limit_allocates_to_it_raises_out_of_memory_and_frees_back(
+    shim: Shim, alloc_conf: dict[str, str], with_shim: bool
+) -> None:
+    require_torch()
+    chunk = 64 * MIB if with_shim else 1 * GIB
+    r = run(["torch", "fill", str(chunk)], client_env(shim, with_shim, **alloc_conf), timeout=300)
+    assert (r.int("available"), r.int("devices")) == (1, 2)
+    assert r.out["backend"] == ("cudaMallocAsync" if alloc_conf else "native")
+    cap = capacity(with_shim)
+    assert (r.int("total"), r.int("total_global_mem")) == (cap, cap)  # mem_get_info, properties
+    assert r.int("oom") == 1  # torch.OutOfMemoryError, not an internal assert
+    allocated = r.int("allocated")
+    assert min(0.99 * (cap - CONTEXT), (cap - CONTEXT) // chunk * chunk) <= allocated <= cap
+    assert r.int("after_free") == r.int("free")
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize("alloc_conf", ALLOCATORS)
+def test_torch_copies_exactly_and_runs_elementwise_kernels(
+    shim: Shim, alloc_conf: dict[str, str], with_shim: bool
+) -> None:
+    require_torch()
+    r = run(["torch", "compute"], client_env(shim, with_shim, **alloc_conf), timeout=300)
+    assert r.int("roundtrip_exact") == 1
+    assert (r.int("elementwise_shape"), r.out["elementwise_dtype"]) == (1 << 16, "float32")
+    assert r.out["elementwise_device"] == "cuda"
+
+
+def test_torch_context_is_charged_once_on_the_gpu(shim: Shim) -> None:
+    require_torch()
+    out, used = hold_and_measure(shim, ["torch", "hold"], client_env(shim, False))
+    assert used == CONTEXT
+    assert int(out["free"]) == NODE_GPU - CONTEXT
+
+
+def test_torch_context_is_charged_once_under_the_shim(shim: Shim) -> None:
+    require_torch()
+    out, used = hold_and_measure(shim, ["torch", "hold"], client_env(shim, True))
+    assert used == CONTEXT
+    assert int(out["free"]) == LIMIT - CONTEXT

@@ -80,6 +80,14 @@ static void print_layout(void) {
     OFF(nvmlGetMemoryLimits_v1_t, hardLimit);
     OFF(nvmlGetMemoryLimits_v1_t, currentUsed);
     VAL(NVML_DEVICE_MEMORY_LIMIT_MAX);
+    SZ(nvmlProcessUtilizationSample_t);
+    OFF(nvmlProcessUtilizationSample_t, timeStamp);
+    OFF(nvmlProcessUtilizationSample_t, smUtil);
+    OFF(nvmlProcessUtilizationSample_t, decUtil);
+    SZ(nvmlIntNvLinkDeviceType_t);
+    VAL(NVML_NVLINK_DEVICE_TYPE_SWITCH);
+    VAL(NVML_NVLINK_DEVICE_TYPE_UNKNOWN);
+    VAL(NVML_NVLINK_MAX_LINKS);
     VAL(nvmlMemory_v2);
     VAL(nvmlPciInfoExt_v1);
     VAL(NVML_ERROR_DRIVER_NOT_LOADED);

@@ -607,3 +607,40 @@ def test_compat_header_builds_and_has_nvidia_abi(simgpu_node: Node, native_tree:
     env = dict(simgpu_node.env(), LD_LIBRARY_PATH=str(compat / "simgpu"))
     out = run(compat / "tests", env, "cuda_streams", "graph")
     assert float(out["built_graph_ms"]) == pytest.approx(15.0, abs=0.1)
+
+
+_TOOLS_CTX_TABLE = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+table = ctypes.c_void_p()
+uuid = (ctypes.c_ubyte * 16)(*bytes.fromhex(sys.argv[1]))
+print("rc=%d" % cuda.cuGetExportTable(ctypes.byref(table), uuid))
+if table.value:
+    slots = (ctypes.c_uint64 * 95).from_address(table.value)
+    print("size=%d" % slots[0])
+    print("filled=%d" % all(slots[1:]))
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    slot3 = fn(slots[3])
+    print("slot3=%d" % slot3(None, None, None))
+"""
+
+
+def test_the_tools_context_table_the_13_5_runtime_needs_exists(simgpu_node: Node) -> None:
+    # NVIDIA's runtime 13.5 refuses a driver without table 21318c60-...; it reads no slot of
+    # it in anything the client tier runs, so each slot only answers "not supported".
+    def ask(uuid: str) -> dict[str, str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _TOOLS_CTX_TABLE, uuid],
+            env={**simgpu_node.env(), "SIMGPU_TRACE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return {**parse(proc.stdout), "stderr": proc.stderr}
+
+    found = ask("21318c60971432488ca641ff7324c8f2")
+    assert (found["rc"], found["size"], found["filled"]) == (str(SUCCESS), str(95 * 8), "1")
+    assert found["slot3"] == "801"  # CUDA_ERROR_NOT_SUPPORTED, and the trace names the slot
+    assert "export table 21318c60 slot 3 called" in found["stderr"]
+    assert ask("00" * 16)["rc"] == str(NOT_FOUND)

@@ -368,6 +368,57 @@ def test_utilization_follows_the_timeline(simgpu_node: Node, native_bin: Path) -
         assert busy >= 97 and idle == 0
 
 
+PROCESS_UTIL = """
+h = N.nvmlDeviceGetHandleByIndex(GPU)
+try:
+    out = sorted([s.pid, s.smUtil, s.memUtil, s.timeStamp > 0] for s in
+                 N.nvmlDeviceGetProcessUtilization(h, SINCE))
+except N.NVMLError_NotFound:
+    out = "not found"
+"""
+
+
+def process_util(nvml: Any, gpu: int, since: int = 0) -> Any:
+    return nvml(PROCESS_UTIL.replace("GPU", str(gpu)).replace("SINCE", str(since)))
+
+
+def test_process_utilization_names_the_process_that_kept_the_gpu_busy(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    with pynvml_on(env_with(simgpu_node)) as nvml:
+        assert process_util(nvml, 0) == "not found"  # nothing ran yet: NVML_ERROR_NOT_FOUND
+        with gpu_process(native_bin, simgpu_node, "busy:0:1500") as busy:
+            time.sleep(1.3)
+            samples = process_util(nvml, 0)
+            assert process_util(nvml, 1) == "not found"  # the other GPU stayed idle
+        [[pid, sm, mem, stamped]] = samples
+        assert pid == busy.pid and sm >= 90 and mem == 0 and stamped
+        # A lastSeenTimeStamp in the future leaves no sample to report.
+        assert process_util(nvml, 0, since=int((time.time() + 60) * 1e6)) == "not found"
+        time.sleep(1.1)  # the one-second sample period has passed: nothing ran since
+        assert process_util(nvml, 0) == "not found"
+
+
+NVLINK = """
+h = N.nvmlDeviceGetHandleByIndex(0)
+out = []
+for call in (N.nvmlDeviceGetNvLinkRemoteDeviceType, N.nvmlDeviceGetNvLinkRemotePciInfo,
+             N.nvmlDeviceGetNvLinkState):
+    for link in (0, N.NVML_NVLINK_MAX_LINKS):
+        try:
+            call(h, link)
+            out.append("ok")
+        except N.NVMLError as exc:
+            out.append(type(exc).__name__)
+"""
+
+
+def test_nvlink_queries_exist_and_say_a_pcie_gpu_has_no_nvlink(simgpu_node: Node) -> None:
+    # PyTorch resolves these at start and asserts they exist; a simulated GPU is PCIe only.
+    with pynvml_on(env_with(simgpu_node)) as nvml:
+        assert nvml(NVLINK) == ["NVMLError_NotSupported", "NVMLError_InvalidArgument"] * 3
+
+
 def _api_check(tree: Path, env: Mapping[str, str], *args: str) -> dict[str, Any]:
     proc = subprocess.run(
         [str(tree / "tests" / "nvml_api_check"), *args],

@@ -461,6 +461,8 @@ CUresult CUDAAPI cuGreenCtxDestroy(CUgreenCtx hCtx);
 CUresult CUDAAPI cuGreenCtxStreamCreate(CUstream *phStream, CUgreenCtx greenCtx, unsigned int flags, int priority);
 CUresult CUDAAPI cuDeviceGetDevResource(CUdevice device, CUdevResource *resource, CUdevResourceType type);
 CUresult CUDAAPI cuDevResourceGenerateDesc(CUdevResourceDesc *phDesc, CUdevResource *resources, unsigned int nbResources);
+CUresult CUDAAPI cuDevSmResourceSplitByCount(CUdevResource *result, unsigned int *nbGroups, const CUdevResource *input,
+                                             CUdevResource *remainder, unsigned int flags, unsigned int minCount);
 CUresult CUDAAPI cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUlogsCallbackHandle *callback_out);
 CUresult CUDAAPI cuLogsUnregisterCallback(CUlogsCallbackHandle callback);
 #if defined(__CUDA_API_VERSION_INTERNAL)

@@ -95,6 +95,11 @@ CUresult cuDevResourceGenerateDesc(CUdevResourceDesc *phDesc, CUdevResource *res
     (void)phDesc, (void)resources, (void)nbResources;
     return ABSENT;
 }
+CUresult cuDevSmResourceSplitByCount(CUdevResource *result, unsigned int *nbGroups, const CUdevResource *input,
+                                     CUdevResource *remainder, unsigned int flags, unsigned int minCount) {
+    (void)result, (void)nbGroups, (void)input, (void)remainder, (void)flags, (void)minCount;
+    return ABSENT;
+}
 
 /* --- driver logs ------------------------------------------------------------------------------ */
 
@@ -136,6 +141,7 @@ SIM_SELF(cuCtxDisablePeerAccess)
 SIM_SELF(cuCtxEnablePeerAccess)
 SIM_SELF(cuCtxFromGreenCtx)
 SIM_SELF(cuDevResourceGenerateDesc)
+SIM_SELF(cuDevSmResourceSplitByCount)
 SIM_SELF(cuDeviceGetDevResource)
 SIM_SELF(cuDeviceGetP2PAttribute)
 SIM_SELF(cuGreenCtxCreate)

@@ -270,6 +270,8 @@ SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);
 /* cuda_ctx.c: the runtime's private way to its device's primary context (export table slot):
  * the handle, activated with one reference if it was inactive, no new reference otherwise. */
 SIM_HIDDEN CUresult sim_primary_ctx_get(CUcontext *pctx, CUdevice dev);
+/* The 21318c60-... export table (cuda_toolsctx.c), which the 13.5 runtime needs. */
+SIM_HIDDEN extern void *const sim_tools_ctx_table[];
 
 /* cuda_cls.c: the runtime's context-local storage. Destructors run, without sim_lock, while the
  * context still lives, before it is destroyed, reset or released for the last time. */

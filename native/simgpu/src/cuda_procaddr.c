@@ -18,6 +18,7 @@
     V("cuCtxEnablePeerAccess", 4000, cuCtxEnablePeerAccess) \
     V("cuCtxFromGreenCtx", 12040, cuCtxFromGreenCtx) \
     V("cuDevResourceGenerateDesc", 12040, cuDevResourceGenerateDesc) \
+    V("cuDevSmResourceSplitByCount", 12040, cuDevSmResourceSplitByCount) \
     V("cuDeviceGetDevResource", 12040, cuDeviceGetDevResource) \
     V("cuDeviceGetP2PAttribute", 8000, cuDeviceGetP2PAttribute) \
     V("cuFuncGetModule", 11000, cuFuncGetModule) \

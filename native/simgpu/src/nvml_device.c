@@ -188,6 +188,33 @@ nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_t *pci)
 
 /* --- topology ----------------------------------------------------------------------------- */
 
+/* NVLink: simulated GPUs sit on PCIe only, so every link query answers NVML_ERROR_NOT_SUPPORTED
+ * as NVML does on a GPU without NVLink, after the argument checks NVIDIA documents. PyTorch
+ * resolves these at start and asserts they exist. */
+static nvmlReturn_t no_nvlink(nvmlDevice_t device, unsigned int link, const void *out) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (link >= NVML_NVLINK_MAX_LINKS || !out) return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_ERROR_NOT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive) {
+    return no_nvlink(device, link, isActive);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link,
+                                                 nvmlIntNvLinkDeviceType_t *pNvLinkDeviceType) {
+    return no_nvlink(device, link, pNvLinkDeviceType);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci) {
+    return no_nvlink(device, link, pci);
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci) {
+    return no_nvlink(device, link, pci);
+}
+
 nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
     const struct simgpu_gpu_config *cfg;
     nvmlReturn_t rc = nvml_device(device, &cfg);

@@ -2,6 +2,7 @@
  * Everything is node-wide (all processes of the node, whatever container they run in), as the
  * real NVML reports the physical GPU; the shim narrows the memory view per container. */
 #include <string.h>
+#include <time.h>
 
 #include "nvml_internal.h"
 
@@ -106,5 +107,49 @@ nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsig
     if (rc != NVML_SUCCESS) return rc;
     if (!infoCount) return NVML_ERROR_INVALID_ARGUMENT;
     *infoCount = 0; /* a compute-only simulator: no graphics contexts */
+    return NVML_SUCCESS;
+}
+
+/* --- per-process utilization -------------------------------------------------------------- */
+
+static unsigned long long realtime_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull;
+}
+
+/* One sample per process whose kernels ran during the sample period: the last second, or the
+ * time since lastSeenTimeStamp (CPU microseconds, as the samples' timeStamp) if that is shorter.
+ * smUtil is that process's share of the period; no memory/encoder/decoder traffic is modelled.
+ * Buffer protocol as pynvml uses it: too small (or NULL) answers NVML_ERROR_INSUFFICIENT_SIZE
+ * with the count needed; no process ran: NVML_ERROR_NOT_FOUND. */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount,
+                                             unsigned long long lastSeenTimeStamp) {
+    nvmlReturn_t rc = nvml_device(device, NULL);
+    if (rc != NVML_SUCCESS) return rc;
+    if (!processSamplesCount) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned long long now_us = realtime_us();
+    uint64_t now = simgpu_now_ns();
+    uint64_t window = UTIL_WINDOW_NS;
+    if (lastSeenTimeStamp >= now_us) return NVML_ERROR_NOT_FOUND;
+    if ((now_us - lastSeenTimeStamp) * 1000ull < window) window = (now_us - lastSeenTimeStamp) * 1000ull;
+    struct simgpu_proc_busy busy[SIMGPU_MAX_PROCS]; /* 8 KiB */
+    uint32_t n = simgpu_process_busy(device->phys, now > window ? now - window : 0, now, busy,
+                                     SIMGPU_MAX_PROCS);
+    if (n == 0) return NVML_ERROR_NOT_FOUND;
+    if (!utilization || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t pct = (busy[i].busy_ns * 100 + window / 2) / window;
+        utilization[i] = (nvmlProcessUtilizationSample_t){
+            .pid = (unsigned int)busy[i].pid,
+            .timeStamp = now_us,
+            .smUtil = pct > 100 ? 100 : (unsigned int)pct,
+        };
+    }
+    *processSamplesCount = n;
     return NVML_SUCCESS;
 }

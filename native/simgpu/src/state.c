@@ -331,14 +331,17 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns,
     }
     g->timeline_end_ns = end;
     if (duration_ns > 0) {
+        int32_t pid = (int32_t)getpid();
         struct simgpu_busy_span *last =
             g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
-        if (last && last->end_ns == start) {
+        if (last && last->end_ns == start && last->pid == pid) {
             last->end_ns = end; /* back-to-back work: one span keeps the ring short */
         } else {
             struct simgpu_busy_span *s = &g->busy[g->busy_count % SIMGPU_BUSY_RING];
             s->start_ns = start;
             s->end_ns = end;
+            s->pid = pid;
+            s->reserved = 0;
             g->busy_count++;
         }
     }
@@ -379,6 +382,31 @@ uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t 
     }
     uint64_t pct = (busy * 100 + window_ns / 2) / window_ns;
     return pct > 100 ? 100 : (uint32_t)pct;
+}
+
+uint32_t simgpu_process_busy(uint32_t gpu, uint64_t from_ns, uint64_t now_ns,
+                             struct simgpu_proc_busy *out, uint32_t max) {
+    struct simgpu_node *node = simgpu_node();
+    if (!node || gpu >= node->gpu_count) return 0;
+    uint32_t found = 0;
+    simgpu_lock(node);
+    const struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
+    for (uint64_t k = 0; k < n; k++) {
+        const struct simgpu_busy_span *s = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
+        if (s->end_ns <= from_ns) break; /* spans are recorded in time order */
+        uint64_t a = s->start_ns > from_ns ? s->start_ns : from_ns;
+        uint64_t b = s->end_ns < now_ns ? s->end_ns : now_ns;
+        if (b <= a) continue; /* queued work that has not started yet */
+        uint32_t i = 0;
+        while (i < found && out[i].pid != s->pid) i++;
+        if (i < found)
+            out[i].busy_ns += b - a;
+        else if (found < max)
+            out[found++] = (struct simgpu_proc_busy){s->pid, b - a};
+    }
+    simgpu_unlock(node);
+    return found;
 }
 
 uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns) {

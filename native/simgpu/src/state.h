@@ -18,7 +18,8 @@
 
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
-#define SIMGPU_STATE_VERSION 3u /* 3: per-cgroup memory limits (cgroup_limits.c) */
+/* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process. */
+#define SIMGPU_STATE_VERSION 4u
 #define SIMGPU_BUSY_RING 2048
 #define SIMGPU_XID_RING 64
 #define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
@@ -29,6 +30,8 @@ enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
 struct simgpu_busy_span {
     uint64_t start_ns;
     uint64_t end_ns;
+    int32_t pid; /* the process whose work ran (as it sees its pid), for per-process NVML */
+    uint32_t reserved;
 };
 
 struct simgpu_xid_record {
@@ -126,6 +129,16 @@ uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner);
 uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns);
 /* The same for a GPU whose node lock the caller holds, at time `now`. */
 uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns);
+
+/* How long one process's work ran on a GPU during [from_ns, now_ns]. */
+struct simgpu_proc_busy {
+    int32_t pid;
+    uint64_t busy_ns;
+};
+/* Every process whose work ran on GPU `gpu` during [from_ns, now_ns], at most `max`, in order of
+ * their latest work (most recent first); returns how many it wrote. */
+uint32_t simgpu_process_busy(uint32_t gpu, uint64_t from_ns, uint64_t now_ns,
+                             struct simgpu_proc_busy *out, uint32_t max);
 
 /* --- faults ------------------------------------------------------------------------------ */
 

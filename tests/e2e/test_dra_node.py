@@ -71,7 +71,9 @@ class DraOnNode:
         assert entry.error == ""
         names = [n for d in entry.devices for n in d.cdi_device_ids]
         response = pb.ContainerAllocateResponse(cdi_devices=[pb.CDIDevice(name=n) for n in names])
-        return Admitted(name, [], response)
+        admitted = Admitted(name, [], response)
+        self.node.admitted.append(admitted)  # so the node's stop() removes its containers
+        return admitted
 
     def stop(self) -> None:
         self.kubelet.stop()

@@ -476,3 +476,16 @@ def test_a_reader_decodes_only_what_changed(
         store.remove(f"alloc-{n:04d}")
     after, problem = read_records(tmp_path)
     assert after == store.all() and len(after) == 6 and problem is None
+
+
+def test_reading_many_state_dirs_holds_no_file_open_forever(tmp_path: Path) -> None:
+    """read_records caches a reader per state dir; a process that reads many (the test suite,
+    a status loop over nodes) must not run out of file descriptors."""
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(50):
+        store = AllocationStore(tmp_path / f"s{i}")
+        store.add(record(i))
+        store.close()
+        records, problem = read_records(tmp_path / f"s{i}")
+        assert [r.allocation_id for r in records] == [f"alloc-{i:04d}"] and problem is None
+    assert len(os.listdir("/proc/self/fd")) - before <= 4

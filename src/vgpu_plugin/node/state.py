@@ -36,6 +36,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -683,6 +684,12 @@ class JournalReader:
         except StateFileError as exc:
             self._legacy, self._legacy_problem = {}, str(exc)
 
+    def close(self) -> None:
+        """Forget the journal's file (a later ``read`` opens it again)."""
+        with self._lock:
+            self._close()
+            self._records, self._problem, self._sorted = {}, None, None
+
     def _close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -690,7 +697,10 @@ class JournalReader:
         self._ino = self._offset = 0
 
 
-_readers: dict[Path, JournalReader] = {}
+# A few state dirs at most are read in one process (the plugin's own; status reads one): the
+# cache keeps the most recent, closing the file of one it drops, so no fd is held forever.
+_MAX_READERS = 4
+_readers: OrderedDict[Path, JournalReader] = OrderedDict()
 _readers_lock = threading.Lock()
 
 
@@ -704,4 +714,7 @@ def read_records(state_dir: Path) -> tuple[list[AllocationRecord], str | None]:
         reader = _readers.get(key)
         if reader is None:
             reader = _readers[key] = JournalReader(key)
+        _readers.move_to_end(key)
+        while len(_readers) > _MAX_READERS:
+            _readers.popitem(last=False)[1].close()
     return reader.read()

@@ -95,7 +95,7 @@ def test_contexts_are_charged_exactly_while_neighbours_allocate_and_free(shim: S
     finally:
         for p in neighbours:
             p.kill()
-            p.wait()
+            p.communicate()  # and its pipes closed
 
 
 @pytest.mark.parametrize("how", ["runtime", "runtime_alloc"])
@@ -267,7 +267,7 @@ def test_a_leased_lock_file_does_not_stall_context_creation(shim: Shim, tmp_path
         assert r.int("start_free") == 2 * GIB - CONTEXT  # still measured, and charged
     finally:
         holder.kill()
-        holder.wait()
+        holder.communicate()
 
 
 def test_the_region_counts_refusals_fallbacks_peak_and_gpu_time(shim: Shim) -> None:

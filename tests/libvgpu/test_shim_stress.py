@@ -48,7 +48,7 @@ def _stress(
         for p in ps:  # a failed check must not leave 64 threads spinning behind it
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.communicate()  # and no pipe open behind it
 
 
 def _drive(
@@ -67,7 +67,7 @@ def _drive(
         if due and time.monotonic() >= due[0][0]:
             victim = due.pop(0)[1]
             victim.send_signal(signal.SIGKILL)
-            victim.wait()
+            victim.wait()  # its pipes are closed with the others' below
             shim.node.reap()  # the GPU frees a dead process's memory (simgpu: when asked)
         try:
             used, region_limit = _used(shim)
@@ -98,7 +98,7 @@ def _drive(
         r = finish(p)
         assert r.rc == 0, r.stderr[-2000:]
     for p in victims:
-        p.wait(timeout=10)
+        p.communicate(timeout=10)  # closes its pipes too
         assert p.returncode == -signal.SIGKILL
     return {
         "snapshots": snapshots,

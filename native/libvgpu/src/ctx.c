@@ -230,14 +230,16 @@ static int proc_used(const struct vgpu_dev *d, uint64_t *out) {
     else if (vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2)
         rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2(h, &n, infos);
     if (rc != NVML_SUCCESS) return -1;
-    unsigned int pid = (unsigned int)getpid();
+    /* Our pid twice: processes of other pid namespaces (containers' pid 1s, say) listed by
+     * theirs; which one is us cannot be told, so neither is used. */
+    unsigned int pid = (unsigned int)getpid(), found = 0;
     for (unsigned int i = 0; i < n && i < MAX_LISTED; i++) {
         if (infos[i].pid == pid && infos[i].usedGpuMemory != (unsigned long long)NVML_VALUE_NOT_AVAILABLE) {
             *out = infos[i].usedGpuMemory;
-            return 1;
+            found++;
         }
     }
-    return 0;
+    return found > 1 ? -1 : (int)found;
 }
 
 static int64_t own_committed(const struct vgpu_dev *d) {
@@ -260,6 +262,13 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
     int listed = g_listed[d->ordinal];
     uint64_t before = 0;
     int st = listed >= 0 ? proc_used(d, &before) : -1;
+    if (listed == 0 && st == 1 && before > 0 && own_committed(d) == 0) {
+        /* Listed as holding memory before this process's first context here, when the shim
+         * has charged it nothing: another namespace's process under our pid. */
+        g_listed[d->ordinal] = -1;
+        listed = -1;
+        st = -1;
+    }
     *m = (struct measure){.fd = -1, .how = st >= 0 ? BY_PROCESS : BY_NONE, .proc_before = before,
                           .own_before = own_committed(d)};
     if (listed != 1) { /* the device's drop, in case this process turns out not to be listed */

@@ -36,40 +36,35 @@
 /* --- the entry points -----------------------------------------------------------------------
  * H: hooked (exported by the shim, real one called through vgpu.real), R: only called. */
 #define VGPU_CUDA_HOOKS(H)                                                                     \
-    H(cuGetProcAddress) H(cuGetProcAddress_v2)                                                 \
-    H(cuMemAlloc) H(cuMemAlloc_v2) H(cuMemAllocPitch) H(cuMemAllocPitch_v2)                    \
-    H(cuMemAllocManaged) H(cuMemAllocAsync) H(cuMemAllocAsync_ptsz)                            \
-    H(cuMemAllocFromPoolAsync) H(cuMemAllocFromPoolAsync_ptsz)                                 \
-    H(cuMemFree) H(cuMemFree_v2) H(cuMemFreeAsync) H(cuMemFreeAsync_ptsz)                      \
-    H(cuMemCreate) H(cuMemRelease) H(cuMemRetainAllocationHandle)                              \
-    H(cuMemPoolCreate) H(cuMemPoolDestroy)                                                     \
+    H(cuGetProcAddress) H(cuGetProcAddress_v2) H(cuMemAlloc) H(cuMemAlloc_v2)                  \
+    H(cuMemAllocPitch) H(cuMemAllocPitch_v2) H(cuMemAllocManaged) H(cuMemAllocAsync)           \
+    H(cuMemAllocAsync_ptsz) H(cuMemAllocFromPoolAsync) H(cuMemAllocFromPoolAsync_ptsz)         \
+    H(cuMemFree) H(cuMemFree_v2) H(cuMemFreeAsync) H(cuMemFreeAsync_ptsz) H(cuMemCreate)       \
+    H(cuMemRelease) H(cuMemRetainAllocationHandle) H(cuMemPoolCreate) H(cuMemPoolDestroy)      \
     H(cuArrayCreate) H(cuArrayCreate_v2) H(cuArray3DCreate) H(cuArray3DCreate_v2)              \
-    H(cuArrayDestroy) H(cuMipmappedArrayCreate) H(cuMipmappedArrayDestroy)                     \
-    H(cuCtxCreate) H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4)                       \
-    H(cuCtxDestroy) H(cuCtxDestroy_v2) H(cuDevicePrimaryCtxRetain)                             \
-    H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)                               \
-    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2) H(cuCtxSetCurrent)              \
-    H(cuCtxSetLimit) H(cuCtxSynchronize) H(cuStreamSynchronize) H(cuStreamSynchronize_ptsz)     \
+    H(cuArrayDestroy) H(cuMipmappedArrayCreate) H(cuMipmappedArrayDestroy) H(cuCtxCreate)      \
+    H(cuCtxCreate_v2) H(cuCtxCreate_v3) H(cuCtxCreate_v4) H(cuCtxDestroy) H(cuCtxDestroy_v2)   \
+    H(cuDevicePrimaryCtxRetain) H(cuDevicePrimaryCtxRelease) H(cuDevicePrimaryCtxRelease_v2)   \
+    H(cuDevicePrimaryCtxReset) H(cuDevicePrimaryCtxReset_v2) H(cuCtxSetCurrent)                \
+    H(cuCtxSetLimit) H(cuCtxSynchronize) H(cuStreamSynchronize) H(cuStreamSynchronize_ptsz)    \
     H(cuMemGetInfo) H(cuMemGetInfo_v2) H(cuDeviceTotalMem) H(cuDeviceTotalMem_v2)              \
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
-    H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz)                             \
-    H(cuGraphLaunch) H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode)                           \
-    H(cuGraphInstantiate) H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags)             \
-    H(cuGraphExecDestroy)
+    H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz) H(cuGraphLaunch)            \
+    H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode) H(cuGraphInstantiate)                      \
+    H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphExecDestroy)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
-    R(cuDeviceGetUuid) R(cuDeviceGetCount) R(cuDeviceGet)                                      \
-    R(cuDevicePrimaryCtxGetState) R(cuEventCreate) R(cuEventDestroy_v2) R(cuEventRecord)       \
-    R(cuEventRecord_ptsz) R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime)          \
-    R(cuStreamIsCapturing) R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2)                  \
-    R(cuCtxPopCurrent_v2) R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool)       \
-    R(cuCtxGetLimit)     \
+    R(cuDeviceGetUuid) R(cuDeviceGetCount) R(cuDeviceGet) R(cuDevicePrimaryCtxGetState)        \
+    R(cuEventCreate) R(cuEventDestroy_v2) R(cuEventRecord) R(cuEventRecord_ptsz)               \
+    R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime) R(cuStreamIsCapturing)         \
+    R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2) R(cuCtxPopCurrent_v2)                   \
+    R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool) R(cuCtxGetLimit)         \
     R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim)
 
 #define VGPU_NVML_HOOKS(H)                                                                     \
     H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
-    H(nvmlDeviceGetComputeRunningProcesses) H(nvmlDeviceGetComputeRunningProcesses_v2)          \
+    H(nvmlDeviceGetComputeRunningProcesses) H(nvmlDeviceGetComputeRunningProcesses_v2)         \
     H(nvmlDeviceGetComputeRunningProcesses_v3)
 
 #define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)

@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import native_build
 
 from vgpu_plugin.node import native
+from vgpu_plugin.node.state import AllocationStore
 from vgpu_plugin.sim.node import EmulatedNode
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 from vgpu_plugin.sim.toolkit import ToolkitSettings
@@ -79,3 +81,20 @@ def make_emulated_node(native_tree: Path, tmp_path: Path) -> Iterator[Callable[.
     yield make
     for node in nodes:
         node.stop()
+
+
+@pytest.fixture(autouse=True)
+def _close_stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every AllocationStore a test opens is closed after it: the plugin keeps its journal open
+    for its life, and a test run that opens a thousand stores must not keep them all open."""
+    made: list[AllocationStore] = []
+    init = AllocationStore.__init__
+
+    def tracking(self: AllocationStore, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(AllocationStore, "__init__", tracking)
+    yield
+    for store in made:
+        store.close()

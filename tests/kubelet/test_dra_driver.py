@@ -88,12 +88,14 @@ def node() -> Iterator[Node]:
     server = start_server(root, driver)
     kubelet = DraKubeletEmulator(root / "registry", "node-a", api)
     kubelet.start()
+    node = Node(root, api, kubelet, server, driver)
     try:
         kubelet.wait_registered(DRIVER)
         assert server.wait_registered(5)
-        yield Node(root, api, kubelet, server, driver)
+        yield node
     finally:
         kubelet.stop()
+        node.server.stop()  # the one serving now: a test may have replaced it
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -83,7 +83,10 @@ class Pynvml:
 
     def result(self, timeout: float = 20.0) -> Any:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        # A selector, not select(): the test process may hold descriptors past FD_SETSIZE.
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             raise AssertionError(f"pynvml child gave no answer (exit code {self.proc.poll()})")

@@ -481,13 +481,17 @@ def test_a_reader_decodes_only_what_changed(
 def test_reading_many_state_dirs_holds_no_file_open_forever(tmp_path: Path) -> None:
     """read_records caches a reader per state dir; a process that reads many (the test suite,
     a status loop over nodes) must not run out of file descriptors."""
-    for i in range(4):  # the reader cache full first: then each new dir must displace one
-        read_records(tmp_path / f"warm{i}")
-    before = len(os.listdir("/proc/self/fd"))
-    for i in range(50):
+
+    def write_then_read(i: int) -> None:
         store = AllocationStore(tmp_path / f"s{i}")
         store.add(record(i))
         store.close()
         records, problem = read_records(tmp_path / f"s{i}")
         assert [r.allocation_id for r in records] == [f"alloc-{i:04d}"] and problem is None
+
+    for i in range(4):  # the reader cache full first: then each new dir displaces one
+        write_then_read(i)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(4, 54):
+        write_then_read(i)
     assert len(os.listdir("/proc/self/fd")) - before <= 2  # 50 without the bound

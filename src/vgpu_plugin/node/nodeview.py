@@ -159,7 +159,9 @@ class NodeView:
 
 def region_path(host_root: Path, allocation_id: str) -> Path:
     """The host path of the region the container sees as /tmp/vgpu/<id>.cache."""
-    return Path(host_root) / "containers" / allocation_id / f"{allocation_id}.cache"
+    # One Path built from a joined string: a scrape makes one per allocation, and each
+    # ``/`` re-parses the path.
+    return Path(os.path.join(host_root, "containers", allocation_id, f"{allocation_id}.cache"))
 
 
 def default_read_region() -> ReadRegion:

@@ -7,6 +7,7 @@ broken node never advertises devices it cannot allocate.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -59,6 +60,10 @@ METRICS_MIN_INTERVAL = 1.0
 # GIL, and an Allocate makes dozens of syscalls: a shorter interval keeps scrapes from adding
 # tens of milliseconds to it.
 SWITCH_INTERVAL = 0.0005
+
+# glibc's malloc arenas for the whole process (limit_malloc_arenas); mallopt's M_ARENA_MAX.
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8
 
 # Exit codes a DaemonSet's operator can tell apart in `kubectl describe`.
 EXIT_CONFIG = 2
@@ -328,6 +333,19 @@ class Plugin:
         log.info("stopped")
 
 
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Caps glibc's malloc arenas (as ``MALLOC_ARENA_MAX`` would), before any thread starts.
+    glibc gives each new thread that contends for malloc an arena of its own, up to 8 per
+    CPU, and each keeps the memory freed into it: with gRPC's and the metrics server's
+    threads that was ~8 MiB of the plugin's RSS at 7,000 records, for no speed that matters
+    here. False where the C library has no ``mallopt`` (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, arenas) == 1)
+    except (OSError, AttributeError):
+        return False
+
+
 def _make_shared_dir(path: Path) -> None:
     """The node-wide lock dir every container mounts: it must exist before the first one
     starts (a bind mount of a missing host path fails the container) and be usable by any uid."""
@@ -369,6 +387,7 @@ def run(settings: ServeSettings) -> int:
         return EXIT_CONFIG
     logging.getLogger("filelock").setLevel(logging.WARNING)  # one line per lock is noise
     sys.setswitchinterval(SWITCH_INTERVAL)
+    limit_malloc_arenas()
     plugin = Plugin(settings)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

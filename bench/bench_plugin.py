@@ -176,9 +176,11 @@ def main() -> int:
             return kubelet.allocate(RES, rng.sample(ids, rng.choice([1, 2, 3])))
 
         alloc = timed_calls(args.calls, one)
+        phases = [("start", rss_start), ("after one caller", rss_mib(proc.pid))]
         with Scrapers(url, args.scrapers, args.gzip) as scrapers:
             scraped = timed_calls(args.calls, one)
         scrape_times = list(scrapers.times)
+        phases.append(("after the scraped run", rss_mib(proc.pid)))
         per_caller = max(1, args.calls // args.callers)
         concurrent: list[float] = []
         with Scrapers(url, args.scrapers, args.gzip):
@@ -190,10 +192,12 @@ def main() -> int:
                 th.start()
             for th in threads:
                 th.join()
+        phases.append(("after 8 callers", rss_mib(proc.pid)))
         t_start = time.perf_counter()
         kubelet.allocate(RES, *[[rng.choice(ids)] for _ in range(args.batch)])
         t_batch = time.perf_counter() - t_start
         rss_end = rss_mib(proc.pid)
+        phases.append(("after the batch", rss_end))
         total = args.records + 3 * args.calls + per_caller * args.callers + args.batch
         print(f"node: 8 simulated GPUs x 32 slices = {len(ids)} devices; "
               f"{args.records} records on file at start")  # fmt: skip
@@ -208,6 +212,7 @@ def main() -> int:
         print(f"one Allocate of {args.batch} container requests: {t_batch:.2f} s (target < 5 s)")
         print(f"plugin RSS: {rss_start:.1f} MiB at start, {rss_end:.1f} MiB with {total} "
               "records (target <= 80 MB, flat)")  # fmt: skip
+        print("plugin RSS by phase: " + ", ".join(f"{n} {v:.1f}" for n, v in phases) + " MiB")
     finally:
         if proc is not None:
             proc.terminate()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import os
 import socket
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from vgpu_plugin.node.nodeview import (
     GpuFacts,
     NodeView,
     region_path,
+    staged_view_provider,
     view_provider,
 )
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
@@ -497,3 +500,49 @@ def test_interval_0_rebuilds_at_every_scrape(tmp_path: Path) -> None:
     store.add(record("new", 7, GpuLimit(GPU_A, 11 * MIB, 0), k=6))
     assert b'allocation_id="new"' in gzip.decompress(exposition.gzipped())
     assert exposition.builds == 2
+
+
+def test_a_forked_build_gives_the_same_body_and_runs_only_the_build_in_the_child(
+    tmp_path: Path,
+) -> None:
+    store, regions, gpus = _odd_node(tmp_path)
+    root = tmp_path / "host"
+    prepare = staged_view_provider(root, store.all, lambda: gpus, read_region=regions)
+    here = metrics.NodeViewExposition(lambda: prepare()())
+    pids: list[int] = []
+
+    def gather() -> Callable[[], NodeView]:
+        pids.append(os.getpid())  # the inputs are gathered in this process, not the child
+        return prepare()
+
+    forked = metrics.NodeViewExposition(lambda: prepare()(), forked=gather)
+    assert gzip.decompress(forked.gzipped()) == gzip.decompress(here.gzipped())
+    assert pids == [os.getpid()]
+    # The child's work (reading regions) happens in another process: a reader that records
+    # its pid on disk shows it.
+    seen = tmp_path / "reader-pids"
+
+    def reader(path: Path) -> Snap:
+        with seen.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return regions(path)
+
+    prepare = staged_view_provider(root, store.all, lambda: gpus, read_region=reader)
+    assert b"vgpu_node_view_up 1.0" in gzip.decompress(forked.gzipped())
+    assert str(os.getpid()) not in seen.read_text().split()
+
+
+def test_a_forked_build_that_fails_or_hangs_says_the_view_is_down(tmp_path: Path) -> None:
+    def crash() -> NodeView:
+        os._exit(3)
+
+    def hang() -> NodeView:
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+    for build, timeout in ((crash, 60.0), (hang, 0.5)):
+        exposition = metrics.NodeViewExposition(
+            lambda: NodeView((), ()), forked=lambda b=build: b, fork_timeout=timeout
+        )
+        body = gzip.decompress(exposition.gzipped()).decode()
+        assert body.endswith("vgpu_node_view_up 0.0\n") and "vgpu_container" not in body

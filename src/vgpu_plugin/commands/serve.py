@@ -7,6 +7,7 @@ broken node never advertises devices it cannot allocate.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -28,6 +29,7 @@ from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
+from vgpu_plugin.node import region
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import read_prepared_claims
@@ -39,7 +41,7 @@ from vgpu_plugin.node.nodeview import (
     dra_gpu_facts,
     gpu_facts_from_plan,
     live_processes,
-    view_provider,
+    staged_view_provider,
 )
 from vgpu_plugin.node.nvml import (
     HealthWatcher,
@@ -220,13 +222,17 @@ class Plugin:
 
         # The store's own records (one copy in memory, shared with Allocate): it catches up
         # with other plugin processes' appends as a reader would.
-        provider = view_provider(
+        prepare = staged_view_provider(
             Path(backend.config.host_root),
             store.all,
             gpus,
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
         )
-        self._metrics = new_registry(provider, min_interval=METRICS_MIN_INTERVAL)
+        self._metrics = new_registry(
+            lambda: prepare()(), min_interval=METRICS_MIN_INTERVAL, forked=prepare
+        )
+        with contextlib.suppress(Exception):  # a region that cannot be read is reported as such
+            region.bind()  # once here, not again in each forked build
         try:
             self._metrics_server, port = serve_metrics(
                 self.settings.metrics_address, self._metrics.registry

@@ -14,6 +14,9 @@ import gzip
 import itertools
 import logging
 import math
+import os
+import select
+import signal
 import threading
 import time
 import zlib
@@ -275,15 +278,27 @@ class NodeViewExposition:
     - the body is kept gzipped (a Prometheus server takes it as it is), not as text: a few
       per cent of the text's size, and a client without gzip gets it inflated as it is sent.
 
-    ``min_interval`` 0 (the default) rebuilds at every scrape."""
+    ``min_interval`` 0 (the default) rebuilds at every scrape.
+
+    ``forked``: build in a forked child instead (serve does). ``forked()`` runs here and
+    gathers what needs the plugin's locks or NVML, and returns the part that reads the
+    regions and builds the view; the child runs that part, renders, gzips, writes the body to
+    a pipe and exits. The build then holds no GIL of ours (Allocate's threads never wait for
+    it) and its transient objects (tens of MiB at thousands of containers) die with the
+    child instead of staying in our heap. A child that fails or takes more than
+    ``fork_timeout`` seconds is killed and the scrape says ``vgpu_node_view_up 0``."""
 
     def __init__(
         self,
         view_provider: Callable[[], NodeView],
         min_interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        forked: Callable[[], Callable[[], NodeView]] | None = None,
+        fork_timeout: float = 60.0,
     ) -> None:
         self._view_provider = view_provider
+        self._forked = forked
+        self.fork_timeout = fork_timeout
         self.min_interval = min_interval
         self._clock = clock
         self._lock = threading.Lock()
@@ -321,12 +336,61 @@ class NodeViewExposition:
             yield tail
 
     def _build(self) -> bytes:
+        if self._forked is None:
+            return self._build_here(self._view_provider)
+        try:
+            build = self._forked()
+        except Exception:  # the plugin's own metrics must still be served
+            log.exception("cannot gather the node view's inputs for metrics")
+            return self._failed()
+        return self._build_in_child(build)
+
+    def _build_here(self, provider: Callable[[], NodeView]) -> bytes:
         deflate = zlib.compressobj(1, zlib.DEFLATED, 31)
         out: list[bytes] = []
-        for chunk in self._render():
+        for chunk in self._render(provider):
             out.append(deflate.compress(chunk.encode()))
         out.append(deflate.flush())
         return b"".join(out)
+
+    def _failed(self) -> bytes:
+        up = _header(UP_NAME, UP_HELP, "gauge") + f"{UP_NAME} 0.0\n"
+        return gzip.compress(up.encode(), 1)
+
+    def _build_in_child(self, build: Callable[[], NodeView]) -> bytes:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: build, write, exit; never return into the caller's code
+            code = 1
+            try:
+                os.close(r)
+                body = memoryview(self._build_here(build))
+                while body:
+                    body = body[os.write(w, body) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + self.fork_timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([r], [], [], left)[0]:
+                    os.kill(pid, signal.SIGKILL)
+                    log.error("the metrics build took over %.0f s: killed it", self.fork_timeout)
+                    break
+                chunk = os.read(r, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(r)
+            _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            log.error("the metrics build's process failed (wait status %d)", status)
+            return self._failed()
+        return b"".join(chunks)
 
     def _value(self, v: float | int) -> str:
         text = self._values.get(v)
@@ -336,10 +400,10 @@ class NodeViewExposition:
                 self._values[v] = text
         return text
 
-    def _render(self) -> Iterator[str]:
+    def _render(self, provider: Callable[[], NodeView]) -> Iterator[str]:
         up = _header(UP_NAME, UP_HELP, "gauge")
         try:
-            view = self._view_provider()
+            view = provider()
         except Exception:  # the plugin's own metrics must still be served
             log.exception("cannot build the node view for metrics")
             yield up + f"{UP_NAME} 0.0\n"
@@ -389,10 +453,19 @@ class PluginRegistry(CollectorRegistry):
     registered as a collector, so a scrape can take it from its cache). ``collect`` yields
     both, as a registry holding the node view's collector would."""
 
-    def __init__(self, node_view: Callable[[], NodeView] | None = None) -> None:
+    def __init__(
+        self,
+        node_view: Callable[[], NodeView] | None = None,
+        min_interval: float = 0.0,
+        forked: Callable[[], Callable[[], NodeView]] | None = None,
+    ) -> None:
         super().__init__(auto_describe=True)
         self.node_view_collector = None if node_view is None else NodeViewCollector(node_view)
-        self.node_view = None if node_view is None else NodeViewExposition(node_view)
+        self.node_view = (
+            None
+            if node_view is None
+            else NodeViewExposition(node_view, min_interval, forked=forked)
+        )
 
     def collect(self) -> Iterator[Any]:
         yield from super().collect()
@@ -429,13 +502,14 @@ class PluginMetrics:
 
 
 def new_registry(
-    view_provider: Callable[[], NodeView] | None = None, min_interval: float = 0.0
+    view_provider: Callable[[], NodeView] | None = None,
+    min_interval: float = 0.0,
+    forked: Callable[[], Callable[[], NodeView]] | None = None,
 ) -> PluginMetrics:
     """A fresh registry with the plugin's instruments and, given a provider, the node view
-    (rebuilt for a scrape at most once per ``min_interval`` seconds: NodeViewExposition)."""
-    registry = PluginRegistry(view_provider)
-    if registry.node_view is not None:
-        registry.node_view.min_interval = min_interval
+    (rebuilt for a scrape at most once per ``min_interval`` seconds, in a forked child given
+    ``forked``: NodeViewExposition)."""
+    registry = PluginRegistry(view_provider, min_interval, forked)
     metrics = PluginMetrics(
         registry=registry,
         allocate_seconds=Histogram(

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -83,7 +84,7 @@ class StateFileError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots, and shared strings: thousands stay in memory
 class AllocationRecord:
     """One Allocate answer: the devices the kubelet gave one container and their limits."""
 
@@ -136,12 +137,14 @@ class AllocationRecord:
         }
         try:
             allocation_id = _typed(raw["allocation_id"], str, "allocation_id")
-            device_ids = tuple(_typed(d, str, "device_ids[]") for d in raw["device_ids"])
-            resource_name = _typed(raw["resource_name"], str, "resource_name")
+            device_ids = tuple(
+                sys.intern(_typed(d, str, "device_ids[]")) for d in raw["device_ids"]
+            )
+            resource_name = sys.intern(_typed(raw["resource_name"], str, "resource_name"))
             created = float(_typed(raw["created"], (int, float), "created"))
             limits = tuple(
                 GpuLimit(
-                    _typed(lim[0], str, "limits[].uuid"),
+                    sys.intern(_typed(lim[0], str, "limits[].uuid")),
                     _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
                 )
@@ -159,7 +162,11 @@ class AllocationRecord:
             namespace=_optional_str(raw.get("namespace"), "namespace"),
             container=_optional_str(raw.get("container"), "container"),
             released=_optional_float(raw.get("released"), "released"),
-            extra={k: v for k, v in raw.items() if k not in known},
+            extra={
+                sys.intern(k): sys.intern(v) if isinstance(v, str) and len(v) < 64 else v
+                for k, v in raw.items()
+                if k not in known
+            },
         )
 
 

@@ -546,3 +546,13 @@ def test_a_forked_build_that_fails_or_hangs_says_the_view_is_down(tmp_path: Path
         )
         body = gzip.decompress(exposition.gzipped()).decode()
         assert body.endswith("vgpu_node_view_up 0.0\n") and "vgpu_container" not in body
+
+
+def test_a_fork_that_fails_says_the_view_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fork() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    view = NodeView((), ())
+    exposition = metrics.NodeViewExposition(lambda: view, forked=lambda: lambda: view)
+    assert gzip.decompress(exposition.gzipped()).decode().endswith("vgpu_node_view_up 0.0\n")

@@ -358,8 +358,18 @@ class NodeViewExposition:
         return gzip.compress(up.encode(), 1)
 
     def _build_in_child(self, build: Callable[[], NodeView]) -> bytes:
-        r, w = os.pipe()
-        pid = os.fork()
+        try:
+            r, w = os.pipe()
+        except OSError:
+            log.exception("cannot start the metrics build")
+            return self._failed()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            log.exception("cannot start the metrics build")
+            return self._failed()
         if pid == 0:  # the child: build, write, exit; never return into the caller's code
             code = 1
             try:

@@ -254,6 +254,64 @@ def test_a_failed_group_sync_fails_every_caller_in_it_and_keeps_none(
     assert len(AllocationStore(tmp_path).all()) == 2
 
 
+def test_a_caller_that_fails_to_catch_up_learns_what_became_of_its_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller whose own turn at the lock fails (catching up raises) gets the outcome of the
+    group that took its batch, if one did; a batch still queued is taken back, never written."""
+    store = AllocationStore(tmp_path)
+    real_sync = store._sync
+    hold = threading.Event()
+    held = threading.Event()
+    failing: set[int] = set()
+
+    def sync() -> None:
+        me = threading.get_ident()
+        if me in failing:
+            raise OSError(5, "Input/output error")
+        if not held.is_set() and threading.current_thread().name == "leader":
+            held.set()
+            assert hold.wait(30)  # the leader waits inside the lock, before it takes the queue
+        real_sync()
+
+    monkeypatch.setattr(store, "_sync", sync)
+    outcome: dict[str, str] = {}
+
+    def add(name: str, n: int, fail: bool) -> threading.Thread:
+        def run() -> None:
+            if fail:
+                failing.add(threading.get_ident())
+            try:
+                store.add_many([record(n)])
+                outcome[name] = "ok"
+            except OSError as exc:
+                outcome[name] = str(exc)
+
+        t = threading.Thread(target=run, name=name)
+        t.start()
+        return t
+
+    # 1. Its batch was queued before the leader took the queue: the leader wrote it, so the
+    #    caller's own failure does not matter.
+    leader = add("leader", 1, fail=False)
+    assert held.wait(30)
+    follower = add("follower", 2, fail=True)
+    _wait_for(lambda: len(store._pending) == 2)
+    hold.set()
+    leader.join(30)
+    follower.join(30)
+    assert outcome == {"leader": "ok", "follower": "ok"}
+    ids = [r.allocation_id for r in AllocationStore(tmp_path).all()]
+    assert ids == [record(1).allocation_id, record(2).allocation_id]
+    # 2. Nobody took it: it is taken back and never written, not even by the next writer.
+    late = add("late", 3, fail=True)
+    late.join(30)
+    assert "Input/output error" in outcome["late"] and store._pending == []
+    store.add_many([record(4)])
+    ids = [r.allocation_id for r in AllocationStore(tmp_path).all()]
+    assert record(3).allocation_id not in ids and record(4).allocation_id in ids
+
+
 # --- crashes ------------------------------------------------------------------------------------
 
 # Applies random changes and reports each on stdout: "begin <change>" before, "done" once the

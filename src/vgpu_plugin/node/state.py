@@ -427,10 +427,22 @@ class AllocationStore:
             with self._locked():
                 if not batch.done:
                     self._commit_pending()
-        finally:
-            if not batch.done:  # the lock could not be had: take our entries back
-                with self._queue_lock, contextlib.suppress(ValueError):
+        except BaseException:
+            # We wrote our batch and that failed, or we could not get the lock or catch up.
+            # In the second case another caller may have taken our batch meanwhile: if it is
+            # still queued it is taken back (never written); if not, its writer's outcome is
+            # ours, known once that writer lets go of the lock.
+            with self._queue_lock:
+                queued = any(b is batch for b in self._pending)
+                if queued:
                     self._pending.remove(batch)
+            if queued:
+                raise
+            with self._mutex:
+                pass
+            if batch.error is not None or not batch.done:
+                raise
+            return  # written and synced by another caller, our own failure notwithstanding
         if batch.error is not None:  # another caller wrote our batch, and its sync failed
             raise _copy_error(batch.error) from batch.error
 

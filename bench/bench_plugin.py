@@ -6,6 +6,7 @@ GetPreferredAllocation and Allocate p50/p99 over N calls each with ``--records``
 records already on file (one caller, as the kubelet calls), Allocate again while two scrapers
 read the metrics endpoint in a loop, then with 8 callers at once (and the scrapers), one
 Allocate of 1,000 container requests, and the plugin's RSS at start and at the end.
+``--gzip``: the scrapers ask for gzip, as Prometheus does.
 
     VGPU_NATIVE_DIR=build/native-release python bench/bench_plugin.py [--calls 1000] \
         [--records 2000]
@@ -85,8 +86,10 @@ def report(name: str, xs: list[float], target: str = " (target p99 <= 5 ms)") ->
 class Scrapers:
     """Threads reading the metrics endpoint back to back, as Prometheus replicas would."""
 
-    def __init__(self, url: str, n: int) -> None:
+    def __init__(self, url: str, n: int, gzip: bool = False) -> None:
         self.url = url
+        # Prometheus asks for gzip; a plain client (curl, urllib) does not.
+        self.headers = {"Accept-Encoding": "gzip"} if gzip else {}
         self.times: list[float] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(n)]
@@ -94,7 +97,8 @@ class Scrapers:
     def _loop(self) -> None:
         while not self._stop.is_set():
             t = time.perf_counter()
-            with urllib.request.urlopen(self.url, timeout=30) as r:
+            request = urllib.request.Request(self.url, headers=self.headers)
+            with urllib.request.urlopen(request, timeout=30) as r:
                 r.read()
             self.times.append((time.perf_counter() - t) * 1e3)
 
@@ -124,6 +128,7 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=2000, help="records on file at start")
     ap.add_argument("--scrapers", type=int, default=2)
     ap.add_argument("--callers", type=int, default=8)
+    ap.add_argument("--gzip", action="store_true", help="scrape with Accept-Encoding: gzip")
     ap.add_argument("--batch", type=int, default=1000, help="container requests in one Allocate")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
@@ -171,12 +176,14 @@ def main() -> int:
             return kubelet.allocate(RES, rng.sample(ids, rng.choice([1, 2, 3])))
 
         alloc = timed_calls(args.calls, one)
-        with Scrapers(url, args.scrapers) as scrapers:
+        phases = [("start", rss_start), ("after one caller", rss_mib(proc.pid))]
+        with Scrapers(url, args.scrapers, args.gzip) as scrapers:
             scraped = timed_calls(args.calls, one)
         scrape_times = list(scrapers.times)
+        phases.append(("after the scraped run", rss_mib(proc.pid)))
         per_caller = max(1, args.calls // args.callers)
         concurrent: list[float] = []
-        with Scrapers(url, args.scrapers):
+        with Scrapers(url, args.scrapers, args.gzip):
             threads = [
                 threading.Thread(target=lambda: concurrent.extend(timed_calls(per_caller, one)))
                 for _ in range(args.callers)
@@ -185,10 +192,12 @@ def main() -> int:
                 th.start()
             for th in threads:
                 th.join()
+        phases.append(("after 8 callers", rss_mib(proc.pid)))
         t_start = time.perf_counter()
         kubelet.allocate(RES, *[[rng.choice(ids)] for _ in range(args.batch)])
         t_batch = time.perf_counter() - t_start
         rss_end = rss_mib(proc.pid)
+        phases.append(("after the batch", rss_end))
         total = args.records + 3 * args.calls + per_caller * args.callers + args.batch
         print(f"node: 8 simulated GPUs x 32 slices = {len(ids)} devices; "
               f"{args.records} records on file at start")  # fmt: skip
@@ -203,6 +212,7 @@ def main() -> int:
         print(f"one Allocate of {args.batch} container requests: {t_batch:.2f} s (target < 5 s)")
         print(f"plugin RSS: {rss_start:.1f} MiB at start, {rss_end:.1f} MiB with {total} "
               "records (target <= 80 MB, flat)")  # fmt: skip
+        print("plugin RSS by phase: " + ", ".join(f"{n} {v:.1f}" for n, v in phases) + " MiB")
     finally:
         if proc is not None:
             proc.terminate()

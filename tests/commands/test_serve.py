@@ -378,3 +378,16 @@ def test_serve_splits_a_node_between_the_device_plugin_and_dra(
         assert b in limits and a not in limits
         resp = s.devices.allocate(RES, [f"{a}-0"])
         assert resp.container_responses[0].cdi_devices or resp.container_responses[0].mounts
+
+
+def test_serve_caps_malloc_arenas_where_the_c_library_is_glibc() -> None:
+    import platform
+
+    from vgpu_plugin.commands.serve import limit_malloc_arenas
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    # In a process of its own: the cap stays for the life of the process that sets it.
+    code = "from vgpu_plugin.commands.serve import limit_malloc_arenas as f; assert f()"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    assert callable(limit_malloc_arenas)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+import os
 import socket
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from vgpu_plugin.node.nodeview import (
     GpuFacts,
     NodeView,
     region_path,
+    staged_view_provider,
     view_provider,
 )
 from vgpu_plugin.node.state import AllocationRecord, AllocationStore
@@ -387,3 +391,168 @@ def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim
         limits=limits,
         created=created,
     )
+
+
+# --- the scrape's path: the cached body -----------------------------------------------------
+
+
+def _odd_node(tmp_path: Path) -> tuple[AllocationStore, Regions, list[GpuFacts]]:
+    """Records with every kind of value: odd label text, no pod, an ended one, two GPUs,
+    regions missing, valid, untrusted and foreign."""
+    store = AllocationStore(tmp_path / "state")
+    regions = Regions()
+    root = tmp_path / "host"
+    store.add(record("a1", 1, GpuLimit(GPU_A, 1000 * MIB, 25), GpuLimit(GPU_B, 3 * MIB, 0)))
+    store.add(
+        replace(
+            record("a2", 2, GpuLimit(GPU_A, 7, 0), k=1),
+            namespace='n"s\\',
+            pod="p\nq",
+            container="c",
+        )
+    )
+    store.add(record("a3", 3, GpuLimit(GPU_B, 5 * MIB, 50), pod="x", k=2, driver="requested"))
+    store.add(replace(record("gone", 4, GpuLimit(GPU_A, 9, 0), k=3), released=10.0))
+    store.add(record("bad", 5, GpuLimit(GPU_A, 9, 0), k=4))
+    store.add(record("foreign", 6, GpuLimit(GPU_A, 9, 0), k=5))
+    regions.put(
+        root,
+        "a1",
+        Snap(
+            (Dev(GPU_A, 3 * MIB, refused=4, peak=7 * MIB, gpu_ns=2_500_000_001), Dev(GPU_B, 1)),
+            (Proc(True, (1 * MIB, 1)), Proc(False, (5, 0))),
+        ),
+    )
+    regions.put(root, "bad", ValueError("bad magic"))
+    regions.put(root, "foreign", Snap((Dev(GPU_B, 1 << 40),), ()))
+    gpus = [
+        GpuFacts(GPU_A, 0, 'Model "x"', 80 << 30, 4, 123456789012, True),
+        GpuFacts(GPU_B, None, None, None, None, None, None),
+    ]
+    return store, regions, gpus
+
+
+def test_the_scrape_body_is_byte_for_byte_what_generate_latest_writes(tmp_path: Path) -> None:
+    store, regions, gpus = _odd_node(tmp_path)
+    provider = view_provider(tmp_path / "host", store.all, lambda: gpus, read_region=regions)
+    pm = metrics.new_registry(provider)
+    pm.registrations.inc()
+    registry = pm.registry
+    assert isinstance(registry, metrics.PluginRegistry) and registry.node_view is not None
+    expected = prometheus_client.generate_latest(registry)
+    assert b'pod="p\\nq"' in expected and b'namespace="n\\"s\\\\"' in expected
+    body = gzip.decompress(registry.node_view.gzipped())
+    assert prometheus_client.generate_latest(registry.own()) + body == expected
+    server, port = metrics.serve_metrics("127.0.0.1:0", registry)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            assert resp.read() == expected
+        request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            assert resp.headers["Content-Encoding"] == "gzip"
+            assert gzip.decompress(resp.read()) == expected
+    finally:
+        server.shutdown()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_body_is_rebuilt_only_when_older_than_its_interval(tmp_path: Path) -> None:
+    store, regions, gpus = _odd_node(tmp_path)
+    provider = view_provider(tmp_path / "host", store.all, lambda: gpus, read_region=regions)
+    clock = Clock()
+    exposition = metrics.NodeViewExposition(provider, min_interval=30.0, clock=clock)
+
+    def text() -> str:
+        return b"".join(exposition.text_chunks()).decode()
+
+    first = text()
+    assert exposition.builds == 1
+    # A new record and a changed region: not seen until the body is older than 30 s.
+    store.add(record("new", 7, GpuLimit(GPU_A, 11 * MIB, 0), k=6))
+    regions.put(tmp_path / "host", "a1", Snap((Dev(GPU_A, 9 * MIB), Dev(GPU_B, 0)), ()))
+    clock.now += 29.9
+    assert text() == first and exposition.builds == 1
+    clock.now += 0.1
+    second = text()
+    assert exposition.builds == 2
+    assert 'allocation_id="new"' in second and 'allocation_id="new"' not in first
+    used = 'vgpu_container_memory_used_bytes{allocation_id="a1"'
+    assert next(line for line in second.splitlines() if line.startswith(used)).endswith(" 0.0")
+    # A record dropped goes at the next build too.
+    store.remove("new")
+    clock.now += 30
+    assert 'allocation_id="new"' not in text() and exposition.builds == 3
+
+
+def test_interval_0_rebuilds_at_every_scrape(tmp_path: Path) -> None:
+    store, regions, gpus = _odd_node(tmp_path)
+    provider = view_provider(tmp_path / "host", store.all, lambda: gpus, read_region=regions)
+    exposition = metrics.NodeViewExposition(provider)
+    exposition.gzipped()
+    store.add(record("new", 7, GpuLimit(GPU_A, 11 * MIB, 0), k=6))
+    assert b'allocation_id="new"' in gzip.decompress(exposition.gzipped())
+    assert exposition.builds == 2
+
+
+def test_a_forked_build_gives_the_same_body_and_runs_only_the_build_in_the_child(
+    tmp_path: Path,
+) -> None:
+    store, regions, gpus = _odd_node(tmp_path)
+    root = tmp_path / "host"
+    prepare = staged_view_provider(root, store.all, lambda: gpus, read_region=regions)
+    here = metrics.NodeViewExposition(lambda: prepare()())
+    pids: list[int] = []
+
+    def gather() -> Callable[[], NodeView]:
+        pids.append(os.getpid())  # the inputs are gathered in this process, not the child
+        return prepare()
+
+    forked = metrics.NodeViewExposition(lambda: prepare()(), forked=gather)
+    assert gzip.decompress(forked.gzipped()) == gzip.decompress(here.gzipped())
+    assert pids == [os.getpid()]
+    # The child's work (reading regions) happens in another process: a reader that records
+    # its pid on disk shows it.
+    seen = tmp_path / "reader-pids"
+
+    def reader(path: Path) -> Snap:
+        with seen.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return regions(path)
+
+    prepare = staged_view_provider(root, store.all, lambda: gpus, read_region=reader)
+    assert b"vgpu_node_view_up 1.0" in gzip.decompress(forked.gzipped())
+    assert str(os.getpid()) not in seen.read_text().split()
+
+
+def test_a_forked_build_that_fails_or_hangs_says_the_view_is_down(tmp_path: Path) -> None:
+    def crash() -> NodeView:
+        os._exit(3)
+
+    def hang() -> NodeView:
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+    for build, timeout in ((crash, 60.0), (hang, 0.5)):
+        exposition = metrics.NodeViewExposition(
+            lambda: NodeView((), ()), forked=lambda b=build: b, fork_timeout=timeout
+        )
+        body = gzip.decompress(exposition.gzipped()).decode()
+        assert body.endswith("vgpu_node_view_up 0.0\n") and "vgpu_container" not in body
+
+
+def test_a_fork_that_fails_says_the_view_is_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fork() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    view = NodeView((), ())
+    exposition = metrics.NodeViewExposition(lambda: view, forked=lambda: lambda: view)
+    assert gzip.decompress(exposition.gzipped()).decode().endswith("vgpu_node_view_up 0.0\n")

@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -148,6 +150,166 @@ def test_add_many_is_one_durable_write_and_all_or_nothing(
     store.add_many(record(n) for n in range(1, 500))
     assert len(syncs) == 2  # 499 records, one sync
     assert len(AllocationStore(tmp_path).all()) == 500
+
+
+class _HeldSync:
+    """A fake ``fdatasync`` that logs the journal's size at each call and holds the first call
+    until released, so other callers queue up behind it."""
+
+    def __init__(self, fail_second: bool = False) -> None:
+        self.events: list[tuple[str, object]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.fail_second = fail_second
+        self.lock = threading.Lock()
+
+    def __call__(self, fd: int) -> None:
+        with self.lock:
+            n = sum(1 for e in self.events if e[0] == "sync")
+            self.events.append(("sync", os.fstat(fd).st_size))
+        if n == 0:
+            self.entered.set()
+            assert self.release.wait(30)
+        elif self.fail_second:
+            raise OSError(5, "Input/output error")
+
+
+def _wait_for(cond: Callable[[], bool]) -> None:
+    """Polls ``cond`` until true (a liveness guard, not a timed assertion)."""
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, "gave up waiting"
+        time.sleep(0.005)
+
+
+def _add_in_thread(
+    store: AllocationStore, n: int, sync: _HeldSync, errors: list[BaseException]
+) -> threading.Thread:
+    def run() -> None:
+        try:
+            store.add_many([record(n)])
+        except OSError as exc:
+            errors.append(exc)
+            with sync.lock:
+                sync.events.append(("failed", n))
+            return
+        with sync.lock:
+            sync.events.append(("ack", n))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_concurrent_add_many_share_one_sync_and_return_only_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AllocationStore(tmp_path)
+    base = (tmp_path / JOURNAL_FILE_NAME).stat().st_size
+    entry = len(put_entry(record(1)))
+    sync = _HeldSync()
+    monkeypatch.setattr(os, "fdatasync", sync)
+    errors: list[BaseException] = []
+    first = _add_in_thread(store, 1, sync, errors)
+    assert sync.entered.wait(30)  # the first caller is inside its sync, holding the lock
+    others = [_add_in_thread(store, n, sync, errors) for n in (2, 3, 4)]
+    _wait_for(lambda: len(store._pending) == 3)  # all three queued behind it
+    assert not any(e[0] == "ack" for e in sync.events)  # nobody acknowledged before a sync
+    sync.release.set()
+    for t in (first, *others):
+        t.join(30)
+    assert errors == []
+    # Two syncs for four callers: the first covered record 1 only, the second the other three.
+    syncs = [size for kind, size in sync.events if kind == "sync"]
+    assert syncs == [base + entry, base + 4 * entry]
+    second = sync.events.index(("sync", base + 4 * entry))
+    assert sync.events.index(("ack", 1)) > 0
+    assert all(sync.events.index(("ack", n)) > second for n in (2, 3, 4))
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == [
+        record(n).allocation_id for n in (1, 2, 3, 4)
+    ]
+
+
+def test_a_failed_group_sync_fails_every_caller_in_it_and_keeps_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AllocationStore(tmp_path)
+    sync = _HeldSync(fail_second=True)
+    monkeypatch.setattr(os, "fdatasync", sync)
+    errors: list[BaseException] = []
+    first = _add_in_thread(store, 1, sync, errors)
+    assert sync.entered.wait(30)
+    others = [_add_in_thread(store, n, sync, errors) for n in (2, 3)]
+    _wait_for(lambda: len(store._pending) == 2)
+    sync.release.set()
+    for t in (first, *others):
+        t.join(30)
+    assert sorted(e[1] for e in sync.events if e[0] == "failed") == [2, 3]
+    assert all("Input/output error" in str(e) for e in errors) and len(errors) == 2
+    assert ("ack", 1) in sync.events
+    monkeypatch.undo()
+    assert [r.allocation_id for r in store.all()] == [record(1).allocation_id]
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == [record(1).allocation_id]
+    store.add_many([record(5)])  # the store still works after a failed group
+    assert len(AllocationStore(tmp_path).all()) == 2
+
+
+def test_a_caller_that_fails_to_catch_up_learns_what_became_of_its_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller whose own turn at the lock fails (catching up raises) gets the outcome of the
+    group that took its batch, if one did; a batch still queued is taken back, never written."""
+    store = AllocationStore(tmp_path)
+    real_sync = store._sync
+    hold = threading.Event()
+    held = threading.Event()
+    failing: set[int] = set()
+
+    def sync() -> None:
+        me = threading.get_ident()
+        if me in failing:
+            raise OSError(5, "Input/output error")
+        if not held.is_set() and threading.current_thread().name == "leader":
+            held.set()
+            assert hold.wait(30)  # the leader waits inside the lock, before it takes the queue
+        real_sync()
+
+    monkeypatch.setattr(store, "_sync", sync)
+    outcome: dict[str, str] = {}
+
+    def add(name: str, n: int, fail: bool) -> threading.Thread:
+        def run() -> None:
+            if fail:
+                failing.add(threading.get_ident())
+            try:
+                store.add_many([record(n)])
+                outcome[name] = "ok"
+            except OSError as exc:
+                outcome[name] = str(exc)
+
+        t = threading.Thread(target=run, name=name)
+        t.start()
+        return t
+
+    # 1. Its batch was queued before the leader took the queue: the leader wrote it, so the
+    #    caller's own failure does not matter.
+    leader = add("leader", 1, fail=False)
+    assert held.wait(30)
+    follower = add("follower", 2, fail=True)
+    _wait_for(lambda: len(store._pending) == 2)
+    hold.set()
+    leader.join(30)
+    follower.join(30)
+    assert outcome == {"leader": "ok", "follower": "ok"}
+    ids = [r.allocation_id for r in AllocationStore(tmp_path).all()]
+    assert ids == [record(1).allocation_id, record(2).allocation_id]
+    # 2. Nobody took it: it is taken back and never written, not even by the next writer.
+    late = add("late", 3, fail=True)
+    late.join(30)
+    assert "Input/output error" in outcome["late"] and store._pending == []
+    store.add_many([record(4)])
+    ids = [r.allocation_id for r in AllocationStore(tmp_path).all()]
+    assert record(3).allocation_id not in ids and record(4).allocation_id in ids
 
 
 # --- crashes ------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
 
 from vgpu_plugin import __version__
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # serve forks a child for each metrics build (node/metrics.py); gRPC's fork handlers,
+    # on by default, would log a line at each one and are of no use to a child that never
+    # calls gRPC. Read once, when gRPC is first imported: before the parser imports it.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     return handler(args)

@@ -16,7 +16,7 @@ from vgpu_plugin.core.config import Config, Sharing, matching_override
 MIB = 1 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the plugin keeps one per GPU of every record
 class GpuLimit:
     """What one container may use of one physical GPU: the one shape of a limit, from the grant
     through the limits file, the records and the region to the node's view."""

@@ -10,19 +10,35 @@ are ordinary instruments in the same registry.
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import logging
+import math
+import os
+import select
+import signal
 import threading
-from collections.abc import Callable, Iterator
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from vgpu_plugin.node.nodeview import NodeView
+from vgpu_plugin.node.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +68,131 @@ ALLOCATE_BUCKETS = (
 )
 
 
+# The node view's families, defined once for both ways of exposing them: as families for
+# the registry (``collect``) and as text rendered by NodeViewExposition (the scrape's path).
+# (name, help, type, value of one allocation's GPU: None = no sample)
+AllocationValue = Callable[[AllocationView, AllocationGpuView], "float | int | None"]
+ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
+    (
+        "vgpu_container_memory_used_bytes",
+        "GPU memory the container's processes use, as the shim accounts it",
+        "gauge",
+        lambda a, g: g.memory_used,
+    ),
+    (
+        "vgpu_container_memory_limit_bytes",
+        "GPU memory limit of the container on this GPU",
+        "gauge",
+        lambda a, g: g.memory_limit,
+    ),
+    (
+        "vgpu_container_compute_limit_percent",
+        "compute share of the container on this GPU in percent, 0 = not limited",
+        "gauge",
+        lambda a, g: g.compute_limit,
+    ),
+    (
+        "vgpu_container_processes",
+        "live processes of the container with memory on this GPU",
+        "gauge",
+        lambda a, g: g.processes,
+    ),
+    (
+        "vgpu_container_memory_refusals",
+        "allocations (and contexts, graph launches) refused at the container's memory limit",
+        "counter",
+        lambda a, g: g.refused,
+    ),
+    (
+        "vgpu_container_managed_fallbacks",
+        "allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE)",
+        "counter",
+        lambda a, g: g.fallbacks,
+    ),
+    (
+        "vgpu_container_memory_peak_bytes",
+        "the highest GPU memory the container's processes were charged on this GPU",
+        "gauge",
+        lambda a, g: g.memory_peak,
+    ),
+    (
+        "vgpu_container_gpu_seconds",
+        "GPU time of the container's launches, as measured where its compute is limited",
+        "counter",
+        lambda a, g: g.gpu_seconds,
+    ),
+    (
+        "vgpu_container_region_valid",
+        "0 when the container's region exists but cannot be read or trusted (usage unknown)",
+        "gauge",
+        lambda a, g: 0 if a.region_state.startswith("invalid") else 1,
+    ),
+    (
+        "vgpu_container_driver_memory_limit_bytes",
+        "memory limit the plugin asked the driver to hold the container to on this GPU"
+        " (NVIDIA_GPU_MEMORY_LIMIT, for the toolkit's apply-cuda-memory-limits hook);"
+        " 0 = not requested. Requested, not confirmed applied",
+        "gauge",
+        lambda a, g: g.memory_limit if a.driver_limit_requested else 0,
+    ),
+)
+GpuValue = Callable[[GpuView], "float | int | None"]
+GPU_FAMILIES: tuple[tuple[str, str, str, GpuValue], ...] = (
+    ("vgpu_gpu_slices", "slices advertised for this GPU", "gauge", lambda g: g.slices_total),
+    (
+        "vgpu_gpu_slices_allocated",
+        "slices allocated to containers",
+        "gauge",
+        lambda g: g.slices_allocated,
+    ),
+    (
+        "vgpu_gpu_memory_used_bytes",
+        "GPU memory in use as NVML reports it",
+        "gauge",
+        lambda g: g.memory_used_nvml,
+    ),
+    (
+        "vgpu_gpu_memory_containers_bytes",
+        "GPU memory the containers' regions account; the gap to NVML's figure is drift",
+        "gauge",
+        lambda g: g.memory_used_by_containers,
+    ),
+    (
+        "vgpu_gpu_memory_limited_bytes",
+        "sum of the containers' memory limits",
+        "gauge",
+        lambda g: g.memory_limited,
+    ),
+    (
+        "vgpu_gpu_healthy",
+        "1 healthy, 0 unhealthy",
+        "gauge",
+        lambda g: None if g.healthy is None else (1 if g.healthy else 0),
+    ),
+)
+UP_NAME = "vgpu_node_view_up"
+UP_HELP = "1 if the node view (records, regions, NVML) could be built"
+
+
+def _labels_of(a: AllocationView, g: AllocationGpuView) -> list[str]:
+    """ALLOCATION_LABELS' values for one GPU of one allocation."""
+    ns, pod, ctr = (a.pod.namespace, a.pod.pod, a.pod.container) if a.pod else ("", "", "")
+    claim = ""
+    if a.claim is not None:
+        ns, _, claim = a.claim.partition("/")
+    return [ns, pod, ctr, g.uuid, a.id, a.frontend, claim]
+
+
+def _gpu_labels_of(g: GpuView) -> list[str]:
+    return [g.uuid, "" if g.index is None else str(g.index), g.name or ""]
+
+
+def _family(name: str, doc: str, kind: str, labels: tuple[str, ...]) -> Any:
+    if kind == "counter":
+        return CounterMetricFamily(name, doc, labels=list(labels))
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
 class NodeViewCollector(Collector):
     """Exports the per-allocation and per-GPU figures of ``view_provider()`` at each scrape."""
 
@@ -63,9 +204,7 @@ class NodeViewCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Any]:
-        up = GaugeMetricFamily(
-            "vgpu_node_view_up", "1 if the node view (records, regions, NVML) could be built"
-        )
+        up = GaugeMetricFamily(UP_NAME, UP_HELP)
         try:
             view = self._view_provider()
         except Exception:  # the plugin's own metrics must still be served
@@ -79,112 +218,279 @@ class NodeViewCollector(Collector):
         yield from _gpu_families(view)
 
 
-def _gauge(name: str, doc: str, labels: tuple[str, ...]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
-
-
 def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    used = _gauge(
-        "vgpu_container_memory_used_bytes",
-        "GPU memory the container's processes use, as the shim accounts it",
-        ALLOCATION_LABELS,
-    )
-    limit = _gauge(
-        "vgpu_container_memory_limit_bytes",
-        "GPU memory limit of the container on this GPU",
-        ALLOCATION_LABELS,
-    )
-    compute = _gauge(
-        "vgpu_container_compute_limit_percent",
-        "compute share of the container on this GPU in percent, 0 = not limited",
-        ALLOCATION_LABELS,
-    )
-    procs = _gauge(
-        "vgpu_container_processes",
-        "live processes of the container with memory on this GPU",
-        ALLOCATION_LABELS,
-    )
-    refused = CounterMetricFamily(
-        "vgpu_container_memory_refusals",
-        "allocations (and contexts, graph launches) refused at the container's memory limit",
-        labels=list(ALLOCATION_LABELS),
-    )
-    fallbacks = CounterMetricFamily(
-        "vgpu_container_managed_fallbacks",
-        "allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE)",
-        labels=list(ALLOCATION_LABELS),
-    )
-    peak = _gauge(
-        "vgpu_container_memory_peak_bytes",
-        "the highest GPU memory the container's processes were charged on this GPU",
-        ALLOCATION_LABELS,
-    )
-    gpu_time = CounterMetricFamily(
-        "vgpu_container_gpu_seconds",
-        "GPU time of the container's launches, as measured where its compute is limited",
-        labels=list(ALLOCATION_LABELS),
-    )
-    region = _gauge(
-        "vgpu_container_region_valid",
-        "0 when the container's region exists but cannot be read or trusted (usage unknown)",
-        ALLOCATION_LABELS,
-    )
-    driver = _gauge(
-        "vgpu_container_driver_memory_limit_bytes",
-        "memory limit the plugin asked the driver to hold the container to on this GPU"
-        " (NVIDIA_GPU_MEMORY_LIMIT, for the toolkit's apply-cuda-memory-limits hook);"
-        " 0 = not requested. Requested, not confirmed applied",
-        ALLOCATION_LABELS,
-    )
+    families = [(_family(n, d, k, ALLOCATION_LABELS), f) for n, d, k, f in ALLOCATION_FAMILIES]
     for a in view.allocations:
         if a.ended:  # nothing holds it: its container is gone, its files wait for cleanup
             continue
-        ns, pod, ctr = (a.pod.namespace, a.pod.pod, a.pod.container) if a.pod else ("", "", "")
-        claim = ""
-        if a.claim is not None:
-            ns, _, claim = a.claim.partition("/")
-        invalid = a.region_state.startswith("invalid")
         for g in a.gpus:
-            labels = [ns, pod, ctr, g.uuid, a.id, a.frontend, claim]
-            if g.memory_used is not None:
-                used.add_metric(labels, g.memory_used)
-            limit.add_metric(labels, g.memory_limit)
-            compute.add_metric(labels, g.compute_limit)
-            procs.add_metric(labels, g.processes)
-            refused.add_metric(labels, g.refused)
-            fallbacks.add_metric(labels, g.fallbacks)
-            peak.add_metric(labels, g.memory_peak)
-            gpu_time.add_metric(labels, g.gpu_seconds)
-            region.add_metric(labels, 0 if invalid else 1)
-            driver.add_metric(labels, g.memory_limit if a.driver_limit_requested else 0)
-    yield from (used, limit, compute, procs, refused, fallbacks, peak, gpu_time, region, driver)
+            labels = _labels_of(a, g)
+            for family, value in families:
+                v = value(a, g)
+                if v is not None:
+                    family.add_metric(labels, v)
+    yield from (family for family, _ in families)
 
 
 def _gpu_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
-    total = _gauge("vgpu_gpu_slices", "slices advertised for this GPU", GPU_LABELS)
-    allocated = _gauge("vgpu_gpu_slices_allocated", "slices allocated to containers", GPU_LABELS)
-    nvml = _gauge("vgpu_gpu_memory_used_bytes", "GPU memory in use as NVML reports it", GPU_LABELS)
-    containers = _gauge(
-        "vgpu_gpu_memory_containers_bytes",
-        "GPU memory the containers' regions account; the gap to NVML's figure is drift",
-        GPU_LABELS,
-    )
-    limited = _gauge(
-        "vgpu_gpu_memory_limited_bytes", "sum of the containers' memory limits", GPU_LABELS
-    )
-    healthy = _gauge("vgpu_gpu_healthy", "1 healthy, 0 unhealthy", GPU_LABELS)
+    families = [(_family(n, d, k, GPU_LABELS), f) for n, d, k, f in GPU_FAMILIES]
     for g in view.gpus:
-        labels = [g.uuid, "" if g.index is None else str(g.index), g.name or ""]
-        if g.slices_total is not None:
-            total.add_metric(labels, g.slices_total)
-        allocated.add_metric(labels, g.slices_allocated)
-        if g.memory_used_nvml is not None:
-            nvml.add_metric(labels, g.memory_used_nvml)
-        containers.add_metric(labels, g.memory_used_by_containers)
-        limited.add_metric(labels, g.memory_limited)
-        if g.healthy is not None:
-            healthy.add_metric(labels, 1 if g.healthy else 0)
-    yield from (total, allocated, nvml, containers, limited, healthy)
+        labels = _gpu_labels_of(g)
+        for family, value in families:
+            v = value(g)
+            if v is not None:
+                family.add_metric(labels, v)
+    yield from (family for family, _ in families)
+
+
+# --- the scrape's path: the node view as text, cached -----------------------------------------
+
+
+def _escape(value: str) -> str:
+    """A label value as the text format writes it (as prometheus_client does)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _label_text(names: tuple[str, ...], values: list[str]) -> str:
+    """``{a="x",b="y"}`` with the names sorted, as prometheus_client writes them."""
+    pairs = sorted(zip(names, values, strict=True))
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def _header(name: str, doc: str, kind: str) -> str:
+    shown = name + "_total" if kind == "counter" else name
+    doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {shown} {doc}\n# TYPE {shown} {kind}\n"
+
+
+class NodeViewExposition:
+    """The node view's families as Prometheus text (format 0.0.4), the same bytes
+    ``generate_latest`` writes for NodeViewCollector, made cheaply and kept gzipped.
+
+    A scrape costs the plugin's Allocate path what it holds the GIL for, so:
+
+    - the body is rebuilt at most once per ``min_interval`` seconds, and never more often than
+      ten times its own last build time (so rebuilds take at most ~10 % of one CPU however
+      often the node is scraped); scrapes in between are served the last body (metrics up
+      to that old; Prometheus scrapes every 15 s or more);
+    - the label text of each allocation's GPU is kept between builds and reused while the
+      allocation's labels are unchanged: a build formats values only;
+    - the body is kept gzipped (a Prometheus server takes it as it is), not as text: a few
+      per cent of the text's size, and a client without gzip gets it inflated as it is sent.
+
+    ``min_interval`` 0 (the default) rebuilds at every scrape.
+
+    ``forked``: build in a forked child instead (serve does). ``forked()`` runs here and
+    gathers what needs the plugin's locks or NVML, and returns the part that reads the
+    regions and builds the view; the child runs that part, renders, gzips, writes the body to
+    a pipe and exits. The build then holds no GIL of ours (Allocate's threads never wait for
+    it) and its transient objects (tens of MiB at thousands of containers) die with the
+    child instead of staying in our heap. A child that fails or takes more than
+    ``fork_timeout`` seconds is killed and the scrape says ``vgpu_node_view_up 0``."""
+
+    def __init__(
+        self,
+        view_provider: Callable[[], NodeView],
+        min_interval: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        forked: Callable[[], Callable[[], NodeView]] | None = None,
+        fork_timeout: float = 60.0,
+    ) -> None:
+        self._view_provider = view_provider
+        self._forked = forked
+        self.fork_timeout = fork_timeout
+        self.min_interval = min_interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._body: bytes | None = None
+        self._next_build = -math.inf
+        self._labels: dict[tuple[str, ...], str] = {}
+        self._gpu_labels: dict[tuple[str, ...], str] = {}
+        self._values: dict[float | int, str] = {}
+        self.builds = 0  # bodies built (for tests and figures)
+
+    def gzipped(self) -> bytes:
+        """The body (gzip), rebuilt if it is older than allowed."""
+        with self._lock:
+            now = self._clock()
+            if self._body is None or now >= self._next_build:
+                t0 = time.perf_counter()
+                self._body = self._build()
+                took = time.perf_counter() - t0
+                self.builds += 1
+                self._next_build = self._clock() + max(self.min_interval, 10 * took)
+                if self.min_interval <= 0:
+                    self._next_build = -math.inf
+            return self._body
+
+    def text_chunks(self) -> Iterator[bytes]:
+        """The body inflated, a piece at a time (for a client that takes no gzip)."""
+        body = self.gzipped()
+        inflate = zlib.decompressobj(wbits=31)
+        for at in range(0, len(body), 1 << 16):
+            out = inflate.decompress(body[at : at + (1 << 16)])
+            if out:
+                yield out
+        tail = inflate.flush()
+        if tail:
+            yield tail
+
+    def _build(self) -> bytes:
+        if self._forked is None:
+            return self._build_here(self._view_provider)
+        try:
+            build = self._forked()
+        except Exception:  # the plugin's own metrics must still be served
+            log.exception("cannot gather the node view's inputs for metrics")
+            return self._failed()
+        return self._build_in_child(build)
+
+    def _build_here(self, provider: Callable[[], NodeView]) -> bytes:
+        deflate = zlib.compressobj(1, zlib.DEFLATED, 31)
+        out: list[bytes] = []
+        for chunk in self._render(provider):
+            out.append(deflate.compress(chunk.encode()))
+        out.append(deflate.flush())
+        return b"".join(out)
+
+    def _failed(self) -> bytes:
+        up = _header(UP_NAME, UP_HELP, "gauge") + f"{UP_NAME} 0.0\n"
+        return gzip.compress(up.encode(), 1)
+
+    def _build_in_child(self, build: Callable[[], NodeView]) -> bytes:
+        try:
+            r, w = os.pipe()
+        except OSError:
+            log.exception("cannot start the metrics build")
+            return self._failed()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            log.exception("cannot start the metrics build")
+            return self._failed()
+        if pid == 0:  # the child: build, write, exit; never return into the caller's code
+            code = 1
+            try:
+                os.close(r)
+                body = memoryview(self._build_here(build))
+                while body:
+                    body = body[os.write(w, body) :]
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + self.fork_timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([r], [], [], left)[0]:
+                    os.kill(pid, signal.SIGKILL)
+                    log.error("the metrics build took over %.0f s: killed it", self.fork_timeout)
+                    break
+                chunk = os.read(r, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(r)
+            _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            log.error("the metrics build's process failed (wait status %d)", status)
+            return self._failed()
+        return b"".join(chunks)
+
+    def _value(self, v: float | int) -> str:
+        text = self._values.get(v)
+        if text is None:
+            text = str(floatToGoString(v))  # type: ignore[no-untyped-call]
+            if len(self._values) < 4096:
+                self._values[v] = text
+        return text
+
+    def _render(self, provider: Callable[[], NodeView]) -> Iterator[str]:
+        up = _header(UP_NAME, UP_HELP, "gauge")
+        try:
+            view = provider()
+        except Exception:  # the plugin's own metrics must still be served
+            log.exception("cannot build the node view for metrics")
+            yield up + f"{UP_NAME} 0.0\n"
+            return
+        yield up + f"{UP_NAME} 1.0\n"
+        # Each live allocation's GPUs with their label text, reused from the last build.
+        labels: dict[tuple[str, ...], str] = {}
+        rows: list[tuple[AllocationView, AllocationGpuView, str]] = []
+        for a in view.allocations:
+            if a.ended:
+                continue
+            for g in a.gpus:
+                key = tuple(_labels_of(a, g))
+                text = self._labels.get(key) or _label_text(ALLOCATION_LABELS, list(key))
+                labels[key] = text
+                rows.append((a, g, text))
+        self._labels = labels
+        value = self._value
+        for name, doc, kind, get in ALLOCATION_FAMILIES:
+            sample = name + "_total" if kind == "counter" else name
+            lines = [_header(name, doc, kind)]
+            for a, g, text in rows:
+                v = get(a, g)
+                if v is not None:
+                    lines.append(f"{sample}{text} {value(v)}\n")
+            yield "".join(lines)
+        del rows
+        gpu_rows: list[tuple[GpuView, str]] = []
+        gpu_labels: dict[tuple[str, ...], str] = {}
+        for gpu in view.gpus:
+            key = tuple(_gpu_labels_of(gpu))
+            text = self._gpu_labels.get(key) or _label_text(GPU_LABELS, list(key))
+            gpu_labels[key] = text
+            gpu_rows.append((gpu, text))
+        self._gpu_labels = gpu_labels
+        for name, doc, kind, get_gpu in GPU_FAMILIES:
+            lines = [_header(name, doc, kind)]
+            for gpu, text in gpu_rows:
+                v = get_gpu(gpu)
+                if v is not None:
+                    lines.append(f"{name}{text} {value(v)}\n")
+            yield "".join(lines)
+
+
+class PluginRegistry(CollectorRegistry):
+    """The plugin's registry: its own instruments, and the node view beside them (not
+    registered as a collector, so a scrape can take it from its cache). ``collect`` yields
+    both, as a registry holding the node view's collector would."""
+
+    def __init__(
+        self,
+        node_view: Callable[[], NodeView] | None = None,
+        min_interval: float = 0.0,
+        forked: Callable[[], Callable[[], NodeView]] | None = None,
+    ) -> None:
+        super().__init__(auto_describe=True)
+        self.node_view_collector = None if node_view is None else NodeViewCollector(node_view)
+        self.node_view = (
+            None
+            if node_view is None
+            else NodeViewExposition(node_view, min_interval, forked=forked)
+        )
+
+    def collect(self) -> Iterator[Any]:
+        yield from super().collect()
+        if self.node_view_collector is not None:
+            yield from self.node_view_collector.collect()
+
+    def own(self) -> Collector:
+        """The plugin's own instruments only."""
+        registry = self
+
+        class _Own(Collector):
+            def collect(self) -> Iterator[Any]:
+                yield from CollectorRegistry.collect(registry)
+
+        return _Own()
 
 
 @dataclass(frozen=True)
@@ -205,9 +511,15 @@ class PluginMetrics:
         self.health_changes.labels(healthy="true" if healthy else "false").inc()
 
 
-def new_registry(view_provider: Callable[[], NodeView] | None = None) -> PluginMetrics:
-    """A fresh registry with the plugin's instruments and, given a provider, the node view."""
-    registry = CollectorRegistry(auto_describe=True)
+def new_registry(
+    view_provider: Callable[[], NodeView] | None = None,
+    min_interval: float = 0.0,
+    forked: Callable[[], Callable[[], NodeView]] | None = None,
+) -> PluginMetrics:
+    """A fresh registry with the plugin's instruments and, given a provider, the node view
+    (rebuilt for a scrape at most once per ``min_interval`` seconds, in a forked child given
+    ``forked``: NodeViewExposition)."""
+    registry = PluginRegistry(view_provider, min_interval, forked)
     metrics = PluginMetrics(
         registry=registry,
         allocate_seconds=Histogram(
@@ -240,8 +552,6 @@ def new_registry(view_provider: Callable[[], NodeView] | None = None) -> PluginM
         metrics.config_reloads.labels(result=result)
     for state in ("true", "false"):
         metrics.health_changes.labels(healthy=state)
-    if view_provider is not None:
-        registry.register(NodeViewCollector(view_provider))
     return metrics
 
 
@@ -279,6 +589,39 @@ class MetricsServer:
         self._thread.join(timeout)
 
 
+def metrics_app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app of ``/metrics``. For a PluginRegistry with a node view: the plugin's own
+    instruments, then the node view's cached body, as text format 0.0.4 (what Prometheus
+    takes whatever it asks first), gzipped for a client that accepts gzip (two gzip members:
+    one stream). Anything else, and a request filtering by ``name[]``, goes to
+    prometheus_client's own app."""
+    fallback = make_wsgi_app(registry)
+    node_view = registry.node_view if isinstance(registry, PluginRegistry) else None
+    if node_view is None:
+        return fallback
+    own = registry.own() if isinstance(registry, PluginRegistry) else registry
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if "name[]" in environ.get("QUERY_STRING", "") or environ.get("PATH_INFO") == (
+            "/favicon.ico"
+        ):
+            return fallback(environ, start_response)  # type: ignore[no-any-return]
+        head = generate_latest(own)
+        headers = [("Content-Type", CONTENT_TYPE_LATEST)]
+        if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
+            parts = [gzip.compress(head, 1), node_view.gzipped()]
+            headers += [
+                ("Content-Encoding", "gzip"),
+                ("Content-Length", str(sum(len(x) for x in parts))),
+            ]
+            start_response("200 OK", headers)
+            return parts
+        start_response("200 OK", headers)
+        return itertools.chain([head], node_view.text_chunks())
+
+    return app
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``:9400`` (every interface), ``127.0.0.1:0``, ``[::1]:9400`` -> (host, port)."""
     host, sep, port = address.strip().rpartition(":")
@@ -302,7 +645,7 @@ def serve_metrics(address: str, registry: CollectorRegistry) -> tuple[MetricsSer
 
         server_class = _Server6
     httpd = make_server(
-        host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_QuietHandler
+        host, port, metrics_app(registry), server_class=server_class, handler_class=_QuietHandler
     )
     server = MetricsServer(httpd)
     return server, server.port

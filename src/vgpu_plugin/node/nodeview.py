@@ -159,7 +159,9 @@ class NodeView:
 
 def region_path(host_root: Path, allocation_id: str) -> Path:
     """The host path of the region the container sees as /tmp/vgpu/<id>.cache."""
-    return Path(host_root) / "containers" / allocation_id / f"{allocation_id}.cache"
+    # One Path built from a joined string: a scrape makes one per allocation, and each
+    # ``/`` re-parses the path.
+    return Path(os.path.join(host_root, "containers", allocation_id, f"{allocation_id}.cache"))
 
 
 def default_read_region() -> ReadRegion:
@@ -406,11 +408,39 @@ def view_provider(
     regions at each call, so an allocation shows (with its limits, used 0) from the moment its
     record exists."""
 
+    prepare = staged_view_provider(host_root, records, gpus, read_region, pods, claims)
+
     def provide() -> NodeView:
-        rs = records()
-        cs = claims() if claims is not None else ()
-        ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]
-        regions = read_regions(host_root, ids, read_region)
-        return build_view(rs, regions, gpus(), pods() if pods is not None else None, claims=cs)
+        return prepare()()
 
     return provide
+
+
+def staged_view_provider(
+    host_root: Path,
+    records: Callable[[], Sequence[AllocationRecord]],
+    gpus: Callable[[], Sequence[GpuFacts]],
+    read_region: ReadRegion | None = None,
+    pods: Callable[[], Mapping[str, PodRef]] | None = None,
+    claims: Callable[[], Sequence[PreparedClaim]] | None = None,
+) -> Callable[[], Callable[[], NodeView]]:
+    """``view_provider`` in two stages: ``prepare()`` gathers what comes from the plugin's
+    own state (records, claims, GPU facts, pods: the parts that take its locks or NVML) and
+    returns ``build()``, which reads the regions and builds the view from files only, so it
+    can run in a forked child (node/metrics.py's forked builds)."""
+    reader = read_region
+
+    def prepare() -> Callable[[], NodeView]:
+        rs = records()
+        cs = claims() if claims is not None else ()
+        facts = gpus()
+        holders = pods() if pods is not None else None
+
+        def build() -> NodeView:
+            ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]
+            regions = read_regions(host_root, ids, reader)
+            return build_view(rs, regions, facts, holders, claims=cs)
+
+        return build
+
+    return prepare

@@ -79,6 +79,12 @@ def _lib() -> tuple[Any, Any]:
     return ffi, ffi.dlopen(str(native.shim_library()))
 
 
+def bind() -> None:
+    """Binds the header and loads the library now, so a process forked later inherits them
+    (each forked metrics build would parse the header again otherwise)."""
+    _lib()
+
+
 def _text(ffi: Any, buf: Any) -> str:
     return str(ffi.string(buf).decode("utf-8", "replace"))
 

@@ -4,7 +4,11 @@ The records live in an append-only journal, ``allocations.journal``: a header li
 entry per change (a record stored or replaced, or one dropped), each framed as a mark, its
 length and a CRC-32 of both, then the msgpack payload. A change costs one append and one
 ``fdatasync`` whatever the number of records (``add_many`` writes a whole Allocate's records in
-one), and a write is acknowledged only once it is synced. When the journal holds more dead
+one), and a write is acknowledged only once it is synced. Concurrent ``add_many`` calls share
+syncs (group commit): each queues its entries, and whichever caller holds the lock next writes
+every queued entry in one append and one ``fdatasync``; a caller returns once the sync that
+covers its own entries has returned, and fails if that sync failed (the whole group is cut
+back from the journal, as a single write is). When the journal holds more dead
 entries than live records (and at least ``compact_min``), it is rewritten with the live records
 only (tmp file, fsync, rename, fsync of the dir); Allocate's writes never compact.
 
@@ -33,6 +37,7 @@ import logging
 import os
 import shutil
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -80,7 +85,7 @@ class StateFileError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots, and shared strings: thousands stay in memory
 class AllocationRecord:
     """One Allocate answer: the devices the kubelet gave one container and their limits."""
 
@@ -133,12 +138,14 @@ class AllocationRecord:
         }
         try:
             allocation_id = _typed(raw["allocation_id"], str, "allocation_id")
-            device_ids = tuple(_typed(d, str, "device_ids[]") for d in raw["device_ids"])
-            resource_name = _typed(raw["resource_name"], str, "resource_name")
+            device_ids = tuple(
+                sys.intern(_typed(d, str, "device_ids[]")) for d in raw["device_ids"]
+            )
+            resource_name = sys.intern(_typed(raw["resource_name"], str, "resource_name"))
             created = float(_typed(raw["created"], (int, float), "created"))
             limits = tuple(
                 GpuLimit(
-                    _typed(lim[0], str, "limits[].uuid"),
+                    sys.intern(_typed(lim[0], str, "limits[].uuid")),
                     _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
                 )
@@ -156,7 +163,11 @@ class AllocationRecord:
             namespace=_optional_str(raw.get("namespace"), "namespace"),
             container=_optional_str(raw.get("container"), "container"),
             released=_optional_float(raw.get("released"), "released"),
-            extra={k: v for k, v in raw.items() if k not in known},
+            extra={
+                sys.intern(k): sys.intern(v) if isinstance(v, str) and len(v) < 64 else v
+                for k, v in raw.items()
+                if k not in known
+            },
         )
 
 
@@ -337,6 +348,24 @@ def _aside(path: Path, suffix: str) -> Path:
 # --- the store ----------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class _Batch:
+    """One ``add_many`` call's records, queued for the next group commit."""
+
+    records: list[AllocationRecord]
+    entries: list[bytes] = field(default_factory=list)
+    done: bool = False
+    error: BaseException | None = None
+
+
+def _copy_error(err: BaseException) -> BaseException:
+    """The group's failure for one more caller: a fresh exception of the same kind and
+    message (one exception object must not be raised in several threads at once)."""
+    if isinstance(err, OSError):
+        return OSError(err.errno, err.strerror or str(err))
+    return RuntimeError(f"the group commit that held these records failed: {err!r}")
+
+
 class AllocationStore:
     """The allocation records of this node, shared safely by every plugin process."""
 
@@ -364,6 +393,10 @@ class AllocationStore:
         self._entries = 0
         self._records: dict[str, AllocationRecord] = {}
         self._sorted: list[AllocationRecord] | None = None
+        # Group commit: add_many's batches waiting for the next writer to hold the lock.
+        self._queue_lock = threading.Lock()
+        self._pending: list[_Batch] = []
+        self.syncs = 0  # group commits tried (for tests and figures)
         with self._mutex, self._flock:
             self._remove_stale_tmp()
             self._sync()
@@ -380,9 +413,39 @@ class AllocationStore:
 
     def add_many(self, records: Iterable[AllocationRecord]) -> None:
         """Stores ``records`` (replacing those with the same ids) in one durable write: when this
-        returns all of them are on disk; when it raises, none was acknowledged."""
-        with self._locked():
-            self._add_many(list(records))
+        returns all of them are on disk; when it raises, none was acknowledged.
+
+        Group commit: the entries are encoded before the lock and queued; whoever takes the lock
+        first writes every queued batch in one append and syncs once, so callers that arrive
+        while a sync runs share the next one instead of each waiting for its own."""
+        batch = _Batch(list(records))
+        if not batch.records:
+            return
+        batch.entries = [put_entry(r) for r in batch.records]
+        with self._queue_lock:
+            self._pending.append(batch)
+        try:
+            with self._locked():
+                if not batch.done:
+                    self._commit_pending()
+        except BaseException:
+            # We wrote our batch and that failed, or we could not get the lock or catch up.
+            # In the second case another caller may have taken our batch meanwhile: if it is
+            # still queued it is taken back (never written); if not, its writer's outcome is
+            # ours, known once that writer lets go of the lock.
+            with self._queue_lock:
+                queued = any(b is batch for b in self._pending)
+                if queued:
+                    self._pending.remove(batch)
+            if queued:
+                raise
+            with self._mutex:
+                pass
+            if batch.error is not None or not batch.done:
+                raise
+            return  # written and synced by another caller, our own failure notwithstanding
+        if batch.error is not None:  # another caller wrote our batch, and its sync failed
+            raise _copy_error(batch.error) from batch.error
 
     def remove(self, allocation_id: str) -> bool:
         """Drops a record; returns whether it existed."""
@@ -418,6 +481,24 @@ class AllocationStore:
         with self._mutex, self._flock:
             self._sync()
             yield
+
+    def _commit_pending(self) -> None:
+        """Write and sync every queued batch at once (caller holds the lock)."""
+        with self._queue_lock:
+            group, self._pending = self._pending, []
+        try:
+            self._append([e for b in group for e in b.entries])
+        except BaseException as exc:
+            for b in group:
+                b.error, b.done = exc, True
+            raise
+        finally:
+            self.syncs += 1
+        for b in group:
+            for r in b.records:
+                self._records[r.allocation_id] = r
+            b.done = True
+        self._sorted = None
 
     def _add_many(self, records: list[AllocationRecord]) -> None:
         if not records:

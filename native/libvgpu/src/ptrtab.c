@@ -77,8 +77,9 @@ static int grow(struct stripe *s) {
     return 0;
 }
 
-/* Remove slot i, moving later members of its probe run back. Stripe locked. */
-static void erase(struct stripe *s, uint32_t i) {
+/* Remove slot i, moving later members of its probe run back. Stripe locked. Inline: a free
+ * pays for the call otherwise. */
+static inline __attribute__((always_inline)) void erase(struct stripe *s, uint32_t i) {
     uint32_t mask = s->cap - 1;
     for (uint32_t j = (i + 1) & mask; s->slots[j].used; j = (j + 1) & mask) {
         uint32_t k = home(s, hash(s->slots[j].kind, s->slots[j].key));
@@ -105,7 +106,6 @@ int vgpu_tab_put_rec(const struct vgpu_rec *in) {
     uint64_t key = in->key;
     uint64_t h = hash(in->kind, key);
     struct stripe *s = stripe_of(h);
-    struct vgpu_rec stale = {0};
     stripe_lock(s);
     if (UNLIKELY((s->n + 1) * 10 > s->cap * 7) && grow(s) != 0) {
         stripe_unlock(s);
@@ -114,17 +114,20 @@ int vgpu_tab_put_rec(const struct vgpu_rec *in) {
     /* One probe run: the key's record if it is there, else the first empty slot. */
     uint32_t mask = s->cap - 1, i = home(s, h);
     while (s->slots[i].used && (s->slots[i].key != key || s->slots[i].kind != in->kind)) i = (i + 1) & mask;
-    if (s->slots[i].used) {
+    if (UNLIKELY(s->slots[i].used)) {
         /* The driver handed out an address we still list: its free passed us by (say, with
          * its context). Give the old charge back rather than keep it forever. */
-        stale = s->slots[i];
-    } else {
-        s->n++;
+        struct vgpu_rec stale = s->slots[i];
+        s->slots[i] = *in;
+        s->slots[i].used = 1;
+        stripe_unlock(s);
+        release(&stale);
+        return 0;
     }
+    s->n++;
     s->slots[i] = *in;
     s->slots[i].used = 1;
     stripe_unlock(s);
-    if (UNLIKELY(stale.used)) release(&stale);
     return 0;
 }
 

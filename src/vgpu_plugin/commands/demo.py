@@ -17,7 +17,7 @@ from vgpu_plugin.node import native
 HOW = {
     "runc": "containers under runc",
     "namespace": "containers as processes in private mount and pid namespaces (no runc here)",
-    "preload": "containers as plain processes with the shim in LD_PRELOAD (not root)",
+    "preload": "containers as plain processes with the shim in LD_PRELOAD",
 }
 
 

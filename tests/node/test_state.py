@@ -354,7 +354,11 @@ def test_sigkill_at_random_points_loses_no_acknowledged_record_and_tears_nothing
     rng = random.Random(14)
     want: dict[str, bool] = {}  # acknowledged: allocation id -> released
     in_flight = 0  # rounds killed inside a store call
-    for round_ in range(1, 21):
+    # Kills land inside a write by chance (a loaded host lands fewer): go on until ten did, with
+    # at least 20 rounds and at most 150.
+    round_ = 0
+    while round_ < 20 or (in_flight < 10 and round_ < 150):
+        round_ += 1
         writer = subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(tmp_path), str(round_)],
             env=dict(os.environ, PYTHONPATH=str(SRC)),
@@ -424,7 +428,7 @@ def test_a_torn_last_entry_is_cut_off_and_logged(
         store = AllocationStore(tmp_path)
     assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
     assert store.quarantined == []
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
     assert f"dropped the last {len(whole) // 2} bytes of {path}" in line
     store.add(record(4))  # appended after the cut, readable by everyone
     assert [r.allocation_id for r in read_records(tmp_path)[0]] == ["alloc-0001", "alloc-0002",
@@ -455,7 +459,7 @@ def test_a_foreign_journal_is_refused_and_moved_aside(
     (aside,) = store.quarantined
     assert aside.name.startswith(f"{JOURNAL_FILE_NAME}.corrupt-")
     assert aside.read_bytes() == content  # kept for a human, never silently dropped
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
     assert str(path) in line and str(aside) in line and reason in line
     store.add(record(1))  # and the plugin carries on with a fresh journal
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]
@@ -487,7 +491,7 @@ def test_damage_between_entries_is_kept_aside_and_the_intact_entries_stay(
     assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
     (aside,) = store.quarantined
     assert aside.read_bytes() == content
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
     assert (
         reason in line
         and str(aside) in line
@@ -604,7 +608,7 @@ def test_a_corrupt_or_foreign_old_file_is_refused_and_moved_aside(
     (aside,) = store.quarantined
     assert aside.name.startswith(f"{LEGACY_FILE_NAME}.corrupt-")
     assert aside.read_bytes() == content  # kept for a human, never silently dropped
-    (line,) = [r.getMessage() for r in caplog.records]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
     assert str(path) in line and str(aside) in line and reason in line
     store.add(record(1))
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]

@@ -1,8 +1,12 @@
-"""Region snapshots made up by tests: just what the node view reads (nodeview's Protocols)."""
+"""Region snapshots and prepared DRA claims made up by tests: just what the node view reads
+(nodeview's Protocols, node/dra_claims)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from vgpu_plugin.core.devices import GpuLimit
+from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedDevice
 
 
 @dataclass(frozen=True)
@@ -25,3 +29,21 @@ class Proc:
 class Snap:
     devices: tuple[Dev, ...]
     processes: tuple[Proc, ...]
+
+
+def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim:
+    aid = f"dra-{uid}"
+    return PreparedClaim(
+        uid=uid,
+        namespace="ml",
+        name="infer",
+        allocation_id=aid,
+        allocation_dir=f"/host/containers/{aid}",
+        limits_path=f"/host/limits/{aid}",
+        devices=(PreparedDevice(("gpu",), "node-1", "gpu-a", (f"vgpu-plugin/allocation={aid}",)),),
+        limits=limits,
+        created=created,
+    )
+
+
+# --- the scrape's path: the cached body -----------------------------------------------------

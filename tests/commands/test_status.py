@@ -12,14 +12,14 @@ from typing import Any
 
 import grpc
 import pytest
-from synthetic_regions import Dev, Proc, Snap
+from synthetic_regions import Dev, Proc, Snap, prepared_claim
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef
-from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedClaims, PreparedDevice
+from vgpu_plugin.node.dra_claims import PreparedClaims
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     GpuFacts,
@@ -472,18 +472,3 @@ def test_an_unreadable_dra_claims_file_is_a_note_and_left_alone(
     assert any("DRA claims file" in n and "not shown" in n for n in view.notes)
     assert all(a.frontend == "device-plugin" for a in view.allocations)
     assert path.read_text() == "{not json"  # status is read-only: nothing moved aside
-
-
-def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim:
-    aid = f"dra-{uid}"
-    return PreparedClaim(
-        uid=uid,
-        namespace="ml",
-        name="infer",
-        allocation_id=aid,
-        allocation_dir=f"/host/containers/{aid}",
-        limits_path=f"/host/limits/{aid}",
-        devices=(PreparedDevice(("gpu",), "node-1", "gpu-a", (f"vgpu-plugin/allocation={aid}",)),),
-        limits=limits,
-        created=created,
-    )

@@ -15,11 +15,11 @@ from pathlib import Path
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from synthetic_regions import Dev, Proc, Snap
+from synthetic_regions import Dev, Proc, Snap, prepared_claim
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
-from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedClaims, PreparedDevice
+from vgpu_plugin.node.dra_claims import PreparedClaims
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     GpuFacts,
@@ -376,24 +376,6 @@ def test_dra_claims_are_exported_beside_the_device_plugins_allocations(tmp_path:
     # The GPU's limited memory counts both front ends.
     assert value(got, "vgpu_gpu_memory_limited_bytes", gpu_uuid=GPU_A) == (6 << 30) + 10 * MIB
     assert value(got, "vgpu_gpu_memory_containers_bytes", gpu_uuid=GPU_A) == 2 * MIB
-
-
-def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim:
-    aid = f"dra-{uid}"
-    return PreparedClaim(
-        uid=uid,
-        namespace="ml",
-        name="infer",
-        allocation_id=aid,
-        allocation_dir=f"/host/containers/{aid}",
-        limits_path=f"/host/limits/{aid}",
-        devices=(PreparedDevice(("gpu",), "node-1", "gpu-a", (f"vgpu-plugin/allocation={aid}",)),),
-        limits=limits,
-        created=created,
-    )
-
-
-# --- the scrape's path: the cached body -----------------------------------------------------
 
 
 def _odd_node(tmp_path: Path) -> tuple[AllocationStore, Regions, list[GpuFacts]]:

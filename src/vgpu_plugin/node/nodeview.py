@@ -355,25 +355,27 @@ def build_view(
     return NodeView(views, allocations, tuple(notes))
 
 
+def _facts(
+    gpu: PhysicalGpu, slices: int | None, unhealthy: Collection[str], used: Mapping[str, int]
+) -> GpuFacts:
+    return GpuFacts(
+        uuid=gpu.uuid,
+        index=gpu.index,
+        name=gpu.name,
+        memory_total=gpu.memory_total,
+        slices_total=slices,
+        memory_used_nvml=used.get(gpu.uuid),
+        healthy=gpu.uuid not in unhealthy,
+    )
+
+
 def gpu_facts_from_plan(
     plan: NodePlan,
     unhealthy: Collection[str] = (),
     memory_used_nvml: Mapping[str, int] | None = None,
 ) -> list[GpuFacts]:
     """The plugin's own facts: its plan (slices per GPU), its health state, NVML's used."""
-    used = memory_used_nvml or {}
-    return [
-        GpuFacts(
-            uuid=g.gpu.uuid,
-            index=g.gpu.index,
-            name=g.gpu.name,
-            memory_total=g.gpu.memory_total,
-            slices_total=len(g.slices),
-            memory_used_nvml=used.get(g.gpu.uuid),
-            healthy=g.gpu.uuid not in unhealthy,
-        )
-        for g in plan.gpus
-    ]
+    return [_facts(g.gpu, len(g.slices), unhealthy, memory_used_nvml or {}) for g in plan.gpus]
 
 
 def dra_gpu_facts(
@@ -382,18 +384,7 @@ def dra_gpu_facts(
     memory_used_nvml: Mapping[str, int] | None = None,
 ) -> list[GpuFacts]:
     """The DRA driver's GPUs: no slices (claims take amounts), the same health and NVML."""
-    used = memory_used_nvml or {}
-    return [
-        GpuFacts(
-            uuid=g.uuid,
-            index=g.index,
-            name=g.name,
-            memory_total=g.memory_total,
-            memory_used_nvml=used.get(g.uuid),
-            healthy=g.uuid not in unhealthy,
-        )
-        for g in gpus
-    ]
+    return [_facts(g, None, unhealthy, memory_used_nvml or {}) for g in gpus]
 
 
 def view_provider(

@@ -100,15 +100,17 @@ class ConfigWatcher:
     def load_initial(self) -> tuple[Config, Mapping[str, str]]:
         """Read both files now; raises ConfigError/NodeLabelsError/OSError if unusable."""
         seen = (_digest(self.config_path), _digest(self.labels_path))
+        self.current = self._read()
+        self._seen = seen
+        return self.current
+
+    def _read(self) -> tuple[Config, Mapping[str, str]]:
+        """Both files, parsed; ConfigError/NodeLabelsError (or OSError) when unusable."""
         try:
             text = read_text_file(self.config_path)
         except UnreadableFile as exc:
             raise ConfigError([str(exc)], str(self.config_path)) from None
-        config = parse_config(text, str(self.config_path))
-        labels = read_node_labels(self.labels_path)
-        self._seen = seen
-        self.current = (config, labels)
-        return self.current
+        return parse_config(text, str(self.config_path)), read_node_labels(self.labels_path)
 
     def poll(self) -> bool:
         """Check once; True when a new valid config was applied."""
@@ -117,12 +119,7 @@ class ConfigWatcher:
             return False  # unchanged, or still the same problem (reported once)
         self._seen = seen
         try:
-            try:
-                text = read_text_file(self.config_path)
-            except UnreadableFile as exc:
-                raise ConfigError([str(exc)], str(self.config_path)) from None
-            config = parse_config(text, str(self.config_path))
-            labels = read_node_labels(self.labels_path)
+            config, labels = self._read()
         except (ConfigError, NodeLabelsError) as exc:
             self.failures += 1
             log.error("config reload refused, keeping the running config: %s", exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from vgpu_plugin.sim.simgpu import Node
 MIB = 1 << 20
 GIB = 1 << 30
 MAX = 0xFFFFFFFFFFFFFFFF
+SYSFS_KNOB = "SIMGPU_SYSFS_CGROUP"
 
 # Runs NVML calls in a child on the node, as the toolkit's hook does: each argument is
 # "set:GPU:NAMESPACE:SOFT:HARD" or "get:GPU:NAMESPACE"; prints one JSON answer per call.
@@ -51,19 +53,23 @@ print(json.dumps(out))
 """
 
 
-def env_for(node: Node, cgroup: str | None) -> dict[str, str]:
+def env_for(node: Node, cgroup: str | None, sysfs: Path | None = None) -> dict[str, str]:
+    """The environment of a process on ``node`` in ``cgroup``, for which ``sysfs`` (where
+    given) stands for /sys/fs/cgroup, as a container's own cgroup is mounted there."""
     env = node.env()
-    for k in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "SIMGPU_CGROUP"):
+    for k in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "SIMGPU_CGROUP", SYSFS_KNOB):
         env.pop(k, None)
     if cgroup is not None:
         env["SIMGPU_CGROUP"] = cgroup
+    if sysfs is not None:
+        env[SYSFS_KNOB] = str(sysfs)
     return env
 
 
-def nvml(node: Node, *calls: str) -> list[Any]:
+def nvml(node: Node, *calls: str, sysfs: Path | None = None) -> list[Any]:
     proc = subprocess.run(
         [sys.executable, "-c", _CALLS, *calls],
-        env=env_for(node, "/system/hook"),
+        env=env_for(node, "/system/hook", sysfs),
         capture_output=True,
         text=True,
         timeout=60,
@@ -78,7 +84,9 @@ def ns(cgroup: str) -> str:
 
 
 @contextmanager
-def holding(native_bin: Path, node: Node, cgroup: str | None, mib: int) -> Iterator[bool]:
+def holding(
+    native_bin: Path, node: Node, cgroup: str | None, mib: int, sysfs: Path | None = None
+) -> Iterator[bool]:
     """A GPU process in ``cgroup`` that tried to charge ``mib`` MiB on GPU 0: True while it
     holds them, False when the driver refused."""
     proc = subprocess.Popen(
@@ -87,7 +95,7 @@ def holding(native_bin: Path, node: Node, cgroup: str | None, mib: int) -> Itera
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env_for(node, cgroup),
+        env=env_for(node, cgroup, sysfs),
     )
     try:
         assert proc.stdout is not None
@@ -200,3 +208,82 @@ def test_without_the_knob_a_process_is_in_its_own_cgroup(
         assert not over  # a child of this test is in this test's cgroup
     with holding(native_bin, simgpu_node, None, 500) as under:
         assert under
+
+
+@pytest.fixture
+def cgroupfs(tmp_path: Path) -> Path:
+    """A directory standing for the host's /sys/fs/cgroup, with a container's cgroup in it."""
+    root = tmp_path / "cgroupfs"
+    (root / "kubepods/pod-c/ctr").mkdir(parents=True)
+    (root / "kubepods/pod-d/ctr").mkdir(parents=True)
+    return root
+
+
+def test_the_container_finds_the_limit_the_host_set_by_its_own_path(
+    simgpu_node: Node, cgroupfs: Path
+) -> None:
+    # The hook names the cgroup by its host path; inside the container (own cgroup namespace)
+    # the same directory is /sys/fs/cgroup, and /proc/self/cgroup says "/".
+    host = ns("/kubepods/pod-c/ctr")
+    assert nvml(simgpu_node, f"set:0:{host}:0:{GIB}", sysfs=cgroupfs) == ["ok"]
+    inside = cgroupfs / "kubepods/pod-c/ctr"
+    assert nvml(simgpu_node, "get:0:/sys/fs/cgroup", "get:0:/sys/fs/cgroup/", sysfs=inside) == [
+        [0, GIB, 0],
+        [0, GIB, 0],
+    ]
+    # Another container's cgroup, or a path that names no directory there, has none.
+    other = cgroupfs / "kubepods/pod-d/ctr"
+    assert nvml(simgpu_node, "get:0:/sys/fs/cgroup", sysfs=other) == ["NVMLError_NotFound"]
+    assert nvml(simgpu_node, f"get:0:{host}", sysfs=inside) == ["NVMLError_NotFound"]
+    # The host still finds it by its path, and a set through either path is the same limit.
+    assert nvml(simgpu_node, f"get:0:{host}", sysfs=cgroupfs) == [[0, GIB, 0]]
+    assert nvml(simgpu_node, f"set:0:/sys/fs/cgroup:0:{2 * GIB}", sysfs=inside) == ["ok"]
+    assert nvml(simgpu_node, f"get:0:{host}", sysfs=cgroupfs) == [[0, 2 * GIB, 0]]
+
+
+def test_the_driver_holds_the_container_by_its_directory(
+    native_bin: Path, simgpu_node: Node, cgroupfs: Path
+) -> None:
+    assert nvml(simgpu_node, f"set:0:{ns('/kubepods/pod-c/ctr')}:0:{GIB}", sysfs=cgroupfs) == [
+        "ok"
+    ]
+    inside, other = cgroupfs / "kubepods/pod-c/ctr", cgroupfs / "kubepods/pod-d/ctr"
+    # A process of the container, its cgroup "/" in its own view: held, and counted.
+    with holding(native_bin, simgpu_node, "/", 600, sysfs=inside) as first:
+        assert first
+        assert nvml(simgpu_node, "get:0:/sys/fs/cgroup", sysfs=inside) == [[0, GIB, 600 * MIB]]
+        with holding(native_bin, simgpu_node, "/", 600, sysfs=inside) as second:
+            assert not second
+        # In a child cgroup of the container: held by its parent's limit.
+        (inside / "child").mkdir()
+        with holding(native_bin, simgpu_node, "/child", 600, sysfs=inside) as child:
+            assert not child
+        # Another container's process, also "/" in its own view: not held.
+        with holding(native_bin, simgpu_node, "/", 2048, sysfs=other) as free:
+            assert free
+
+
+def test_a_real_mount_of_the_cgroup_is_the_same_cgroup(
+    simgpu_node: Node, cgroupfs: Path
+) -> None:
+    """As under a real container runtime: no knob, the directory bind-mounted on
+    /sys/fs/cgroup in a private mount namespace."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a private mount namespace needs root and unshare")
+    host = ns("/kubepods/pod-c/ctr")
+    assert nvml(simgpu_node, f"set:0:{host}:0:{GIB}", sysfs=cgroupfs) == ["ok"]
+    script = (
+        f"mount --bind {cgroupfs / 'kubepods/pod-c/ctr'} /sys/fs/cgroup && "
+        f'exec {sys.executable} -c "$0" get:0:/sys/fs/cgroup'
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, _CALLS],
+        env=env_for(simgpu_node, "/system/hook"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if proc.returncode != 0 and "mount" in proc.stderr:
+        pytest.skip(f"cannot bind-mount here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [[0, GIB, 0]]

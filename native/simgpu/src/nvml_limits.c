@@ -9,10 +9,11 @@ nvmlReturn_t nvmlDeviceSetMemoryLimits_v1(nvmlDevice_t device, nvmlSetMemoryLimi
     nvmlReturn_t rc = nvml_device(device, NULL);
     if (rc != NVML_SUCCESS) return rc;
     if (!limits || !limits->nameSpace) return NVML_ERROR_INVALID_ARGUMENT;
-    char cgroup[SIMGPU_CGROUP_PATH];
-    /* The real driver opens the path; ours only requires it to name a cgroup v2 directory. */
-    if (simgpu_cgroup_of_namespace(limits->nameSpace, cgroup) != 0) return NVML_ERROR_OPERATING_SYSTEM;
-    switch (simgpu_cgroup_limit_set(device->phys, cgroup, limits->softLimit, limits->hardLimit)) {
+    struct simgpu_cgroup_id cgroup;
+    /* The real driver opens the path; ours takes the directory where there is one, else the
+     * path under /sys/fs/cgroup (simulated cgroups need not exist). */
+    if (simgpu_cgroup_of_namespace(limits->nameSpace, &cgroup) != 0) return NVML_ERROR_OPERATING_SYSTEM;
+    switch (simgpu_cgroup_limit_set(device->phys, &cgroup, limits->softLimit, limits->hardLimit)) {
     case SIMGPU_LIMIT_OK:
         return NVML_SUCCESS;
     case SIMGPU_LIMIT_INVALID:
@@ -28,10 +29,10 @@ nvmlReturn_t nvmlDeviceGetMemoryLimits_v1(nvmlDevice_t device, nvmlGetMemoryLimi
     nvmlReturn_t rc = nvml_device(device, NULL);
     if (rc != NVML_SUCCESS) return rc;
     if (!limits || !limits->nameSpace) return NVML_ERROR_INVALID_ARGUMENT;
-    char cgroup[SIMGPU_CGROUP_PATH];
-    if (simgpu_cgroup_of_namespace(limits->nameSpace, cgroup) != 0) return NVML_ERROR_OPERATING_SYSTEM;
+    struct simgpu_cgroup_id cgroup;
+    if (simgpu_cgroup_of_namespace(limits->nameSpace, &cgroup) != 0) return NVML_ERROR_OPERATING_SYSTEM;
     uint64_t soft = 0, hard = 0, used = 0;
-    switch (simgpu_cgroup_limit_get(device->phys, cgroup, &soft, &hard, &used)) {
+    switch (simgpu_cgroup_limit_get(device->phys, &cgroup, &soft, &hard, &used)) {
     case SIMGPU_LIMIT_OK:
         limits->softLimit = soft;
         limits->hardLimit = hard;

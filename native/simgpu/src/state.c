@@ -148,6 +148,7 @@ int simgpu_reap_locked(struct simgpu_node *node, int fd, int self_slot) {
         p->pid = 0;
         p->start_time = 0;
         p->cgroup[0] = 0;
+        p->cgroup_ndirs = 0;
         atomic_store(&p->state, SIMGPU_SLOT_FREE);
         ofd_lock(fd, node->lock_base + (uint64_t)i, F_UNLCK);
         freed++;
@@ -182,7 +183,7 @@ static int register_self(struct simgpu_node *node, int fd) {
     memset(p->contexts, 0, sizeof p->contexts);
     p->pid = (int32_t)getpid();
     p->start_time = proc_start_time();
-    simgpu_cgroup_self(p->cgroup);
+    p->cgroup_ndirs = simgpu_cgroup_self(p->cgroup, p->cgroup_dirs);
     atomic_store(&p->state, SIMGPU_SLOT_LIVE);
     simgpu_unlock(node);
     return slot;

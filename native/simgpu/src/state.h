@@ -18,12 +18,14 @@
 
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
-/* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process. */
-#define SIMGPU_STATE_VERSION 4u
+/* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
+ * 5: cgroups are identified by their directory too. */
+#define SIMGPU_STATE_VERSION 5u
 #define SIMGPU_BUSY_RING 2048
 #define SIMGPU_XID_RING 64
 #define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
 #define SIMGPU_CGROUP_PATH 512   /* bytes of a cgroup v2 path ("/kubepods/..."), NUL included */
+#define SIMGPU_CGROUP_DEPTH 16   /* a process's cgroup directory and its ancestors kept, leaf first */
 
 enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
 
@@ -56,6 +58,12 @@ struct simgpu_gpu_shared {
     struct simgpu_xid_record xid_ring[SIMGPU_XID_RING];
 };
 
+/* A cgroup by its directory, as the driver knows it whatever path named it. {0, 0}: none. */
+struct simgpu_cgroup_dir {
+    uint64_t dev;
+    uint64_t ino;
+};
+
 struct simgpu_proc_shared {
     _Atomic uint32_t state;
     int32_t pid;
@@ -63,6 +71,11 @@ struct simgpu_proc_shared {
     uint64_t used[SIMGPU_MAX_GPUS];
     uint32_t contexts[SIMGPU_MAX_GPUS];
     char cgroup[SIMGPU_CGROUP_PATH]; /* its cgroup v2 path, "" unknown (cgroup_limits.c) */
+    /* The (st_dev, st_ino) of its cgroup's directory and of the ancestors it can see, leaf
+     * first: what a limit set through another mount of the cgroup fs is matched by. */
+    uint32_t cgroup_ndirs;
+    uint32_t reserved;
+    struct simgpu_cgroup_dir cgroup_dirs[SIMGPU_CGROUP_DEPTH];
 };
 
 /* A memory limit the driver holds a cgroup to on one GPU (nvmlDeviceSetMemoryLimits_v1). */
@@ -71,6 +84,7 @@ struct simgpu_cgroup_limit {
     uint32_t gpu;    /* physical index */
     uint64_t soft;   /* bytes; reported, not enforced (no memory pressure is modelled) */
     uint64_t hard;   /* bytes */
+    struct simgpu_cgroup_dir dir; /* {0, 0}: its directory did not exist at set time */
     char cgroup[SIMGPU_CGROUP_PATH];
 };
 
@@ -177,13 +191,23 @@ uint32_t simgpu_gpu_processes(uint32_t gpu, struct simgpu_proc_usage *out, uint3
 
 /* --- per-cgroup memory limits (cgroup_limits.c), what nvmlDeviceSetMemoryLimits_v1 sets ------ */
 
-/* The calling process's cgroup v2 path: SIMGPU_CGROUP when set (a simulation knob: tests
+/* A cgroup as an NVML nameSpace names it: its path below the cgroup fs and, where that
+ * directory exists in this process's view, the directory itself. */
+struct simgpu_cgroup_id {
+    char path[SIMGPU_CGROUP_PATH]; /* canonical: "/" or "/a/b", no trailing '/' */
+    struct simgpu_cgroup_dir dir;  /* {0, 0}: no such directory */
+};
+
+/* The calling process's cgroup: the path is SIMGPU_CGROUP when set (a simulation knob: tests
  * cannot always move processes between cgroups), else the "0::<path>" line of
- * /proc/self/cgroup; "" when neither gives one. Canonical: "/" or "/a/b", no trailing '/'. */
-void simgpu_cgroup_self(char out[SIMGPU_CGROUP_PATH]);
-/* The cgroup path of an NVML nameSpace (the cgroup's full sysfs path, "/sys/fs/cgroup<path>"):
- * 0, or -1 when it is not under /sys/fs/cgroup or too long. */
-int simgpu_cgroup_of_namespace(const char *name_space, char out[SIMGPU_CGROUP_PATH]);
+ * /proc/self/cgroup ("" when neither gives one); `dirs` get the directory of that path under
+ * the cgroup fs and its ancestors', leaf first, as far as they exist; returns their count. */
+uint32_t simgpu_cgroup_self(char out[SIMGPU_CGROUP_PATH], struct simgpu_cgroup_dir dirs[SIMGPU_CGROUP_DEPTH]);
+/* The cgroup of an NVML nameSpace (the cgroup's full sysfs path, "/sys/fs/cgroup<path>"): 0,
+ * or -1 when it is not under /sys/fs/cgroup or too long. The directory is looked up in this
+ * process's view: /sys/fs/cgroup, or the directory SIMGPU_SYSFS_CGROUP names (a simulation
+ * knob: where a runtime mounted the cgroup fs, or a container's own cgroup, elsewhere). */
+int simgpu_cgroup_of_namespace(const char *name_space, struct simgpu_cgroup_id *out);
 
 enum {
     SIMGPU_LIMIT_OK = 0,
@@ -194,11 +218,14 @@ enum {
 };
 #define SIMGPU_LIMIT_MAX UINT64_MAX /* hard limit "none": soft 0 and hard MAX clear a limit */
 
-/* Set (or, soft 0 and hard SIMGPU_LIMIT_MAX, clear) the limit of `cgroup` on physical GPU `gpu`. */
-int simgpu_cgroup_limit_set(uint32_t gpu, const char *cgroup, uint64_t soft, uint64_t hard);
+/* Set (or, soft 0 and hard SIMGPU_LIMIT_MAX, clear) the limit of `cgroup` on physical GPU
+ * `gpu`. A cgroup whose directory exists is the directory (another path to it, from inside a
+ * container, finds it); one without is its path. */
+int simgpu_cgroup_limit_set(uint32_t gpu, const struct simgpu_cgroup_id *cgroup, uint64_t soft, uint64_t hard);
 /* The limit of exactly `cgroup` on `gpu`, and the bytes its processes (those of its
  * descendants included) hold there now, dead processes reaped first. */
-int simgpu_cgroup_limit_get(uint32_t gpu, const char *cgroup, uint64_t *soft, uint64_t *hard, uint64_t *used);
+int simgpu_cgroup_limit_get(uint32_t gpu, const struct simgpu_cgroup_id *cgroup, uint64_t *soft, uint64_t *hard,
+                            uint64_t *used);
 /* Whether slot `slot` may charge `bytes` more on `gpu`: no limit on its cgroup or an ancestor
  * would go over its hard limit. Node lock held. */
 int simgpu_cgroup_admits_locked(const struct simgpu_node *node, int slot, uint32_t gpu, uint64_t bytes);

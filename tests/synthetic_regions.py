@@ -17,6 +17,8 @@ class Dev:
     fallbacks: int = 0
     peak: int = 0
     gpu_ns: int = 0
+    driver_limit: int = 0  # what a process found the driver holds it to (region.h)
+    driver_limit_state: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,16 @@ from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.node import region
 from vgpu_plugin.node.dra_claims import PreparedClaims
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
+    SHIM_ERROR,
+    SHIM_FOUND,
+    SHIM_NO_CGROUP,
+    SHIM_NONE,
+    SHIM_UNCHECKED,
+    SHIM_UNSUPPORTED,
     GpuFacts,
     NodeView,
     build_view,
@@ -33,6 +40,7 @@ from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
 RES = "nvidia.com/gpu"
+NOT_REQUESTED = "not requested: its GPUs have different limits (the hook applies one to all)"
 
 
 def rec(
@@ -132,7 +140,10 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
     assert containers[1].split("ok", 1)[1].strip() == (
         "not requested: its GPUs have different limits (the hook applies one to all)"
     )
-    assert containers[2].split() == [GPU_B, "300/40778", "300", "0", "0", "0.0", "50%"]
+    assert containers[2].split()[:7] == [GPU_B, "300/40778", "300", "0", "0", "0.0", "50%"]
+    assert containers[2].endswith(
+        "not requested: its GPUs have different limits (the hook applies one to all)"
+    )
     assert containers[3].split() == [
         "(pod",
         "not",
@@ -191,6 +202,8 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
         "gpus": [
             {
                 "compute_limit": 25,
+                "driver_limit": NOT_REQUESTED,
+                "driver_limit_confirmed": 0,
                 "fallbacks": 1,
                 "gpu_seconds": 1.5,
                 "memory_limit": 20389 * MIB,
@@ -202,6 +215,8 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
             },
             {
                 "compute_limit": 50,
+                "driver_limit": NOT_REQUESTED,
+                "driver_limit_confirmed": 0,
                 "fallbacks": 0,
                 "gpu_seconds": 0.0,
                 "memory_limit": 40778 * MIB,
@@ -472,3 +487,60 @@ def test_an_unreadable_dra_claims_file_is_a_note_and_left_alone(
     assert any("DRA claims file" in n and "not shown" in n for n in view.notes)
     assert all(a.frontend == "device-plugin" for a in view.allocations)
     assert path.read_text() == "{not json"  # status is read-only: nothing moved aside
+
+
+def test_the_driver_limit_is_confirmed_per_gpu_by_what_a_process_of_the_container_found() -> None:
+    grant = GpuLimit(GPU_A, 4096 * MIB, 0)
+    cases = {  # allocation: (requested, what a process found, bytes/code, expected state)
+        "held": ("requested", SHIM_FOUND, 4096 * MIB, "confirmed"),
+        "looser": ("requested", SHIM_FOUND, 8192 * MIB, "not applied: the driver's limit, "
+                   "8192 MiB, is above the grant of 4096 MiB"),
+        "no-hook": ("requested", SHIM_NONE, 0, "not applied: no limit on the container's cgroup"),
+        "old-driver": ("requested", SHIM_UNSUPPORTED, 0, "not applied: the driver cannot report "
+                       "one (no nvmlDeviceGetMemoryLimits_v1)"),
+        "v1": ("requested", SHIM_NO_CGROUP, 0, "not applied: the container is in no cgroup v2"),
+        "failed": ("requested", SHIM_ERROR, 999, "not applied: NVML error 999 when asked"),
+        "no-cuda-yet": ("requested", SHIM_UNCHECKED, 0, "requested"),
+        "off": ("off", SHIM_NONE, 0, "off"),
+        "set-by-someone": ("off", SHIM_FOUND, 2048 * MIB, "confirmed"),
+    }  # fmt: skip
+    records = [
+        rec(a, i, (f"{GPU_A}-{i}",), grant, driver=asked)
+        for i, (a, (asked, _, _, _)) in enumerate(cases.items())
+    ]
+    regions = {
+        a: Snap((Dev(GPU_A, 0, driver_limit=v, driver_limit_state=found),), ())
+        for a, (_, found, v, _) in cases.items()
+    }
+    view = build_view(records, regions, [])
+    got = {a.id: (a.driver_memory_limit, a.gpus[0].driver_limit) for a in view.allocations}
+    assert got == {a: (asked, want) for a, (asked, _, _, want) in cases.items()}
+    doc = json.loads(status_json(view))
+    held = next(a for a in doc["allocations"] if a["id"] == "held")
+    assert held["driver_memory_limit"] == "requested"  # what Allocate asked, as before
+    assert held["gpus"][0]["driver_limit"] == "confirmed"
+    assert held["gpus"][0]["driver_limit_confirmed"] == 4096 * MIB
+    looser = next(a for a in doc["allocations"] if a["id"] == "looser")
+    assert looser["gpus"][0]["driver_limit_confirmed"] == 0
+    table = render_status(view)
+    row = next(line for line in table.splitlines() if "held" in line)
+    assert row.endswith(" confirmed")
+
+
+def test_the_shims_states_are_the_regions_enum() -> None:
+    _, lib = region._lib()
+    assert [
+        SHIM_UNCHECKED,
+        SHIM_FOUND,
+        SHIM_NONE,
+        SHIM_UNSUPPORTED,
+        SHIM_NO_CGROUP,
+        SHIM_ERROR,
+    ] == [
+        lib.VGPU_DRIVER_LIMIT_UNCHECKED,
+        lib.VGPU_DRIVER_LIMIT_FOUND,
+        lib.VGPU_DRIVER_LIMIT_NONE,
+        lib.VGPU_DRIVER_LIMIT_UNSUPPORTED,
+        lib.VGPU_DRIVER_LIMIT_NO_CGROUP,
+        lib.VGPU_DRIVER_LIMIT_ERROR,
+    ]

@@ -22,6 +22,9 @@ from vgpu_plugin.node import metrics
 from vgpu_plugin.node.dra_claims import PreparedClaims
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
+    SHIM_FOUND,
+    SHIM_NONE,
+    SHIM_UNCHECKED,
     GpuFacts,
     NodeView,
     region_path,
@@ -233,6 +236,39 @@ def test_the_driver_limit_is_its_memory_limit_where_requested_else_0(node: Node)
     assert value(got, name, allocation_id="off") == 0
     assert [v for _, v in samples(got, name, allocation_id="mixed")] == [0, 0]
     assert value(got, name, allocation_id="old") == 0
+
+
+def test_the_driver_limit_a_process_found_is_exported_as_confirmed_or_not_applied(
+    node: Node,
+) -> None:
+    limit = GpuLimit(GPU_A, 1000 * MIB, 0)
+    for k, (alloc, found, bytes_found) in enumerate(
+        [
+            ("held", SHIM_FOUND, 1000 * MIB),  # the hook set exactly the grant
+            ("tighter", SHIM_FOUND, 900 * MIB),
+            ("looser", SHIM_FOUND, 2000 * MIB),  # not its slice: the shim alone holds it
+            ("none", SHIM_NONE, 0),  # the node's toolkit lacks the hook
+            ("unasked", SHIM_UNCHECKED, 0),  # no CUDA process yet
+        ]
+    ):
+        node.store.add(record(alloc, k, limit, k=k, driver="requested"))
+        dev = Dev(GPU_A, 0, driver_limit=bytes_found, driver_limit_state=found)
+        node.regions.put(node.root, alloc, Snap((dev,), ()))
+    got = node.scrape()
+    confirmed = "vgpu_container_driver_memory_limit_confirmed_bytes"
+    not_applied = "vgpu_container_driver_memory_limit_not_applied"
+    requested = "vgpu_container_driver_memory_limit_bytes"
+    assert value(got, confirmed, allocation_id="held") == 1000 * MIB
+    assert value(got, confirmed, allocation_id="tighter") == 900 * MIB
+    for alloc in ("looser", "none", "unasked"):
+        assert value(got, confirmed, allocation_id=alloc) == 0
+    assert [value(got, not_applied, allocation_id=a) for a in ("held", "looser", "none")] == [
+        0,
+        1,
+        1,
+    ]
+    assert value(got, not_applied, allocation_id="unasked") == 0
+    assert value(got, requested, allocation_id="none") == 1000 * MIB  # the request stays
 
 
 def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:

@@ -244,9 +244,7 @@ def test_the_container_finds_the_limit_the_host_set_by_its_own_path(
 def test_the_driver_holds_the_container_by_its_directory(
     native_bin: Path, simgpu_node: Node, cgroupfs: Path
 ) -> None:
-    assert nvml(simgpu_node, f"set:0:{ns('/kubepods/pod-c/ctr')}:0:{GIB}", sysfs=cgroupfs) == [
-        "ok"
-    ]
+    assert nvml(simgpu_node, f"set:0:{ns('/kubepods/pod-c/ctr')}:0:{GIB}", sysfs=cgroupfs) == ["ok"]
     inside, other = cgroupfs / "kubepods/pod-c/ctr", cgroupfs / "kubepods/pod-d/ctr"
     # A process of the container, its cgroup "/" in its own view: held, and counted.
     with holding(native_bin, simgpu_node, "/", 600, sysfs=inside) as first:
@@ -263,9 +261,7 @@ def test_the_driver_holds_the_container_by_its_directory(
             assert free
 
 
-def test_a_real_mount_of_the_cgroup_is_the_same_cgroup(
-    simgpu_node: Node, cgroupfs: Path
-) -> None:
+def test_a_real_mount_of_the_cgroup_is_the_same_cgroup(simgpu_node: Node, cgroupfs: Path) -> None:
     """As under a real container runtime: no knob, the directory bind-mounted on
     /sys/fs/cgroup in a private mount namespace."""
     if os.geteuid() != 0 or not shutil.which("unshare"):

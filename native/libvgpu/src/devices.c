@@ -79,6 +79,8 @@ static int region_open_locked(void) {
     if (rc != VGPU_REGION_OK)
         vgpu_log(VGPU_LOG_ERROR, "cannot use the shared region: %s; allocations on limited "
                  "GPUs are refused", err);
+    else
+        vgpu_driver_limit_check(vgpu.region); /* once per process, off every hot path */
     return vgpu.region_state > 0;
 }
 

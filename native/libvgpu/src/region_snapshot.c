@@ -325,6 +325,8 @@ static int snapshot(struct reader *r, struct vgpu_region_snapshot *out) {
         out->devices[d].fallbacks = st->fallbacks;
         out->devices[d].peak = st->peak;
         out->devices[d].gpu_ns = st->gpu_ns;
+        out->devices[d].driver_limit = st->driver_limit;
+        out->devices[d].driver_limit_state = st->driver_limit_state;
     }
     int rc = take_copy(r, out);
     /* The identity and the devices again: the first read of them may have raced a rewrite of

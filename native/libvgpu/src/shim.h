@@ -182,6 +182,9 @@ VGPU_HIDDEN void vgpu_nvml_load(void);
 VGPU_HIDDEN int vgpu_nvml_ready(void);
 VGPU_HIDDEN const struct vgpu_hook *vgpu_hook_by_name(const char *name);
 VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
+/* driver_limit.c: once per container, record in the region whether the driver holds this
+ * process's cgroup to a memory limit on each of the region's GPUs. */
+VGPU_HIDDEN void vgpu_driver_limit_check(struct vgpu_region *r);
 /* The real dlsym (dlsym.c), resolved on first use. */
 VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
 

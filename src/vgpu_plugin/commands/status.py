@@ -203,7 +203,7 @@ def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
                 compute,
                 str(a.processes_alive) if i == 0 else "",
                 a.region_state if i == 0 else "",
-                a.driver_memory_limit if i == 0 else "",
+                g.driver_limit,
             ]
         )
     return rows

@@ -38,7 +38,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from vgpu_plugin.node.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
+from vgpu_plugin.node.nodeview import (
+    DRIVER_LIMIT_NOT_APPLIED,
+    AllocationGpuView,
+    AllocationView,
+    GpuView,
+    NodeView,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +137,25 @@ ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
         "vgpu_container_driver_memory_limit_bytes",
         "memory limit the plugin asked the driver to hold the container to on this GPU"
         " (NVIDIA_GPU_MEMORY_LIMIT, for the toolkit's apply-cuda-memory-limits hook);"
-        " 0 = not requested. Requested, not confirmed applied",
+        " 0 = not requested. The request: vgpu_container_driver_memory_limit_confirmed_bytes"
+        " says whether it holds",
         "gauge",
         lambda a, g: g.memory_limit if a.driver_limit_requested else 0,
+    ),
+    (
+        "vgpu_container_driver_memory_limit_confirmed_bytes",
+        "hard memory limit a process of the container found the driver holds its cgroup to"
+        " on this GPU (nvmlDeviceGetMemoryLimits_v1), where at most the container's limit;"
+        " 0 = not confirmed. Reported from inside the container",
+        "gauge",
+        lambda a, g: g.driver_limit_confirmed,
+    ),
+    (
+        "vgpu_container_driver_memory_limit_not_applied",
+        "1 when a process of the container looked and found the driver does not hold it to"
+        " the requested limit on this GPU (no limit, a larger one, or no way to ask)",
+        "gauge",
+        lambda a, g: 1 if g.driver_limit.startswith(DRIVER_LIMIT_NOT_APPLIED) else 0,
     ),
 )
 GpuValue = Callable[[GpuView], "float | int | None"]

@@ -36,6 +36,20 @@ DRA = "dra"
 # name). What was *requested*: whether the node's toolkit applied it is not known here.
 DRIVER_LIMIT_KEY = "driver_memory_limit"
 DRIVER_LIMIT_UNKNOWN = "unknown"  # a record written before the plugin recorded it
+DRIVER_LIMIT_OFF = "off"
+# Per GPU, what a process of the container found (the region's driver_limit_state) turns the
+# request into: the driver holds the container to at most its grant, or a process looked and
+# found it does not ("not applied: <why>").
+DRIVER_LIMIT_CONFIRMED = "confirmed"
+DRIVER_LIMIT_NOT_APPLIED = "not applied"
+
+# enum vgpu_driver_limit_state (native/libvgpu/include/vgpu/region.h); a test holds them equal.
+SHIM_UNCHECKED, SHIM_FOUND, SHIM_NONE, SHIM_UNSUPPORTED, SHIM_NO_CGROUP, SHIM_ERROR = range(6)
+_NOT_APPLIED_WHY = {
+    SHIM_NONE: "no limit on the container's cgroup",
+    SHIM_UNSUPPORTED: "the driver cannot report one (no nvmlDeviceGetMemoryLimits_v1)",
+    SHIM_NO_CGROUP: "the container is in no cgroup v2",
+}
 
 
 # --- what is read from a region (``region.RegionSnapshot`` has this shape) -------------------
@@ -54,6 +68,10 @@ class RegionDevice(Protocol):
     def peak(self) -> int: ...  # the highest usage charged, bytes
     @property
     def gpu_ns(self) -> int: ...  # GPU time of the container's measured (paced) launches
+    @property
+    def driver_limit(self) -> int: ...  # bytes a process found the driver holds it to
+    @property
+    def driver_limit_state(self) -> int: ...  # SHIM_* above: what that process found
 
 
 class RegionProcess(Protocol):
@@ -122,6 +140,13 @@ class AllocationGpuView:
     fallbacks: int = 0  # allocations that fell back to managed memory
     memory_peak: int = 0  # bytes, the highest usage charged
     gpu_seconds: float = 0.0  # GPU time of measured (paced) launches
+    # Whether the driver holds the container to its limit on this GPU: 'confirmed' (a process
+    # of the container found a hard limit at most the grant), 'requested' (asked, nothing
+    # confirmed yet), 'not applied: <why>' (a process looked: none, or a larger one), 'off',
+    # 'not requested: <why>' or 'unknown' (the allocation's request, nobody looked).
+    # Reported from inside the container: the tenant can forge it (docs/security.md).
+    driver_limit: str = DRIVER_LIMIT_UNKNOWN
+    driver_limit_confirmed: int = 0  # bytes: the hard limit found, where 'confirmed'
 
 
 @dataclass(frozen=True)
@@ -227,6 +252,33 @@ def _limits(record: AllocationRecord) -> list[GpuLimit]:
     return [GpuLimit(u, 0, 0) for u in uuids]
 
 
+def _mib(n: int) -> str:
+    return f"{n // (1 << 20)} MiB" if n % (1 << 20) == 0 else f"{n} bytes"
+
+
+def driver_limit_state(requested: str, grant: int, dev: RegionDevice | None) -> tuple[str, int]:
+    """(state, confirmed bytes) of one GPU of an allocation: the request (``requested``, the
+    record's), turned by what a process of the container found (``dev``; None: nobody looked,
+    or the region is not trusted) into 'confirmed' or 'not applied: <why>'.
+
+    A hard limit found above the grant (``grant`` bytes; 0: unknown, any limit found counts)
+    does not hold the container to its slice, only the shim does: 'not applied'. Where nothing
+    was requested ('off', 'not requested: …') a process that found nothing changes nothing."""
+    found = SHIM_UNCHECKED if dev is None else int(dev.driver_limit_state)
+    limit = 0 if dev is None else int(dev.driver_limit)
+    if found == SHIM_FOUND and (grant == 0 or limit <= grant):
+        return DRIVER_LIMIT_CONFIRMED, limit
+    if found == SHIM_UNCHECKED or requested not in (DRIVER_LIMIT_SET, DRIVER_LIMIT_UNKNOWN):
+        return requested, 0
+    if found == SHIM_FOUND:
+        why = f"the driver's limit, {_mib(limit)}, is above the grant of {_mib(grant)}"
+    elif found == SHIM_ERROR:
+        why = f"NVML error {limit} when asked"
+    else:
+        why = _NOT_APPLIED_WHY.get(found, f"unknown answer {found} in the region")
+    return f"{DRIVER_LIMIT_NOT_APPLIED}: {why}", 0
+
+
 def _counters(dev: RegionDevice | None) -> dict[str, Any]:
     """The region's counters of one GPU, as AllocationGpuView's fields (none: all 0)."""
     if dev is None:
@@ -266,21 +318,27 @@ def allocation_view(
                 counters[dev.uuid] = dev
             alive = sum(1 for p in region.processes if p.alive)
     trusted = state in (REGION_OK, REGION_MISSING)
-    gpus = tuple(
-        AllocationGpuView(
+    requested = driver_limit_of(record)
+
+    def gpu_view(g: GpuLimit) -> AllocationGpuView:
+        dev = counters.get(g.uuid) if trusted else None
+        driver, confirmed = driver_limit_state(requested, g.memory_bytes, dev)
+        return AllocationGpuView(
             uuid=g.uuid,
             memory_limit=g.memory_bytes,
             memory_used=used.get(g.uuid, 0) if trusted else None,
             compute_limit=g.compute_percent,
             processes=procs.get(g.uuid, 0),
-            **_counters(counters.get(g.uuid) if trusted else None),
+            **_counters(dev),
+            driver_limit=driver,
+            driver_limit_confirmed=confirmed,
         )
-        for g in limits
-    )
+
+    gpus = tuple(gpu_view(g) for g in limits)
     ended = record.released is not None and alive == 0
     return AllocationView(
         record.allocation_id, pod, gpus, alive, state, record.created, ended,
-        driver_memory_limit=driver_limit_of(record),
+        driver_memory_limit=requested,
     )  # fmt: skip
 
 

@@ -49,6 +49,11 @@ class DeviceUsage:
     fallbacks: int = 0  # allocations that fell back to managed memory (oversubscription)
     peak: int = 0  # the highest usage charged, bytes
     gpu_ns: int = 0  # GPU time of the container's measured (paced) launches
+    # What a process of the container found the driver holds it to (enum
+    # vgpu_driver_limit_state in region.h; 0: nobody looked yet) and, when found, the hard
+    # limit in bytes. Written by the tenant: reported, not trusted.
+    driver_limit: int = 0
+    driver_limit_state: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ def read_region(path: str | os.PathLike[str]) -> RegionSnapshot:
             fallbacks=d.fallbacks,
             peak=d.peak,
             gpu_ns=d.gpu_ns,
+            driver_limit=d.driver_limit,
+            driver_limit_state=d.driver_limit_state,
         )
         for d in snap.devices[0:ndev]
     )

@@ -82,7 +82,22 @@ struct vgpu_region_device_stats {
     uint64_t fallbacks;      /* allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE) */
     uint64_t peak;           /* the highest usage charged, bytes */
     uint64_t gpu_ns;         /* GPU time of the container's measured (paced) launches, ns */
-    uint64_t reserved[4];
+    /* What the driver holds the container to on this GPU, as NVML told a process of it
+     * (nvmlDeviceGetMemoryLimits_v1 for its own cgroup, walking up to the first with a
+     * limit); written once per container by the first process that attaches, state last.
+     * Reported by the tenant: the host may show it, never trust it. */
+    uint64_t driver_limit;       /* _FOUND: the hard limit, bytes; _ERROR: the nvmlReturn_t */
+    uint64_t driver_limit_state; /* enum vgpu_driver_limit_state */
+    uint64_t reserved[2];
+};
+
+enum vgpu_driver_limit_state {
+    VGPU_DRIVER_LIMIT_UNCHECKED = 0,   /* no process has looked yet */
+    VGPU_DRIVER_LIMIT_FOUND = 1,       /* a hard limit is set for the process's cgroup or above */
+    VGPU_DRIVER_LIMIT_NONE = 2,        /* none on its cgroup or any ancestor */
+    VGPU_DRIVER_LIMIT_UNSUPPORTED = 3, /* no NVML, or a driver without the call */
+    VGPU_DRIVER_LIMIT_NO_CGROUP = 4,   /* the process is in no cgroup v2 (a v1 host) */
+    VGPU_DRIVER_LIMIT_ERROR = 5        /* NVML failed otherwise: driver_limit holds its code */
 };
 
 struct vgpu_slot_device {
@@ -151,6 +166,8 @@ struct vgpu_snapshot_device {
     uint64_t fallbacks;
     uint64_t peak;
     uint64_t gpu_ns;
+    uint64_t driver_limit;   /* the driver limit a process of the container found (above) */
+    uint64_t driver_limit_state;
 };
 
 struct vgpu_snapshot_process {

@@ -1,0 +1,103 @@
+"""The shim confirms the driver's own memory limit (docs/contracts.md, "Driver memory limit"):
+the first process of a container that attaches to the region asks NVML
+(nvmlDeviceGetMemoryLimits_v1) for its own cgroup on each of the region's GPUs, and writes
+what it found into the region's per-device stats, where the node reads it.
+
+The toolkit's hook is ``python -m vgpu_plugin.sim.toolkit`` (the same process the runc tests
+run). ``SIMGPU_SYSFS_CGROUP`` stands for the mount of the cgroup fs: the hook sees the host's
+(a directory here), the shim's process sees its container's own cgroup there, as under a cgroup
+namespace; so the limit is found by the directory, not by the host path.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_shim_helpers import GIB, MIB, Shim
+
+from vgpu_plugin.core.devices import GpuLimit
+from vgpu_plugin.node.nodeview import SHIM_FOUND, SHIM_NONE, SHIM_UNCHECKED
+from vgpu_plugin.node.region import create_region, read_region
+from vgpu_plugin.sim.simgpu import Node
+
+CONTAINER = "kubepods/pod-x/ctr"
+
+
+@pytest.fixture
+def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
+    return Shim(native_tree, simgpu_node, tmp_path)
+
+
+@pytest.fixture
+def cgroupfs(tmp_path: Path) -> Path:
+    root = tmp_path / "cgroupfs"
+    (root / CONTAINER).mkdir(parents=True)
+    return root
+
+
+def hook(shim: Shim, cgroupfs: Path, hard: int, *uuids: str) -> None:
+    env = shim.env(shim=False)
+    env["SIMGPU_SYSFS_CGROUP"] = str(cgroupfs)
+    args = [f"/sys/fs/cgroup/{CONTAINER}", str(hard), str(hard), *uuids]
+    subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin.sim.toolkit", *args],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
+
+
+def run_in_container(shim: Shim, cgroupfs: Path) -> None:
+    env = shim.env()
+    env["SIMGPU_SYSFS_CGROUP"] = str(cgroupfs / CONTAINER)
+    r = shim.run("shim_mem", "handle", 0, "alloc", 64 * MIB, 1, env=env)
+    assert r.rc == 0, r.stderr
+
+
+def test_a_process_records_the_limit_the_driver_holds_its_cgroup_to(
+    shim: Shim, cgroupfs: Path
+) -> None:
+    g0, g1 = shim.node.gpus()[:2]
+    shim.write_limits([(g0.uuid, 2 * GIB, 0), (g1.uuid, 2 * GIB, 0)])
+    hook(shim, cgroupfs, 2 * GIB, g0.uuid)  # the hook ran for GPU 0 only
+    run_in_container(shim, cgroupfs)
+    devices = {d.uuid: d for d in read_region(shim.region).devices}
+    assert (devices[g0.uuid].driver_limit_state, devices[g0.uuid].driver_limit) == (
+        SHIM_FOUND,
+        2 * GIB,
+    )
+    assert (devices[g1.uuid].driver_limit_state, devices[g1.uuid].driver_limit) == (SHIM_NONE, 0)
+
+
+def test_without_the_hook_a_process_records_that_the_driver_holds_nothing(
+    shim: Shim, cgroupfs: Path
+) -> None:
+    g0 = shim.node.gpus()[0]
+    shim.write_limits([(g0.uuid, 2 * GIB, 0)])
+    run_in_container(shim, cgroupfs)
+    (dev,) = read_region(shim.region).devices
+    assert (dev.driver_limit_state, dev.driver_limit) == (SHIM_NONE, 0)
+
+
+def test_the_first_answer_stands_for_the_container(shim: Shim, cgroupfs: Path) -> None:
+    """Once per container: a later process does not ask again (one NVML init less each)."""
+    g0 = shim.node.gpus()[0]
+    shim.write_limits([(g0.uuid, 2 * GIB, 0)])
+    run_in_container(shim, cgroupfs)
+    hook(shim, cgroupfs, GIB, g0.uuid)
+    run_in_container(shim, cgroupfs)
+    (dev,) = read_region(shim.region).devices
+    assert dev.driver_limit_state == SHIM_NONE
+
+
+def test_a_region_no_process_attached_to_is_unchecked(shim: Shim) -> None:
+    """A region made by the plugin and no CUDA process yet: nothing confirmed."""
+    g0 = shim.node.gpus()[0]
+    shim.region.parent.mkdir(parents=True, exist_ok=True)
+    create_region(shim.region, [GpuLimit(g0.uuid, 2 * GIB, 0)])
+    (dev,) = read_region(shim.region).devices
+    assert dev.driver_limit_state == SHIM_UNCHECKED

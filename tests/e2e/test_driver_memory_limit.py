@@ -11,6 +11,7 @@ the container's cgroup when the plugin set ``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMI
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from e2e.helpers import NodeFactory, needs_containers, one
 
@@ -22,6 +23,17 @@ pytestmark = needs_containers
 
 SLICE_MIB, CONTEXT_MIB = 4096, 256  # a quarter of a 16 GiB GPU; the node's context overhead
 GREEDY = [*WORKLOAD, "alloc", "--target-mib", str(2 * SLICE_MIB), "--chunk-mib", "64"]
+
+
+def driver_limits(node: EmulatedNode) -> list[tuple[str, str, int]]:
+    """Per allocation and GPU, from ``status --json``: (requested, state, confirmed bytes)."""
+    shown = node.status("--json")
+    assert shown.returncode == 0, shown.stderr
+    return [
+        (a["driver_memory_limit"], g["driver_limit"], g["driver_limit_confirmed"])
+        for a in json.loads(shown.stdout)["allocations"]
+        for g in a["gpus"]
+    ]
 
 
 def run_without_shim(node: EmulatedNode, pod: Admitted, name: str) -> dict[str, object]:
@@ -43,10 +55,14 @@ def test_the_driver_holds_a_process_that_bypasses_the_shim(
     assert got["cuda_total"] == 16384 * MIB, "the shim was loaded after all"
     assert got["out_of_memory"] is True
     assert got["allocated_mib"] + CONTEXT_MIB == SLICE_MIB  # the driver's limit, to the MiB
-    # The plugin says what it asked for (the driver limit's state, per container).
-    shown = node.status("--json")
-    assert shown.returncode == 0, shown.stderr
-    assert '"driver_memory_limit": "requested"' in shown.stdout
+    # The plugin says what it asked for; no process of the container has confirmed it: the
+    # bypassing one never loaded the shim.
+    assert driver_limits(node) == [("requested", "requested", 0)]
+    # A CUDA process with the shim finds the driver's limit for its own cgroup (by the path
+    # its namespace shows, not the host's): confirmed, to the byte.
+    small = [*WORKLOAD, "alloc", "--target-mib", "64", "--chunk-mib", "64"]
+    assert one(node.run_container(pod, small))["allocated_mib"] == 64
+    assert driver_limits(node) == [("requested", "confirmed", SLICE_MIB * MIB)]
 
 
 def test_without_the_driver_limit_the_same_process_takes_what_it_wants(
@@ -70,6 +86,9 @@ def test_a_toolkit_without_the_hook_leaves_only_the_shim(
     assert pod.envs["NVIDIA_GPU_MEMORY_LIMIT"] == str(SLICE_MIB)  # asked, but nobody applies it
     assert CGROUP_ENV not in node.container_config(pod, "x", GREEDY).envs
     assert run_without_shim(node, pod, "old-bypass")["allocated_mib"] == 2 * SLICE_MIB
-    # With the shim it is still held to its slice.
+    # With the shim it is still held to its slice; and it found the driver holds it to nothing.
     got = one(node.run_container(pod, GREEDY))
     assert got["out_of_memory"] is True and got["allocated_mib"] + CONTEXT_MIB <= SLICE_MIB
+    assert driver_limits(node) == [
+        ("requested", "not applied: no limit on the container's cgroup", 0)
+    ]

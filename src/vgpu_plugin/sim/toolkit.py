@@ -27,6 +27,13 @@ process of its own, as the real one is (``python -m vgpu_plugin.sim.toolkit``, t
 simgpu's NVML). A simulated container's cgroup is ``/kubepods/vgpu-sim/<container name>``; it
 reaches the container as ``SIMGPU_CGROUP``, which simgpu takes for the process's cgroup (under
 a cgroup namespace the container's own ``/proc/self/cgroup`` says only ``/``).
+
+Where the driver call knows the node's simulated cgroup fs (``DriverHook.cgroupfs``, next to
+the node's state), the container's cgroup is also a directory there, as the runtime makes it,
+and the container sees it as its own cgroup, as under a cgroup namespace: mounted read-only at
+``OWN_CGROUP_MOUNT``, which ``SIMGPU_SYSFS_CGROUP`` tells simgpu stands for /sys/fs/cgroup (the
+process runtimes cannot mount over /sys/fs/cgroup). The hook sets the limit by the host path,
+the shim inside asks by ``/sys/fs/cgroup/``, and simgpu finds the one directory both name.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from vgpu_plugin.sim.runc import ContainerConfig
 MIB = 1 << 20
 CGROUP_ENV = "SIMGPU_CGROUP"
 SYSFS_CGROUP = "/sys/fs/cgroup"
+SYSFS_ENV = "SIMGPU_SYSFS_CGROUP"  # simgpu: the directory that stands for /sys/fs/cgroup
+OWN_CGROUP_MOUNT = "/run/vgpu-sim/cgroup"  # the container's own cgroup, as its /sys/fs/cgroup
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,13 @@ def apply(
     decided = [g for g in dict.fromkeys(gpus) if g in physical]
     envs[cdi.VISIBLE_DEVICES_ENV] = ",".join(decided) or "void"
     limits = memory_limits(envs)
+    cgroupfs: Path | None = getattr(set_memory_limits, "cgroupfs", None)
+    if cgroupfs is not None and decided:
+        # The runtime's part: the container's cgroup exists, and is the container's own view.
+        own = cgroupfs / container_cgroup(config.name).lstrip("/")
+        own.mkdir(parents=True, exist_ok=True)
+        mounts.append(Mount(OWN_CGROUP_MOUNT, str(own), True))
+        envs[SYSFS_ENV] = OWN_CGROUP_MOUNT
     if settings.apply_cuda_memory_limits and limits and decided and set_memory_limits:
         cgroup = container_cgroup(config.name)
         set_memory_limits(SYSFS_CGROUP + cgroup, decided, *limits)
@@ -149,19 +165,32 @@ def apply(
     return dataclasses.replace(config, envs=envs, mounts=mounts)
 
 
-def set_memory_limits_with(env: Mapping[str, str]) -> SetMemoryLimits:
-    """The hook's driver call, as a process of its own on the node of ``env`` (simgpu's)."""
+@dataclass(frozen=True)
+class DriverHook:
+    """The hook's driver call, as a process of its own on the node of ``env`` (simgpu's), on
+    the host, whose /sys/fs/cgroup is ``cgroupfs`` (None: simulated cgroups are paths only)."""
 
-    def call(name_space: str, uuids: Sequence[str], soft: int, hard: int) -> None:
+    env: Mapping[str, str]
+    cgroupfs: Path | None
+
+    def __call__(self, name_space: str, uuids: Sequence[str], soft: int, hard: int) -> None:
+        env = dict(self.env)
+        if self.cgroupfs is not None:
+            env[SYSFS_ENV] = str(self.cgroupfs)
         proc = subprocess.run(
             [sys.executable, "-m", "vgpu_plugin.sim.toolkit", name_space, str(soft), str(hard),
              *uuids],
-            env=dict(env), capture_output=True, text=True, timeout=60, check=False,
+            env=env, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if proc.returncode != 0:  # the runtime fails the container, as on a real node
             raise RuntimeError(f"apply-cuda-memory-limits failed: {proc.stderr.strip()}")
 
-    return call
+
+def set_memory_limits_with(env: Mapping[str, str]) -> DriverHook:
+    """The hook's driver call on the node of ``env``; the node's simulated cgroup fs is the
+    directory beside its state (``<state>.cgroupfs``)."""
+    state = env.get("SIMGPU_STATE")
+    return DriverHook(env, Path(state + ".cgroupfs") if state else None)
 
 
 # --- the hook process: NVML through ctypes (any pynvml version; NVML 13.4's entry points) ----

@@ -30,10 +30,14 @@ from vgpu_plugin import __version__
 from vgpu_plugin.commands import cli
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core import dra
+from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.core.config import Config, Sharing, load_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.schema import spec_for
 from vgpu_plugin.node.metrics import parse_address
+from vgpu_plugin.sim.runc import ContainerConfig
+from vgpu_plugin.sim.toolkit import UNSAFE_DEFAULTS, ToolkitSettings
+from vgpu_plugin.sim.toolkit import apply as toolkit_apply
 
 # Envs the DaemonSet may set besides serve's flags: what the NVIDIA container toolkit reads.
 NVIDIA_ENVS = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
@@ -274,7 +278,37 @@ def test_nothing_runs_more_privileged_than_it_needs() -> None:
             "host-node-labels",
             "plugins-registry",  # DRA only: the kubelet's plugin registration dir
             "plugins",  # DRA only: the driver's service socket
+            "nvidia-devices-all",  # /dev/null, read-only: names the GPUs to the toolkit
         }
+        devices = next(v for v in pod["volumes"] if v["name"] == "nvidia-devices-all")
+        assert devices["hostPath"] == {"path": "/dev/null", "type": "CharDevice"}
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [ToolkitSettings(), UNSAFE_DEFAULTS, ToolkitSettings(accept_volume_mounts=False)],
+    ids=["safe", "toolkit defaults", "envvar only, not accepted"],
+)
+def test_the_plugin_sees_every_gpu_whatever_the_toolkits_settings(
+    defaults: Rendered, settings: ToolkitSettings
+) -> None:
+    """NVML needs the node's GPUs in the plugin's own (unprivileged) container: the toolkit
+    decides them from its env or its mounts, as sim/toolkit.py plays it."""
+    pod = daemonset(defaults)["spec"]["template"]["spec"]
+    c = container(defaults, "vgpu-plugin")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = [
+        Mount(m["mountPath"], volumes[m["name"]]["hostPath"]["path"], bool(m.get("readOnly")))
+        for m in c["volumeMounts"]
+        if "hostPath" in volumes[m["name"]]
+    ]
+    config = ContainerConfig("vgpu-plugin", c["args"], envs(c), mounts)
+    gpus = ["GPU-a", "GPU-b"]
+    decided = toolkit_apply(config, settings, gpus).envs["NVIDIA_VISIBLE_DEVICES"]
+    if settings.accept_volume_mounts or settings.accept_envvar_when_unprivileged:
+        assert decided == "GPU-a,GPU-b"
+    else:  # nothing names a GPU to such a toolkit but privilege, which the plugin does not get
+        assert decided == "void"
 
 
 def test_scheduling_and_rollout(defaults: Rendered) -> None:

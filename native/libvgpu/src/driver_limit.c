@@ -22,7 +22,6 @@
 #define SYSFS_CGROUP "/sys/fs/cgroup"
 
 typedef nvmlReturn_t (*get_limits_fn)(nvmlDevice_t, nvmlGetMemoryLimits_v1_t *);
-typedef nvmlReturn_t (*shutdown_fn)(void);
 
 /* This process's cgroup v2 path ("/" or "/a/b") into out; 0, or -1 when it has none. */
 static int own_cgroup(char *out, size_t outlen) {
@@ -91,21 +90,20 @@ void vgpu_driver_limit_check(struct vgpu_region *r) {
     for (int d = 0; d < n; d++)
         todo |= __atomic_load_n(&f->stats[d].driver_limit_state, __ATOMIC_ACQUIRE) ==
                 VGPU_DRIVER_LIMIT_UNCHECKED;
-    if (!todo) return; /* another process of the container has looked: one NVML init less */
+    if (!todo) return; /* another process of the container has looked */
     char cgroup[4096];
     uint64_t all = 0;
-    vgpu_nvml_load();
     get_limits_fn get = NULL;
-    shutdown_fn shutdown = NULL;
-    if (vgpu.nvml) {
+    /* The process's own NVML session, which context measurement (ctx.c) opens anyway: the
+     * check adds no nvmlInit of its own. */
+    if (own_cgroup(cgroup, sizeof cgroup) != 0) {
+        all = VGPU_DRIVER_LIMIT_NO_CGROUP;
+    } else if (!vgpu_nvml_ready_locked()) {
+        all = VGPU_DRIVER_LIMIT_UNSUPPORTED; /* no NVML at all */
+    } else {
         get = (get_limits_fn)vgpu_real_dlsym(vgpu.nvml, "nvmlDeviceGetMemoryLimits_v1");
-        shutdown = (shutdown_fn)vgpu_real_dlsym(vgpu.nvml, "nvmlShutdown");
+        if (!get) all = VGPU_DRIVER_LIMIT_UNSUPPORTED; /* a driver older than NVML 13.4 */
     }
-    if (own_cgroup(cgroup, sizeof cgroup) != 0) all = VGPU_DRIVER_LIMIT_NO_CGROUP;
-    else if (!get || !shutdown || !vgpu.real.nvmlInit_v2 || !vgpu.real.nvmlDeviceGetHandleByUUID)
-        all = VGPU_DRIVER_LIMIT_UNSUPPORTED; /* a driver older than the call (NVML 13.4) */
-    else if (vgpu.real.nvmlInit_v2() != NVML_SUCCESS)
-        all = VGPU_DRIVER_LIMIT_UNSUPPORTED;
     for (int d = 0; d < n; d++) {
         struct vgpu_region_device_stats *st = &f->stats[d];
         if (__atomic_load_n(&st->driver_limit_state, __ATOMIC_ACQUIRE) != VGPU_DRIVER_LIMIT_UNCHECKED)
@@ -125,5 +123,4 @@ void vgpu_driver_limit_check(struct vgpu_region *r) {
         VLOG(VGPU_LOG_DEBUG, "driver memory limit of %s for cgroup %s: state %llu, %llu", uuid,
              cgroup, (unsigned long long)state, (unsigned long long)value);
     }
-    if (!all) shutdown(); /* ours only: NVML counts its inits */
 }

@@ -165,13 +165,10 @@ static pthread_once_t g_nvml_once = PTHREAD_ONCE_INIT;
  * queries (vgpu_nvml_ready), since a process's NVML calls work only after its nvmlInit. */
 static void nvml_entry_points(void) { pthread_once(&g_nvml_once, load_nvml); }
 
-int vgpu_nvml_ready(void) {
-    int st = __atomic_load_n(&vgpu.nvml_state, __ATOMIC_ACQUIRE);
-    if (LIKELY(st != 0)) return st > 0;
-    nvml_entry_points();
-    pthread_mutex_lock(&vgpu.mu);
-    st = vgpu.nvml_state;
+int vgpu_nvml_ready_locked(void) {
+    int st = vgpu.nvml_state;
     if (st == 0) {
+        nvml_entry_points();
         /* NVML counts nvmlInit calls: ours is never undone, so a program's own shutdown
          * leaves our handle working. */
         st = vgpu.real.nvmlInit_v2 && vgpu.real.nvmlDeviceGetHandleByUUID &&
@@ -181,8 +178,17 @@ int vgpu_nvml_ready(void) {
         if (st < 0) VLOG(VGPU_LOG_INFO, "NVML unavailable: context memory is not measured");
         __atomic_store_n(&vgpu.nvml_state, st, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&vgpu.mu);
     return st > 0;
+}
+
+int vgpu_nvml_ready(void) {
+    int st = __atomic_load_n(&vgpu.nvml_state, __ATOMIC_ACQUIRE);
+    if (LIKELY(st != 0)) return st > 0;
+    nvml_entry_points(); /* the dlopen outside the lock */
+    pthread_mutex_lock(&vgpu.mu);
+    int ok = vgpu_nvml_ready_locked();
+    pthread_mutex_unlock(&vgpu.mu);
+    return ok;
 }
 
 void vgpu_nvml_load(void) { nvml_entry_points(); }

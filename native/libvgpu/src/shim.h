@@ -180,10 +180,12 @@ VGPU_HIDDEN int vgpu_loading_here(void);
 VGPU_HIDDEN void vgpu_nvml_load(void);
 /* NVML initialised for the shim's own queries (views, context measurement). 1 usable. */
 VGPU_HIDDEN int vgpu_nvml_ready(void);
+/* The same with vgpu.mu held (it may dlopen libnvidia-ml under the lock, the first time). */
+VGPU_HIDDEN int vgpu_nvml_ready_locked(void);
 VGPU_HIDDEN const struct vgpu_hook *vgpu_hook_by_name(const char *name);
 VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
 /* driver_limit.c: once per container, record in the region whether the driver holds this
- * process's cgroup to a memory limit on each of the region's GPUs. */
+ * process's cgroup to a memory limit on each of the region's GPUs. vgpu.mu held. */
 VGPU_HIDDEN void vgpu_driver_limit_check(struct vgpu_region *r);
 /* The real dlsym (dlsym.c), resolved on first use. */
 VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);

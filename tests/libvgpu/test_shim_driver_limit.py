@@ -11,8 +11,10 @@ namespace; so the limit is found by the directory, not by the host path.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,57 @@ def test_a_region_no_process_attached_to_is_unchecked(shim: Shim) -> None:
     create_region(shim.region, [GpuLimit(g0.uuid, 2 * GIB, 0)])
     (dev,) = read_region(shim.region).devices
     assert dev.driver_limit_state == SHIM_UNCHECKED
+
+
+def cgroup2_mount() -> Path | None:
+    """Where this host mounts the cgroup v2 hierarchy (/sys/fs/cgroup, or .../unified)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" - ")
+        if len(fields) == 2 and fields[1].split()[0] == "cgroup2":
+            return Path(fields[0].split()[4])
+    return None
+
+
+@pytest.fixture
+def child_cgroup() -> Iterator[tuple[Path, str]]:
+    """A real cgroup below this test's own: (its directory, its path as /proc/self/cgroup
+    says it). Root and a cgroup v2 hierarchy are needed to make one and move a process in."""
+    mount, own = cgroup2_mount(), own_cgroup_path()
+    if os.geteuid() != 0 or mount is None or own is None:
+        pytest.skip("needs root and a cgroup v2 hierarchy")
+    path = own.rstrip("/") + f"/vgpu-test-{os.getpid()}"
+    directory = mount / path.lstrip("/")
+    try:
+        directory.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup here: {exc}")
+    try:
+        yield directory, path
+    finally:
+        directory.rmdir()  # its process has exited: the cgroup is empty
+
+
+def own_cgroup_path() -> str | None:
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    return next((line[3:] for line in lines if line.startswith("0::/")), None)
+
+
+def test_a_process_in_a_child_cgroup_finds_its_containers_limit(
+    shim: Shim, cgroupfs: Path, child_cgroup: tuple[Path, str]
+) -> None:
+    """The hook sets the container's cgroup; a process in a cgroup below it asks for its own,
+    which has none, and walks up to the container's."""
+    directory, path = child_cgroup
+    g0 = shim.node.gpus()[0]
+    shim.write_limits([(g0.uuid, 2 * GIB, 0)])
+    hook(shim, cgroupfs, 2 * GIB, g0.uuid)
+    inside = cgroupfs / CONTAINER
+    (inside / path.lstrip("/")).mkdir(parents=True)  # the child, in the container's view
+    env = shim.env()
+    env["SIMGPU_SYSFS_CGROUP"] = str(inside)
+    prog = shim.prog("shim_mem")
+    script = f"echo $$ > {directory}/cgroup.procs && exec {prog} handle 0 alloc {64 * MIB} 1"
+    proc = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (dev,) = read_region(shim.region).devices
+    assert (dev.driver_limit_state, dev.driver_limit) == (SHIM_FOUND, 2 * GIB)

@@ -48,7 +48,8 @@ static int own_cgroup(char *out, size_t outlen) {
     return -1;
 }
 
-/* The hard limit the driver holds `dev` to for `cgroup` or its nearest ancestor with one. */
+/* What the driver holds `dev` to for `cgroup` or its nearest ancestor with a limit: a state
+ * (enum vgpu_driver_limit_state), the hard limit (FOUND) or NVML's code (ERROR) in *out. */
 static uint64_t ask(get_limits_fn get, nvmlDevice_t dev, const char *cgroup, uint64_t *out) {
     char ns[sizeof SYSFS_CGROUP + 4096];
     size_t k = strlen(SYSFS_CGROUP);

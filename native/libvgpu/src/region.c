@@ -368,11 +368,11 @@ VGPU_EXPORT uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev) {
 static inline uint64_t sum_slots(const struct vgpu_region_file *f, int dev) {
     uint32_t hwm = __atomic_load_n(&f->slot_hwm, __ATOMIC_SEQ_CST);
     if (VGPU_UNLIKELY(hwm > VGPU_MAX_SLOTS)) hwm = VGPU_MAX_SLOTS;
+    /* No saturation: only a tenant that wrote its own file can make the sum wrap, and the
+     * only container that harms is its own. */
     uint64_t sum = 0;
-    for (uint32_t s = 0; s < hwm; s++) {
-        uint64_t c = __atomic_load_n(&f->slots[s].dev[dev].charged, __ATOMIC_SEQ_CST);
-        sum = VGPU_LIKELY(sum + c >= sum) ? sum + c : UINT64_MAX; /* the file is the tenant's */
-    }
+    for (const struct vgpu_region_slot *sl = f->slots, *end = sl + hwm; sl < end; sl++)
+        sum += __atomic_load_n(&sl->dev[dev].charged, __ATOMIC_SEQ_CST);
     return sum;
 }
 
@@ -418,11 +418,14 @@ static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
 }
 
 /* Raise device dev's peak to `used` if it is higher (a compare-and-swap: peak only rises). */
+static void __attribute__((noinline)) raise_peak_cas(uint64_t *p, uint64_t old, uint64_t used) {
+    while (used > old && !__atomic_compare_exchange_n(p, &old, used, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 static inline void raise_peak(struct vgpu_region_file *f, int dev, uint64_t used) {
     uint64_t *p = &f->stats[dev].peak, old = LD_RELAXED(p);
-    while (VGPU_UNLIKELY(used > old) &&
-           !__atomic_compare_exchange_n(p, &old, used, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-    }
+    if (VGPU_UNLIKELY(used > old)) raise_peak_cas(p, old, used);
 }
 
 /* The lock-free attempt: add to our slot, sum, keep the charge if the sum fits. 1 kept, 0
@@ -467,20 +470,29 @@ static int __attribute__((noinline)) reserve_locked(struct vgpu_region *r, int s
     return ok ? VGPU_REGION_OK : VGPU_REGION_DENIED;
 }
 
-VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
+/* Everything but the lock-free attempt on a registered process's slot: a forked child's
+ * first call, a request past the limit itself, the locked retry. */
+static int __attribute__((noinline)) reserve_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
     int s = ensure_slot(r);
-    if (VGPU_UNLIKELY(s < 0)) {
+    if (s < 0) {
         (void)region_lock(r); /* says why, once */
         return VGPU_REGION_EFAIL;
     }
-    struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
-    uint64_t limit = r->limit[dev];
-    if (VGPU_LIKELY(bytes <= limit && try_charge(r->file, sd, dev, bytes, limit))) {
-        __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
-        return VGPU_REGION_OK;
-    }
     return reserve_locked(r, s, dev, bytes);
+}
+
+VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
+    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
+    uint64_t limit = r->limit[dev];
+    if (VGPU_LIKELY(s >= 0 && bytes <= limit)) {
+        struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
+        if (VGPU_LIKELY(try_charge(r->file, sd, dev, bytes, limit))) {
+            __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
+            return VGPU_REGION_OK;
+        }
+    }
+    return reserve_slow(r, dev, bytes);
 }
 
 void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {

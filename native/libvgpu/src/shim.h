@@ -297,7 +297,33 @@ VGPU_HIDDEN void vgpu_graphs_settle(void);
 
 /* ctx.c: contexts, their devices and the memory they take. */
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */
-VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out);
+VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CUcontext *ctx_out);
+/* A thread's last answer, valid while vgpu_ctx_gen (bumped when a context goes) is unchanged.
+ * The current context itself is asked of the driver at every call: the runtime switches
+ * contexts through its private table, unseen. */
+struct vgpu_ctx_last {
+    CUcontext ctx;
+    int ordinal;
+    uint64_t gen;
+};
+extern VGPU_HIDDEN _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
+extern VGPU_HIDDEN uint64_t vgpu_ctx_gen;
+/* Inline: every allocation asks, and the answer is nearly always the thread's last one. */
+static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
+    if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) {
+        if (vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+            *ctx_out = NULL;
+            return NULL;
+        }
+        if (LIKELY(vgpu_ctx_last.ctx == ctx &&
+                   vgpu_ctx_last.gen == __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE))) {
+            *ctx_out = ctx;
+            return vgpu_dev(vgpu_ctx_last.ordinal);
+        }
+        return vgpu_ctx_dev_slow(ctx, 1, ctx_out);
+    }
+    return vgpu_ctx_dev_slow(ctx, ctx == NULL, ctx_out);
+}
 /* The device of a stream (NULL and the special handles: the current context's). */
 VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
 

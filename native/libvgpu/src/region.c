@@ -363,21 +363,8 @@ VGPU_EXPORT uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev) {
     return bad_dev(r, dev) ? 0 : r->limit[dev];
 }
 
-/* The container's usage of `dev`: the sum of the slots (a FREE slot holds 0). Sequentially
- * consistent loads, after the caller's add in a reservation (see region.h). */
-static inline uint64_t sum_slots(const struct vgpu_region_file *f, int dev) {
-    uint32_t hwm = __atomic_load_n(&f->slot_hwm, __ATOMIC_SEQ_CST);
-    if (VGPU_UNLIKELY(hwm > VGPU_MAX_SLOTS)) hwm = VGPU_MAX_SLOTS;
-    /* No saturation: only a tenant that wrote its own file can make the sum wrap, and the
-     * only container that harms is its own. */
-    uint64_t sum = 0;
-    for (const struct vgpu_region_slot *sl = f->slots, *end = sl + hwm; sl < end; sl++)
-        sum += __atomic_load_n(&sl->dev[dev].charged, __ATOMIC_SEQ_CST);
-    return sum;
-}
-
 VGPU_EXPORT uint64_t vgpu_region_usage(const struct vgpu_region *r, int dev) {
-    return bad_dev(r, dev) ? 0 : sum_slots(r->file, dev);
+    return bad_dev(r, dev) ? 0 : vgpu_region_sum(r->file, dev);
 }
 
 VGPU_EXPORT uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev) {
@@ -417,29 +404,11 @@ static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
     return used <= limit && bytes <= limit - used;
 }
 
-/* Raise device dev's peak to `used` if it is higher (a compare-and-swap: peak only rises). */
-static void __attribute__((noinline)) raise_peak_cas(uint64_t *p, uint64_t old, uint64_t used) {
+/* Raise a peak to `used` if it is higher (a compare-and-swap: peak only rises). Out of line:
+ * the hot path only compares. */
+void vgpu_region_peak_cas(uint64_t *p, uint64_t old, uint64_t used) {
     while (used > old && !__atomic_compare_exchange_n(p, &old, used, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
     }
-}
-
-static inline void raise_peak(struct vgpu_region_file *f, int dev, uint64_t used) {
-    uint64_t *p = &f->stats[dev].peak, old = LD_RELAXED(p);
-    if (VGPU_UNLIKELY(used > old)) raise_peak_cas(p, old, used);
-}
-
-/* The lock-free attempt: add to our slot, sum, keep the charge if the sum fits. 1 kept, 0
- * backed out. */
-static inline int try_charge(struct vgpu_region_file *f, struct vgpu_slot_device *sd, int dev,
-                             uint64_t bytes, uint64_t limit) {
-    __atomic_fetch_add(&sd->charged, bytes, __ATOMIC_SEQ_CST);
-    uint64_t used = sum_slots(f, dev);
-    if (VGPU_LIKELY(used <= limit)) {
-        raise_peak(f, dev, used);
-        return 1;
-    }
-    __atomic_fetch_sub(&sd->charged, bytes, __ATOMIC_SEQ_CST);
-    return 0;
 }
 
 /* Under the lock word: reclaim dead slots holding a charge on dev, then try again. Only
@@ -456,13 +425,13 @@ static int __attribute__((noinline)) reserve_locked(struct vgpu_region *r, int s
     if (region_lock(r) != 0) return VGPU_REGION_EFAIL;
     int ok = 0, reaped = 0;
     for (int i = 0; i < LOCKED_TRIES && !ok; i++) {
-        ok = try_charge(f, sd, dev, bytes, limit);
+        ok = vgpu_region_try(f, sd, dev, bytes, limit);
         if (ok) break;
         if (!reaped) {
             reaped = 1;
             if (reap_locked(r, dev) > 0) continue;
         }
-        if (!fits(sum_slots(f, dev), bytes, limit)) break;
+        if (!fits(vgpu_region_sum(f, dev), bytes, limit)) break;
         sched_yield(); /* the racer whose add we saw may be waiting for a CPU */
     }
     if (ok) __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
@@ -472,7 +441,7 @@ static int __attribute__((noinline)) reserve_locked(struct vgpu_region *r, int s
 
 /* Everything but the lock-free attempt on a registered process's slot: a forked child's
  * first call, a request past the limit itself, the locked retry. */
-static int __attribute__((noinline)) reserve_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
+int vgpu_region_reserve_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
     int s = ensure_slot(r);
     if (s < 0) {
         (void)region_lock(r); /* says why, once */
@@ -482,17 +451,7 @@ static int __attribute__((noinline)) reserve_slow(struct vgpu_region *r, int dev
 }
 
 VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
-    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    uint64_t limit = r->limit[dev];
-    if (VGPU_LIKELY(s >= 0 && bytes <= limit)) {
-        struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
-        if (VGPU_LIKELY(try_charge(r->file, sd, dev, bytes, limit))) {
-            __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
-            return VGPU_REGION_OK;
-        }
-    }
-    return reserve_slow(r, dev, bytes);
+    return VGPU_UNLIKELY(bad_dev(r, dev)) ? VGPU_REGION_EINVAL : vgpu_region_reserve_dev(r, dev, bytes);
 }
 
 void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
@@ -502,7 +461,8 @@ void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
     struct vgpu_region_slot *sl = &r->file->slots[s];
     __atomic_fetch_or(&sl->forced, (uint64_t)1 << dev, __ATOMIC_RELAXED);
     __atomic_fetch_add(&sl->dev[dev].charged, bytes, __ATOMIC_SEQ_CST);
-    raise_peak(r->file, dev, sum_slots(r->file, dev));
+    uint64_t *peak = &r->file->stats[dev].peak;
+    vgpu_region_peak_cas(peak, LD_RELAXED(peak), vgpu_region_sum(r->file, dev));
 }
 
 /* pending -= bytes, never below 0 (commit runs without the mutex, beside reserve). */
@@ -514,20 +474,13 @@ static void pending_sub(uint64_t *p, uint64_t bytes) {
 }
 
 VGPU_EXPORT void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
-    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (VGPU_UNLIKELY(s < 0)) return;
-    /* One RMW; a commit without its reserve (a forked child finishing its parent's
-     * allocation) would go below 0: put the difference back. */
-    uint64_t *p = &r->file->slots[s].dev[dev].pending;
-    uint64_t old = __atomic_fetch_sub(p, bytes, __ATOMIC_RELEASE);
-    if (VGPU_UNLIKELY(old < bytes)) __atomic_fetch_add(p, bytes - old, __ATOMIC_RELAXED);
+    if (VGPU_LIKELY(!bad_dev(r, dev))) vgpu_region_commit_dev(r, dev, bytes);
 }
 
 /* Take up to `bytes` off our slot's charge (a compare-and-swap: never below 0, even
- * with our other threads at it). Inline: it is most of a free's cost in the region. */
+ * with our other threads at it). */
 static void clamp_warn(struct vgpu_region *r, int dev, uint64_t bytes, uint64_t have);
-static inline __attribute__((always_inline)) void uncharge(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
+static void uncharge(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
     uint64_t *c = &r->file->slots[s].dev[dev].charged;
     uint64_t have = LD_RELAXED(c);
     for (;;) {
@@ -558,15 +511,15 @@ VGPU_EXPORT void vgpu_region_rollback(struct vgpu_region *r, int dev, uint64_t b
     uncharge(r, s, dev, bytes);
 }
 
+/* A release the inline path did not finish: a forked child freeing what its parent
+ * allocated (it holds nothing here), more than we hold, or a swap lost to our other threads. */
+void vgpu_region_release_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
+    int s = ensure_slot(r);
+    if (s >= 0) uncharge(r, s, dev, bytes);
+}
+
 VGPU_EXPORT void vgpu_region_release(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
-    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (VGPU_UNLIKELY(s < 0)) {
-        /* A forked child freeing what its parent allocated: it holds nothing here. */
-        s = ensure_slot(r);
-        if (s < 0) return;
-    }
-    uncharge(r, s, dev, bytes);
+    if (VGPU_LIKELY(!bad_dev(r, dev))) vgpu_region_release_dev(r, dev, bytes);
 }
 
 VGPU_EXPORT int vgpu_region_reap(struct vgpu_region *r) {

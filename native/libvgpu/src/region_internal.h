@@ -24,23 +24,6 @@
 #define LD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define ST(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
 
-/* The process-local attachment. Fields other than `slot`/`fd` are fixed after open; `slot`
- * and `fd` change only when a forked child registers afresh (under `mu`). */
-struct vgpu_region {
-    struct vgpu_region_file *file;
-    int fd;                      /* our open file description: it carries our slot's lock */
-    int slot;                    /* -1: not registered in this process (fresh fork child) */
-    int device_count;
-    uint64_t limit[VGPU_MAX_DEVICES]; /* min(own, region's) */
-    dev_t st_dev;                /* the mapped file, to re-open the same one after fork */
-    ino_t st_ino;
-    pthread_mutex_t mu;          /* process-private: serialises re-registration */
-    int warned_clamp;            /* the release-clamp warning is printed once */
-    int warned_broken;
-    struct vgpu_region *next;    /* the list the fork handler walks */
-    char path[];
-};
-
 /* --- region_file.c ------------------------------------------------------------------------ */
 
 /* printf into err (may be NULL or 0 long). */

@@ -219,17 +219,17 @@ VGPU_HIDDEN CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int 
 static inline CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
     if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!d->accounted) return CUDA_SUCCESS;
-    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    int rc = vgpu_region_reserve_dev(vgpu.region, d->rdev, bytes);
     return LIKELY(rc == VGPU_REGION_OK) ? CUDA_SUCCESS : vgpu_charge_denied(d, bytes, rc);
 }
 static inline void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+    if (d->accounted) vgpu_region_commit_dev(vgpu.region, d->rdev, bytes);
 }
 static inline void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
     if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
 }
 static inline void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+    if (d->accounted && bytes) vgpu_region_release_dev(vgpu.region, d->rdev, bytes);
 }
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
 /* GPU time measured on d (launch.c). */

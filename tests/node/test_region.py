@@ -385,13 +385,15 @@ def _stress(tools: Tools, path: Path, *args: object) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", out.stdout)}
 
 
+# native_tree: the host's reads (read_region) go through the release build of this tree, not
+# whatever an earlier install left (its region layout may be older).
 @pytest.fixture(scope="module")
-def asan_tools() -> Tools:
+def asan_tools(native_tree: Path) -> Tools:
     return Tools(native_build.build("asan"))
 
 
 @pytest.fixture(scope="module")
-def tsan_tools() -> Tools:
+def tsan_tools(native_tree: Path) -> Tools:
     return Tools(native_build.build("tsan"))
 
 

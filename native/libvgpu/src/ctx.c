@@ -105,13 +105,14 @@ struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CUcontext *ctx
     *ctx_out = ctx;
     if (!ctx) return NULL;
     uint64_t gen = __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE);
-    if (LIKELY(t_last.ctx == ctx && t_last.gen == gen)) return vgpu_dev(t_last.ordinal);
+    if (LIKELY(t_last.ctx == ctx && t_last.gen == gen)) return t_last.dev;
     int ord = lookup_ordinal(ctx, is_current);
-    if (ord < 0) return NULL;
+    struct vgpu_dev *d = ord < 0 ? NULL : vgpu_dev(ord);
+    if (!d) return NULL; /* not cached: asked again next time */
     t_last.ctx = ctx;
-    t_last.ordinal = ord;
+    t_last.dev = d; /* a resolved device stays resolved */
     t_last.gen = gen;
-    return vgpu_dev(ord);
+    return d;
 }
 
 struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out) {

@@ -152,7 +152,7 @@ static int __attribute__((noinline, cold)) put_growing(const struct vgpu_rec *in
     return put_locked(s, h, in, 0);
 }
 
-int vgpu_tab_put_rec(const struct vgpu_rec *in) {
+static inline __attribute__((always_inline)) int put_rec(const struct vgpu_rec *in) {
     uint64_t h = hash(in->kind, in->key);
     struct stripe *s = stripe_of(h);
     stripe_lock(s);
@@ -161,6 +161,15 @@ int vgpu_tab_put_rec(const struct vgpu_rec *in) {
         return put_growing(in);
     }
     return put_locked(s, h, in, 1);
+}
+
+int vgpu_tab_put_rec(const struct vgpu_rec *in) { return put_rec(in); }
+
+/* The same from its fields: the record is built in place, not copied from the caller's. */
+int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
+                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    return put_rec(&r);
 }
 
 int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out) {

@@ -49,16 +49,20 @@ struct vgpu_region {
 #define VGPU_REGION_LIKELY(x) __builtin_expect(!!(x), 1)
 #define VGPU_REGION_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* The container's usage of `dev`: the sum of the slots (a FREE slot holds 0). Sequentially
- * consistent loads, after the caller's add in a reservation. No saturation: only a tenant
- * that wrote its own file can make the sum wrap, and the only container that harms is its own. */
-static inline uint64_t vgpu_region_sum(const struct vgpu_region_file *f, int dev) {
-    uint32_t hwm = __atomic_load_n(&f->slot_hwm, __ATOMIC_SEQ_CST);
+/* The container's usage of `dev`: the sum of slots [0, hwm) (a FREE slot holds 0).
+ * Sequentially consistent loads, after the caller's add in a reservation. No saturation: only
+ * a tenant that wrote its own file can make the sum wrap, and the only container that harms
+ * is its own. */
+static inline uint64_t vgpu_region_sum_to(const struct vgpu_region_file *f, int dev, uint32_t hwm) {
     if (VGPU_REGION_UNLIKELY(hwm > VGPU_MAX_SLOTS)) hwm = VGPU_MAX_SLOTS;
     uint64_t sum = 0;
     for (const struct vgpu_region_slot *sl = f->slots, *end = sl + hwm; sl < end; sl++)
         sum += __atomic_load_n(&sl->dev[dev].charged, __ATOMIC_SEQ_CST);
     return sum;
+}
+
+static inline uint64_t vgpu_region_sum(const struct vgpu_region_file *f, int dev) {
+    return vgpu_region_sum_to(f, dev, __atomic_load_n(&f->slot_hwm, __ATOMIC_SEQ_CST));
 }
 
 VGPU_REGION_HIDDEN void vgpu_region_peak_cas(uint64_t *p, uint64_t old, uint64_t used);
@@ -69,8 +73,12 @@ VGPU_REGION_HIDDEN void vgpu_region_release_slow(struct vgpu_region *r, int dev,
  * (raising the peak), else take it back out. 1 kept, 0 backed out. */
 static inline int vgpu_region_try(struct vgpu_region_file *f, struct vgpu_slot_device *sd, int dev,
                                   uint64_t bytes, uint64_t limit) {
-    __atomic_fetch_add(&sd->charged, bytes, __ATOMIC_SEQ_CST);
-    uint64_t used = vgpu_region_sum(f, dev);
+    uint64_t mine = __atomic_add_fetch(&sd->charged, bytes, __ATOMIC_SEQ_CST);
+    uint32_t hwm = __atomic_load_n(&f->slot_hwm, __ATOMIC_SEQ_CST);
+    /* One slot ever used (a container of one process, the common case): it is ours, and the
+     * sum is what our add returned. A newcomer raises slot_hwm before its first add, so the
+     * order argument is the loop's. */
+    uint64_t used = VGPU_REGION_LIKELY(hwm == 1) ? mine : vgpu_region_sum_to(f, dev, hwm);
     if (VGPU_REGION_LIKELY(used <= limit)) {
         uint64_t *peak = &f->stats[dev].peak, old = __atomic_load_n(peak, __ATOMIC_RELAXED);
         if (VGPU_REGION_UNLIKELY(used > old)) vgpu_region_peak_cas(peak, old, used);

@@ -259,11 +259,7 @@ struct vgpu_rec {
     uint32_t refs;  /* VMM handles: retains; POOLPTR: the pool's index in pool.c + 1 */
 };
 VGPU_HIDDEN int vgpu_tab_put_rec(const struct vgpu_rec *rec);
-static inline int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
-    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
-                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
-    return vgpu_tab_put_rec(&r);
-}
+VGPU_HIDDEN int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx);
 /* Put back a record taken out (the driver refused the free). */
 static inline void vgpu_tab_restore(const struct vgpu_rec *r) { vgpu_tab_put_rec(r); }
 VGPU_HIDDEN int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out);
@@ -303,7 +299,7 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CU
  * contexts through its private table, unseen. */
 struct vgpu_ctx_last {
     CUcontext ctx;
-    int ordinal;
+    struct vgpu_dev *dev; /* resolved (ready) */
     uint64_t gen;
 };
 extern VGPU_HIDDEN _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
@@ -318,7 +314,7 @@ static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
         if (LIKELY(vgpu_ctx_last.ctx == ctx &&
                    vgpu_ctx_last.gen == __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE))) {
             *ctx_out = ctx;
-            return vgpu_dev(vgpu_ctx_last.ordinal);
+            return vgpu_ctx_last.dev;
         }
         return vgpu_ctx_dev_slow(ctx, 1, ctx_out);
     }

@@ -54,7 +54,7 @@ static void atfork_child(void) {
 }
 static void install_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
-/* --- the lock and the seqlock ------------------------------------------------------------- */
+/* --- the lock word ----------------------------------------------------------------------- */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -78,7 +78,7 @@ static void reclaim_locked(struct vgpu_region_file *f, int s) {
     ST(&sl->state, (uint32_t)VGPU_SLOT_FREE);
 }
 
-/* Reclaim dead slots: all of them (dev < 0) or those holding a charge on `dev`. Mutex held. */
+/* Reclaim dead slots: all of them (dev < 0) or those holding a charge on `dev`. Lock held. */
 static int reap_locked(struct vgpu_region *r, int dev) {
     struct vgpu_region_file *f = r->file;
     uint32_t hwm = LD_RELAXED(&f->slot_hwm);
@@ -465,7 +465,7 @@ void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
     vgpu_region_peak_cas(peak, LD_RELAXED(peak), vgpu_region_sum(r->file, dev));
 }
 
-/* pending -= bytes, never below 0 (commit runs without the mutex, beside reserve). */
+/* pending -= bytes, never below 0 (our other threads commit beside us). */
 static void pending_sub(uint64_t *p, uint64_t bytes) {
     uint64_t old = LD_RELAXED(p), next;
     do {

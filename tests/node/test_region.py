@@ -236,6 +236,21 @@ def test_sigkilled_inside_a_reservation_leaves_nothing_after_reclaim(
     assert snap.processes == () and snap.devices[0].used == 0
 
 
+@pytest.mark.parametrize("forced", [True, False], ids=["forced", "stopped-mid-reservation"])
+def test_the_host_shows_a_live_charge_past_the_limit_as_it_is(
+    tools: Tools, region: Path, killer: list[subprocess.Popen[str]], forced: bool
+) -> None:
+    """Memory forced past the limit (a graph's) is shown at once; a live sum over the limit
+    without that flag is read again (a reservation between its add and its back-out passes
+    in microseconds) and, still there after the re-reads, shown as it is."""
+    killer.append(tools.start("over", region, "1100m", "forced" if forced else "plain"))
+    out = tools.run("region_tool", "snapshot", region, "over-ok").stdout
+    view = dict(re.findall(r"(\w+)=(\d+)", out))
+    assert int(view["used0"]) == 1100 * MIB and view["alive0"] == "1"
+    assert (int(view["attempts"]) == 1) == forced, out
+    assert read_region(region).devices[0].used == 1100 * MIB
+
+
 @pytest.mark.slow
 def test_two_processes_racing_at_the_limit_never_both_win_nor_both_lose(
     tools: Tools, region: Path

@@ -18,6 +18,7 @@ enum { STRIPES = 64, MIN_CAP = 64 };
 struct stripe {
     int lock; /* 0 free, 1 held */
     uint32_t cap, n;
+    uint32_t full; /* n at which an insert grows the stripe first: 70 % of cap (0: no slots) */
     struct vgpu_rec *slots;
 } __attribute__((aligned(64)));
 
@@ -70,6 +71,7 @@ static int __attribute__((noinline, cold)) grow(struct stripe *s) {
     uint32_t oldcap = s->cap;
     s->slots = fresh;
     s->cap = cap;
+    s->full = (uint32_t)((uint64_t)cap * 7 / 10); /* the first n with (n + 1) * 10 > cap * 7 */
     s->n = 0;
     for (uint32_t i = 0; i < oldcap; i++)
         if (old[i].used) place(s, &old[i]);
@@ -126,7 +128,7 @@ static void __attribute__((noinline, cold)) replace_stale(struct stripe *s, stru
  * empty slot, in one probe run. `grown`: 0 to grow first if needed. */
 static inline __attribute__((always_inline)) int put_locked(struct stripe *s, uint64_t h, const struct vgpu_rec *in,
                                                             int grown) {
-    if (!grown && UNLIKELY((s->n + 1) * 10 > s->cap * 7) && grow(s) != 0) {
+    if (!grown && UNLIKELY(s->n >= s->full) && grow(s) != 0) {
         stripe_unlock(s);
         return -1;
     }
@@ -156,7 +158,7 @@ static inline __attribute__((always_inline)) int put_rec(const struct vgpu_rec *
     uint64_t h = hash(in->kind, in->key);
     struct stripe *s = stripe_of(h);
     stripe_lock(s);
-    if (UNLIKELY((s->n + 1) * 10 > s->cap * 7)) {
+    if (UNLIKELY(s->n >= s->full)) {
         stripe_unlock(s);
         return put_growing(in);
     }

@@ -24,8 +24,11 @@
  *   and back out while one would fit: a process that backs out then retries under the lock
  *   word (below), where only lock-free racers can still interfere, and such a racer that
  *   backs out comes to the lock after it; so of two racers at the limit one always gets
- *   through when one fits. A release subtracts from the own slot (a compare-and-swap that
- *   clamps at 0). `peak` is raised by a compare-and-swap when a reservation passes it.
+ *   through when one fits. A newcomer raises `slot_hwm` (sequentially consistent) before
+ *   its first add, so a racer's sum covers its slot whenever its add came first; while
+ *   `slot_hwm` is 1 the only slot is the reserving process's own, and its add's result is
+ *   the sum. A release subtracts from the own slot (a compare-and-swap that clamps at 0).
+ *   `peak` is raised by a compare-and-swap when a reservation passes it.
  * - The lock word (0 free, else the holder's slot index + 1) serialises what is rare:
  *   registering a slot, reclaiming dead slots, closing, and the retry of a refused
  *   reservation. Its holder's death is found through the holder's slot's OFD lock, and the
@@ -43,7 +46,7 @@
  *   of its slot, so a kept copy is a valid, at most microseconds stale, view that never
  *   shows more than the limit; only memory forced past it (a graph's, `forced` below) or a
  *   process stopped inside a reservation is shown over it, after the retries.
-  */
+ */
 #ifndef VGPU_REGION_H
 #define VGPU_REGION_H
 

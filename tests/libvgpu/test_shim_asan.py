@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def asan_tree() -> Path:
+def asan_tree(native_tree: Path) -> Path:
+    # native_tree: the host's reads (read_region) go through the release build of this tree,
+    # not whatever an earlier install left (its region layout may be older).
     return native_build.build("asan")
 
 

@@ -55,8 +55,8 @@ static void *worker_thread(void *arg) {
                 __atomic_add_fetch(&w->c->denied, 1, __ATOMIC_RELAXED);
                 continue;
             }
-            uint64_t used = R.usage(w->r, dev);
-            if (used > opt.limit) die("usage %llu over the limit", (unsigned long long)used);
+            /* R.usage() may pass the limit for an instant (a racer's add before its
+             * back-out); what must hold is checked on the snapshots and by region_race. */
             __atomic_add_fetch(&w->c->granted, 1, __ATOMIC_RELAXED);
             if (rnd(&w->seed) % 8 == 0) { /* the driver failed: give it back */
                 R.rollback(w->r, dev, bytes);
@@ -148,7 +148,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < opt.procs; i++) pids[i] = spawn(spawned++);
 
     struct vgpu_region_snapshot *s = malloc(sizeof *s);
-    uint64_t snapshots = 0, busy = 0, recovered = 0, published = 0, max_used = 0, next_kill = 0;
+    uint64_t snapshots = 0, busy = 0, retried = 0, max_used = 0, next_kill = 0;
     unsigned seed = (unsigned)getpid();
     while (now_ns() < opt.deadline_ns) {
         if (opt.kill_ms && now_ns() >= next_kill && spawned < max_workers) {
@@ -172,8 +172,7 @@ int main(int argc, char **argv) {
         check_books(s, "during the run");
         for (uint32_t d = 0; d < s->device_count; d++)
             if (s->devices[d].used > max_used) max_used = s->devices[d].used;
-        recovered += (uint64_t)s->recovered;
-        published += (uint64_t)s->published;
+        retried += s->attempts > 1;
         snapshots++;
     }
     /* Workers must all finish soon after the deadline: nobody may be blocked. */
@@ -204,13 +203,12 @@ int main(int argc, char **argv) {
     }
     CHECK(sum.granted > 0 && sum.denied > 0, "the run never reached the limit");
     printf("stress ok procs=%d threads=%d seconds=%.1f granted=%llu denied=%llu released=%llu "
-           "kills=%d snapshots=%llu published=%llu busy=%llu recovered=%llu max_used=%llu "
+           "kills=%d snapshots=%llu retried=%llu busy=%llu max_used=%llu "
            "limit=%llu\n",
            opt.procs, opt.threads, (double)(now_ns() - start) / 1e9,
            (unsigned long long)sum.granted, (unsigned long long)sum.denied,
            (unsigned long long)sum.released, kills, (unsigned long long)snapshots,
-           (unsigned long long)published, (unsigned long long)busy,
-           (unsigned long long)recovered,
+           (unsigned long long)retried, (unsigned long long)busy,
            (unsigned long long)max_used, (unsigned long long)opt.limit);
     free(s);
     free(pids);

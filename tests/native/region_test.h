@@ -119,8 +119,9 @@ static inline uint64_t parse_size(const char *s) {
 static inline void check_books(const struct vgpu_region_snapshot *s, const char *when) {
     for (uint32_t d = 0; d < s->device_count; d++) {
         uint64_t sum = 0;
-        for (uint32_t i = 0; i < s->process_count; i++) sum += s->processes[i].used[d];
-        CHECK(sum == s->devices[d].used, "%s: device %u used %llu, processes hold %llu", when, d,
+        for (uint32_t i = 0; i < s->process_count; i++)
+            if (s->processes[i].alive) sum += s->processes[i].used[d];
+        CHECK(sum == s->devices[d].used, "%s: device %u used %llu, live processes hold %llu", when, d,
               (unsigned long long)s->devices[d].used, (unsigned long long)sum);
         CHECK(s->devices[d].used <= s->devices[d].memory_limit,
               "%s: device %u used %llu over its limit %llu", when, d,

@@ -24,7 +24,6 @@ import pytest
 
 from vgpu_plugin.core.devices import GpuLimit
 from vgpu_plugin.node.region import (
-    RegionBusy,
     RegionError,
     create_region,
     read_region,
@@ -180,27 +179,31 @@ def test_sigkilled_holder_is_reclaimed_within_a_second(
     assert granted_ms(tools.run("region_tool", "reserve", region, "700m", 1000)) < 1000
     assert time.monotonic() - t0 < 5
     snap = read_region(region)
-    assert snap.devices[0].used == sum(p.used[0] for p in snap.processes) < 700 * MIB
+    assert snap.devices[0].used == sum(p.used[0] for p in snap.processes if p.alive) < 700 * MIB
 
 
 def test_writer_killed_inside_the_lock(tools: Tools, region: Path) -> None:
-    """A process dies holding the lock mid-update (a torn total): nobody blocks, the host
-    sees what the repair will give, and the first tenant repairs it."""
+    """A process dies holding the lock word with a reservation's add in its slot: the host
+    lists the dead slot but counts nothing for it, and the next tenant that needs the room
+    takes the lock over and reclaims the slot."""
     tools.run("region_tool", "lock-and", region, "kill", ok=False)
     snap = read_region(region)
-    assert snap.recovered and snap.devices[0].used == 0
+    (dead,) = snap.processes
+    assert not dead.alive and dead.used == (12345,) and snap.devices[0].used == 0
     assert granted_ms(tools.run("region_tool", "reserve", region, "1g", 1000)) < 1000
     snap = read_region(region)
-    assert not snap.recovered and snap.devices[0].used == 0
+    assert snap.processes == () and snap.devices[0].used == 0
 
 
 def test_writer_stopped_inside_the_lock_then_killed(
     tools: Tools, region: Path, killer: list[subprocess.Popen[str]]
 ) -> None:
+    """A stopped holder of the lock word does not stop the host; a tenant that needs the lock
+    (to register, here) waits for it, and the holder's death releases it at once."""
     stopped = tools.start("lock-and", region, "pause")
     killer.append(stopped)
-    with pytest.raises(RegionBusy, match="busy"):
-        read_region(region)
+    snap = read_region(region)
+    assert snap.devices[0].used == 12345 and [p.alive for p in snap.processes] == [True]
     waiter = subprocess.Popen(
         [str(tools.tree / "tests" / "region_tool"), "reserve", region, "1g", "3000"],
         env=tools.env(),
@@ -210,12 +213,55 @@ def test_writer_stopped_inside_the_lock_then_killed(
     )
     killer.append(waiter)
     time.sleep(0.3)
-    assert waiter.poll() is None  # a stopped holder blocks the tenants, as any lock holder
+    assert waiter.poll() is None  # registering takes the lock word
     kill(stopped)
-    out, err = waiter.communicate(timeout=1.0)  # ... and its death releases them at once
+    out, err = waiter.communicate(timeout=1.0)  # ... whose holder's death releases it at once
     assert waiter.returncode == 0 and "granted" in out, out + err
-    assert "totals recomputed" in err
+    assert "died holding the region's lock" in err
     assert read_region(region).devices[0].used == 0
+
+
+def test_sigkilled_inside_a_reservation_leaves_nothing_after_reclaim(
+    tools: Tools, region: Path
+) -> None:
+    """A process killed between its add and its check: the host counts nothing for the dead
+    slot, the tenants count it (conservatively) until the next one that needs the room
+    reclaims it, once."""
+    tools.run("region_tool", "die-mid-reserve", region, "900m", ok=False)
+    snap = read_region(region)
+    (dead,) = snap.processes
+    assert not dead.alive and dead.used == (900 * MIB,) and snap.devices[0].used == 0
+    assert granted_ms(tools.run("region_tool", "reserve", region, "700m", 1000)) < 1000
+    snap = read_region(region)
+    assert snap.processes == () and snap.devices[0].used == 0
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["forced", "stopped-mid-reservation"])
+def test_the_host_shows_a_live_charge_past_the_limit_as_it_is(
+    tools: Tools, region: Path, killer: list[subprocess.Popen[str]], forced: bool
+) -> None:
+    """Memory forced past the limit (a graph's) is shown at once; a live sum over the limit
+    without that flag is read again (a reservation between its add and its back-out passes
+    in microseconds) and, still there after the re-reads, shown as it is."""
+    killer.append(tools.start("over", region, "1100m", "forced" if forced else "plain"))
+    out = tools.run("region_tool", "snapshot", region, "over-ok").stdout
+    view = dict(re.findall(r"(\w+)=(\d+)", out))
+    assert int(view["used0"]) == 1100 * MIB and view["alive0"] == "1"
+    assert (int(view["attempts"]) == 1) == forced, out
+    assert read_region(region).devices[0].used == 1100 * MIB
+
+
+@pytest.mark.slow
+def test_two_processes_racing_at_the_limit_never_both_win_nor_both_lose(
+    tools: Tools, region: Path
+) -> None:
+    """Rounds of two processes reserving 0.6 of the limit at the same instant: one wins each
+    round. Both winning would pass the limit; both losing is the lock-free attempts seeing
+    each other's add, which the locked retry resolves (without it this caught such rounds
+    here at about 1 in 5,000; the racers overlap only when both hold a CPU)."""
+    out = tools.run("region_tool", "race-limit", region, 3000, timeout=120).stdout
+    won = dict(re.findall(r"(won\d)=(\d+)", out))
+    assert int(won["won0"]) + int(won["won1"]) == 3000
 
 
 # --- files that are not regions -------------------------------------------------------------------
@@ -226,7 +272,7 @@ def _corrupt(path: Path, how: str) -> None:
     if how == "bad magic":
         data[0:8] = b"NOTVGPU\0"
     elif how == "wrong version":
-        data[8:12] = (1).to_bytes(4, "little")  # a region of the previous layout
+        data[8:12] = (2).to_bytes(4, "little")  # a region of the previous layout
     elif how == "truncated":
         del data[4096:]
     elif how == "size field":
@@ -242,7 +288,7 @@ def _corrupt(path: Path, how: str) -> None:
 
 REFUSALS = {
     "bad magic": "not a vgpu region: bad magic",
-    "wrong version": "layout version 1, this build reads version 2",
+    "wrong version": "layout version 2, this build reads version 3",
     "truncated": "is truncated: 4096 bytes",
     "size field": "wrong size",
     "device count": "is corrupt: 99 devices",
@@ -273,14 +319,6 @@ def test_symlinked_or_missing_region_is_refused(tools: Tools, region: Path) -> N
     assert "cannot open region" in tools.run("region_tool", "open", link, ok=False).stdout
     with pytest.raises(RegionError, match="No such file"):
         read_region(region.with_name("missing.cache"))
-
-
-def test_books_that_do_not_add_up_are_refused(tools: Tools, region: Path) -> None:
-    data = bytearray(region.read_bytes())
-    data[120:128] = (5 * MIB).to_bytes(8, "little")  # device 0's total, no slot holds it
-    region.write_bytes(bytes(data))
-    with pytest.raises(RegionError, match="corrupt: device 0 has 5242880 bytes charged"):
-        read_region(region)
 
 
 # --- the host's view ------------------------------------------------------------------------------
@@ -339,7 +377,8 @@ def test_python_reads_consistent_snapshots_while_c_allocates(tools: Tools, tmp_p
         while time.monotonic() < deadline:
             snap = read_region(path)
             for d, dev in enumerate(snap.devices):
-                assert dev.used == sum(p.used[d] for p in snap.processes) <= dev.memory_limit
+                live = sum(p.used[d] for p in snap.processes if p.alive)
+                assert dev.used == live <= dev.memory_limit
             seen += 1
             busy_seen += any(d.used > 0 for d in snap.devices)
         out, err = stress.communicate(timeout=30)
@@ -361,13 +400,15 @@ def _stress(tools: Tools, path: Path, *args: object) -> dict[str, float]:
     return {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", out.stdout)}
 
 
+# native_tree: the host's reads (read_region) go through the release build of this tree, not
+# whatever an earlier install left (its region layout may be older).
 @pytest.fixture(scope="module")
-def asan_tools() -> Tools:
+def asan_tools(native_tree: Path) -> Tools:
     return Tools(native_build.build("asan"))
 
 
 @pytest.fixture(scope="module")
-def tsan_tools() -> Tools:
+def tsan_tools(native_tree: Path) -> Tools:
     return Tools(native_build.build("tsan"))
 
 

@@ -38,20 +38,19 @@
  * Learned once per context (creation hooks, or a lookup), kept in a small table; a thread
  * caches its last answer, checked against a generation bumped whenever a context goes. */
 
+/* Bumped whenever a context goes: what a thread cached (vgpu_ctx_last) is then asked again. */
+uint64_t vgpu_ctx_gen;
+
 static struct {
     pthread_mutex_t mu;
-    uint64_t gen;
     unsigned next;
     struct { CUcontext ctx; int ordinal; } known[64];
     CUcontext primary[VGPU_MAX_ORDINALS];
     pthread_mutex_t measure_mu; /* creations and measures of this process, one at a time */
 } g_ctx = {.mu = PTHREAD_MUTEX_INITIALIZER, .measure_mu = PTHREAD_MUTEX_INITIALIZER};
 
-static _Thread_local struct {
-    CUcontext ctx;
-    int ordinal;
-    uint64_t gen;
-} t_last VGPU_TLS;
+_Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
+#define t_last vgpu_ctx_last
 
 static void remember(CUcontext ctx, int ordinal) {
     pthread_mutex_lock(&g_ctx.mu);
@@ -100,20 +99,20 @@ static int __attribute__((noinline)) lookup_ordinal(CUcontext ctx, int is_curren
     return (int)dev;
 }
 
-struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
-    int is_current = ctx == NULL;
-    if (is_current && (!vgpu.real.cuCtxGetCurrent || vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS))
+struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CUcontext *ctx_out) {
+    if (is_current && !ctx && (!vgpu.real.cuCtxGetCurrent || vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS))
         ctx = NULL;
     *ctx_out = ctx;
     if (!ctx) return NULL;
-    uint64_t gen = __atomic_load_n(&g_ctx.gen, __ATOMIC_ACQUIRE);
-    if (LIKELY(t_last.ctx == ctx && t_last.gen == gen)) return vgpu_dev(t_last.ordinal);
+    uint64_t gen = __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE);
+    if (LIKELY(t_last.ctx == ctx && t_last.gen == gen)) return t_last.dev;
     int ord = lookup_ordinal(ctx, is_current);
-    if (ord < 0) return NULL;
+    struct vgpu_dev *d = ord < 0 ? NULL : vgpu_dev(ord);
+    if (!d) return NULL; /* not cached: asked again next time */
     t_last.ctx = ctx;
-    t_last.ordinal = ord;
+    t_last.dev = d; /* a resolved device stays resolved */
     t_last.gen = gen;
-    return vgpu_dev(ord);
+    return d;
 }
 
 struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out) {
@@ -134,7 +133,7 @@ static void gone(CUcontext ctx) {
     for (int i = 0; i < 64; i++)
         if (g_ctx.known[i].ctx == ctx) g_ctx.known[i].ctx = NULL;
     pthread_mutex_unlock(&g_ctx.mu);
-    __atomic_add_fetch(&g_ctx.gen, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&vgpu_ctx_gen, 1, __ATOMIC_RELEASE);
 }
 
 /* --- measuring a context's memory ------------------------------------------------------------ */

@@ -12,7 +12,7 @@
 #define NEED VGPU_NEED
 
 /* After the real call: commit and record, or roll back. */
-static CUresult finish(struct vgpu_dev *d, CUresult rc, int kind, uint64_t key, uint64_t bytes,
+static inline __attribute__((always_inline)) CUresult finish(struct vgpu_dev *d, CUresult rc, int kind, uint64_t key, uint64_t bytes,
                        CUcontext ctx) {
     if (rc != CUDA_SUCCESS) {
         vgpu_rollback(d, bytes);
@@ -26,7 +26,7 @@ static CUresult finish(struct vgpu_dev *d, CUresult rc, int kind, uint64_t key, 
 }
 
 /* Release what the record of (kind, key) charged; it was taken out already. */
-static void give_back(const struct vgpu_rec *r) {
+static inline __attribute__((always_inline)) void give_back(const struct vgpu_rec *r) {
     struct vgpu_dev *d = vgpu_dev(r->ordinal);
     if (d) vgpu_uncharge(d, r->bytes);
 }

@@ -18,6 +18,7 @@ enum { STRIPES = 64, MIN_CAP = 64 };
 struct stripe {
     int lock; /* 0 free, 1 held */
     uint32_t cap, n;
+    uint32_t full; /* n at which an insert grows the stripe first: 70 % of cap (0: no slots) */
     struct vgpu_rec *slots;
 } __attribute__((aligned(64)));
 
@@ -63,13 +64,14 @@ static void place(struct stripe *s, const struct vgpu_rec *rec) {
     s->n++;
 }
 
-static int grow(struct stripe *s) {
+static int __attribute__((noinline, cold)) grow(struct stripe *s) {
     uint32_t cap = s->cap ? s->cap * 2 : MIN_CAP;
     struct vgpu_rec *old = s->slots, *fresh = calloc(cap, sizeof *fresh);
     if (!fresh) return -1;
     uint32_t oldcap = s->cap;
     s->slots = fresh;
     s->cap = cap;
+    s->full = (uint32_t)((uint64_t)cap * 7 / 10); /* the first n with (n + 1) * 10 > cap * 7 */
     s->n = 0;
     for (uint32_t i = 0; i < oldcap; i++)
         if (old[i].used) place(s, &old[i]);
@@ -77,9 +79,8 @@ static int grow(struct stripe *s) {
     return 0;
 }
 
-/* Remove slot i, moving later members of its probe run back. Stripe locked. Inline: a free
- * pays for the call otherwise. */
-static inline __attribute__((always_inline)) void erase(struct stripe *s, uint32_t i) {
+/* Remove slot i, moving later members of its probe run back. Stripe locked. */
+static void __attribute__((noinline)) erase_shift(struct stripe *s, uint32_t i) {
     uint32_t mask = s->cap - 1;
     for (uint32_t j = (i + 1) & mask; s->slots[j].used; j = (j + 1) & mask) {
         uint32_t k = home(s, hash(s->slots[j].kind, s->slots[j].key));
@@ -93,6 +94,16 @@ static inline __attribute__((always_inline)) void erase(struct stripe *s, uint32
     s->n--;
 }
 
+/* The common case inline (the next slot is empty: nothing to move back), else the shift. */
+static inline __attribute__((always_inline)) void erase(struct stripe *s, uint32_t i) {
+    if (LIKELY(!s->slots[(i + 1) & (s->cap - 1)].used)) {
+        memset(&s->slots[i], 0, sizeof s->slots[i]);
+        s->n--;
+        return;
+    }
+    erase_shift(s, i);
+}
+
 static void release(const struct vgpu_rec *r) {
     if (r->kind == VGPU_OBJ_POOLPTR) { /* the pool holds the charge */
         vgpu_pool_freed(r);
@@ -102,26 +113,30 @@ static void release(const struct vgpu_rec *r) {
     if (d) vgpu_uncharge(d, r->bytes);
 }
 
-int vgpu_tab_put_rec(const struct vgpu_rec *in) {
-    uint64_t key = in->key;
-    uint64_t h = hash(in->kind, key);
-    struct stripe *s = stripe_of(h);
-    stripe_lock(s);
-    if (UNLIKELY((s->n + 1) * 10 > s->cap * 7) && grow(s) != 0) {
+/* The driver handed out an address we still list: its free passed us by (say, with its
+ * context). Give the old charge back rather than keep it forever. Stripe locked; unlocks. */
+static void __attribute__((noinline, cold)) replace_stale(struct stripe *s, struct vgpu_rec *at,
+                                                          const struct vgpu_rec *in) {
+    struct vgpu_rec stale = *at;
+    *at = *in;
+    at->used = 1;
+    stripe_unlock(s);
+    release(&stale);
+}
+
+/* Insert into stripe s (locked; unlocks): the key's record if it is there, else the first
+ * empty slot, in one probe run. `grown`: 0 to grow first if needed. */
+static inline __attribute__((always_inline)) int put_locked(struct stripe *s, uint64_t h, const struct vgpu_rec *in,
+                                                            int grown) {
+    if (!grown && UNLIKELY(s->n >= s->full) && grow(s) != 0) {
         stripe_unlock(s);
         return -1;
     }
-    /* One probe run: the key's record if it is there, else the first empty slot. */
     uint32_t mask = s->cap - 1, i = home(s, h);
+    uint64_t key = in->key;
     while (s->slots[i].used && (s->slots[i].key != key || s->slots[i].kind != in->kind)) i = (i + 1) & mask;
     if (UNLIKELY(s->slots[i].used)) {
-        /* The driver handed out an address we still list: its free passed us by (say, with
-         * its context). Give the old charge back rather than keep it forever. */
-        struct vgpu_rec stale = s->slots[i];
-        s->slots[i] = *in;
-        s->slots[i].used = 1;
-        stripe_unlock(s);
-        release(&stale);
+        replace_stale(s, &s->slots[i], in);
         return 0;
     }
     s->n++;
@@ -129,6 +144,34 @@ int vgpu_tab_put_rec(const struct vgpu_rec *in) {
     s->slots[i].used = 1;
     stripe_unlock(s);
     return 0;
+}
+
+/* A stripe that must grow first: out of line, so the common insert saves fewer registers. */
+static int __attribute__((noinline, cold)) put_growing(const struct vgpu_rec *in) {
+    uint64_t h = hash(in->kind, in->key);
+    struct stripe *s = stripe_of(h);
+    stripe_lock(s);
+    return put_locked(s, h, in, 0);
+}
+
+static inline __attribute__((always_inline)) int put_rec(const struct vgpu_rec *in) {
+    uint64_t h = hash(in->kind, in->key);
+    struct stripe *s = stripe_of(h);
+    stripe_lock(s);
+    if (UNLIKELY(s->n >= s->full)) {
+        stripe_unlock(s);
+        return put_growing(in);
+    }
+    return put_locked(s, h, in, 1);
+}
+
+int vgpu_tab_put_rec(const struct vgpu_rec *in) { return put_rec(in); }
+
+/* The same from its fields: the record is built in place, not copied from the caller's. */
+int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
+    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
+                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
+    return put_rec(&r);
 }
 
 int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out) {

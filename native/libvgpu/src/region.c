@@ -1,23 +1,23 @@
-/* The tenant side of the shared region: this process's slot, the atomic check-and-reserve,
- * release, reclaiming dead processes' slots, and repair after a writer died mid-update.
+/* The tenant side of the shared region: this process's slot, reservations and releases,
+ * reclaiming dead processes' slots.
  *
- * Concurrency, in one place:
- * - Every change of a device total happens under the region's lock, together with the change
- *   of the slot it belongs to. The check and the charge are one critical section, so no
- *   interleaving of processes can push a total past a limit.
- * - The lock is one word in the file: 0 free, else the holder's slot index + 1, taken with a
- *   compare-and-swap and dropped with a store (a robust pthread mutex cost ~230 instructions
- *   a lock/unlock pair, a third of what the shim added to an allocation and its free). The
- *   holder's slot is held by its OFD lock for the process's life, so a waiter that finds the
- *   lock held for long asks the kernel whether the holder lives; a process killed inside a
- *   critical section has its lock taken over (one compare-and-swap: one taker), and the
- *   taker reclaims the dead slots and recomputes every total from the live slots (the
- *   truth; a writer only ever writes its own slot or dead ones).
- * - A process killed outside a critical section leaves a LIVE slot whose OFD lock the kernel
- *   dropped; the next registration, denied reservation or vgpu_region_reap() reclaims it,
- *   under the mutex, so exactly once.
- * - commit only moves bytes out of the slot's `pending` (an atomic RMW on our own slot): the
- *   charge itself is already counted, so it needs no lock.
+ * Concurrency, in one place (the protocol itself is in region.h's rules):
+ * - A process writes only its own slot on the hot path, with atomic read-modify-writes (the
+ *   process's threads share the slot). A reservation adds, then sums every slot below
+ *   slot_hwm, then backs out if over: sequentially consistent, so of two racing reservations
+ *   the later sees both. No lock, no shared line written (but peak, rarely).
+ * - The lock word in the file (0 free, else the holder's slot index + 1, taken with a
+ *   compare-and-swap, dropped with a store) serialises registration, reclaiming dead slots,
+ *   closing, and the retry of a reservation the lock-free attempt refused. The holder's slot
+ *   is held by its OFD lock for the process's life, so a waiter that finds the lock held for
+ *   long asks the kernel whether the holder lives; a process killed holding it has it taken
+ *   over (one compare-and-swap: one taker), and the taker reclaims the dead slots. Reclaiming
+ *   is idempotent (zero the dead slot, then FREE), so a taker that dies too leaves nothing
+ *   worse behind.
+ * - A process killed outside the lock leaves a LIVE slot whose OFD lock the kernel dropped,
+ *   its charge still counted; the next registration, refused reservation or
+ *   vgpu_region_reap() reclaims it, under the lock word, so exactly once.
+ * - commit only moves bytes out of the slot's `pending` (an atomic RMW on our own slot).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -54,7 +54,7 @@ static void atfork_child(void) {
 }
 static void install_atfork(void) { pthread_atfork(atfork_prepare, atfork_parent, atfork_child); }
 
-/* --- the lock and the seqlock ------------------------------------------------------------- */
+/* --- the lock word ----------------------------------------------------------------------- */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -64,37 +64,21 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Open a write section: readers that see an odd generation retry. Idempotent. */
-static inline void write_begin(struct vgpu_region_file *f) {
-    uint64_t g = LD_RELAXED(&f->generation);
-    if (!(g & 1)) __atomic_store_n(&f->generation, g + 1, __ATOMIC_RELAXED);
-}
-
-/* Close it, if one is open; serve a reader's request for a published copy first. */
-static inline void write_end(struct vgpu_region_file *f) {
-    uint64_t g = LD_RELAXED(&f->generation);
-    if (!(g & 1)) return;
-    if (VGPU_UNLIKELY(LD_RELAXED(&f->snap_request) != LD_RELAXED(&f->published.served)))
-        vgpu_region_publish_locked(f);
-    ST(&f->generation, g + 1);
-}
-
-/* Reclaim slot `s` (its owner is dead, or it is ours and we are leaving). Write section open. */
+/* Reclaim slot `s` (its owner is dead, or it is ours and we are leaving). Lock held. The
+ * charges go to 0 before the slot is FREE: a FREE slot holds nothing, so sums skip no state. */
 static void reclaim_locked(struct vgpu_region_file *f, int s) {
     struct vgpu_region_slot *sl = &f->slots[s];
-    for (uint32_t d = 0; d < vgpu_region_ndev(f); d++) {
-        uint64_t c = LD_RELAXED(&sl->dev[d].charged);
-        uint64_t u = LD_RELAXED(&f->used[d]);
-        ST(&f->used[d], u >= c ? u - c : 0);
-        ST(&sl->dev[d].charged, (uint64_t)0);
+    for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
+        __atomic_store_n(&sl->dev[d].charged, (uint64_t)0, __ATOMIC_SEQ_CST);
         ST(&sl->dev[d].pending, (uint64_t)0);
     }
+    ST(&sl->forced, (uint64_t)0);
     ST(&sl->pid, 0);
     ST(&sl->start_time, (uint64_t)0);
     ST(&sl->state, (uint32_t)VGPU_SLOT_FREE);
 }
 
-/* Reclaim dead slots: all of them (dev < 0) or those holding a charge on `dev`. Mutex held. */
+/* Reclaim dead slots: all of them (dev < 0) or those holding a charge on `dev`. Lock held. */
 static int reap_locked(struct vgpu_region *r, int dev) {
     struct vgpu_region_file *f = r->file;
     uint32_t hwm = LD_RELAXED(&f->slot_hwm);
@@ -105,32 +89,18 @@ static int reap_locked(struct vgpu_region *r, int dev) {
         if ((int)s == self || LD_RELAXED(&sl->state) != VGPU_SLOT_LIVE) continue;
         if (dev >= 0 && LD_RELAXED(&sl->dev[dev].charged) == 0) continue;
         if (!vgpu_slot_dead(r->fd, (int)s)) continue;
-        write_begin(f);
         reclaim_locked(f, (int)s);
         n++;
     }
     return n;
 }
 
-/* The previous holder died inside a critical section: its own slot and any dead slot it was
- * reclaiming may be half-written, and the totals may not match the slots. Reclaim every dead
- * slot, then rebuild the totals from the live ones. */
+/* The previous holder died holding the lock word: whatever it was doing (registering,
+ * reclaiming) is idempotent or reclaimed with its slot. Reclaim every dead slot. */
 static void repair_locked(struct vgpu_region *r) {
-    struct vgpu_region_file *f = r->file;
-    write_begin(f);
     int reaped = reap_locked(r, -1);
-    uint32_t hwm = LD_RELAXED(&f->slot_hwm);
-    for (uint32_t d = 0; d < vgpu_region_ndev(f); d++) {
-        uint64_t sum = 0;
-        for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++) {
-            if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_LIVE)
-                sum += LD_RELAXED(&f->slots[s].dev[d].charged);
-        }
-        ST(&f->used[d], sum);
-    }
-    write_end(f);
-    vgpu_region_warn("a process died while updating the region: totals recomputed from the "
-                     "slots, %d dead slot(s) reclaimed", reaped);
+    vgpu_region_warn("a process died holding the region's lock: %d dead slot(s) reclaimed",
+                     reaped);
 }
 
 /* The lock is held for tens of nanoseconds, so a waiter first watches the lock word (reads
@@ -213,16 +183,18 @@ static int register_slot(struct vgpu_region *r, char *err, size_t errlen) {
         region_lock_as(r, slot, 1);
         reap_locked(r, -1); /* our slot too, if a dead process left it LIVE */
         struct vgpu_region_slot *sl = &f->slots[slot];
-        write_begin(f);
         for (uint32_t d = 0; d < VGPU_MAX_DEVICES; d++) {
-            ST(&sl->dev[d].charged, (uint64_t)0);
+            __atomic_store_n(&sl->dev[d].charged, (uint64_t)0, __ATOMIC_SEQ_CST);
             ST(&sl->dev[d].pending, (uint64_t)0);
         }
+        ST(&sl->forced, (uint64_t)0);
         ST(&sl->pid, pid);
         ST(&sl->start_time, start);
         ST(&sl->state, (uint32_t)VGPU_SLOT_LIVE);
-        if ((uint32_t)slot >= LD_RELAXED(&f->slot_hwm)) ST(&f->slot_hwm, (uint32_t)slot + 1);
-        write_end(f);
+        /* Sequentially consistent, before our first reservation: a reservation racing ours
+         * loads slot_hwm after its add, so it sums our slot whenever ours came first. */
+        if ((uint32_t)slot >= LD_RELAXED(&f->slot_hwm))
+            __atomic_store_n(&f->slot_hwm, (uint32_t)slot + 1, __ATOMIC_SEQ_CST);
         region_unlock(r);
     }
     if (slot < 0) {
@@ -360,9 +332,7 @@ VGPU_EXPORT void vgpu_region_close(struct vgpu_region *r) {
     pthread_mutex_unlock(&g_regions.mu);
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
     if (s >= 0 && region_lock(r) == 0) {
-        write_begin(r->file);
         reclaim_locked(r->file, s);
-        write_end(r->file);
         region_unlock(r);
     }
     /* Closing the description drops the slot's lock, after the slot is FREE. */
@@ -394,7 +364,7 @@ VGPU_EXPORT uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev) {
 }
 
 VGPU_EXPORT uint64_t vgpu_region_usage(const struct vgpu_region *r, int dev) {
-    return bad_dev(r, dev) ? 0 : LD(&r->file->used[dev]);
+    return bad_dev(r, dev) ? 0 : vgpu_region_sum(r->file, dev);
 }
 
 VGPU_EXPORT uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev) {
@@ -434,42 +404,68 @@ static inline int fits(uint64_t used, uint64_t bytes, uint64_t limit) {
     return used <= limit && bytes <= limit - used;
 }
 
-static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force);
-
-VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
-    return reserve(r, dev, bytes, 0);
+/* Raise a peak to `used` if it is higher (a compare-and-swap: peak only rises). Out of line:
+ * the hot path only compares. */
+void vgpu_region_peak_cas(uint64_t *p, uint64_t old, uint64_t used) {
+    while (used > old && !__atomic_compare_exchange_n(p, &old, used, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
 }
 
-void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (reserve(r, dev, bytes, 1) == VGPU_REGION_OK) vgpu_region_commit(r, dev, bytes);
-}
+/* Under the lock word: reclaim dead slots holding a charge on dev, then try again. Only
+ * lock-free racers can add beside us here, and one that backs out comes to this lock after
+ * us; while the sum without us shows room (a racer's add seen, then withdrawn), try again,
+ * a bounded number of times. */
+enum { LOCKED_TRIES = 8 };
 
-static int reserve(struct vgpu_region *r, int dev, uint64_t bytes, int force) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return VGPU_REGION_EINVAL;
-    int s = ensure_slot(r);
-    if (VGPU_UNLIKELY(s < 0 || region_lock(r) != 0)) return VGPU_REGION_EFAIL;
+static int __attribute__((noinline)) reserve_locked(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
     struct vgpu_region_file *f = r->file;
+    struct vgpu_slot_device *sd = &f->slots[s].dev[dev];
     uint64_t limit = r->limit[dev];
-    uint64_t used = LD_RELAXED(&f->used[dev]);
-    int ok = fits(used, bytes, limit) || force;
-    if (VGPU_UNLIKELY(!ok) && reap_locked(r, dev) > 0) {
-        used = LD_RELAXED(&f->used[dev]);
-        ok = fits(used, bytes, limit);
+    if (bytes > limit) return VGPU_REGION_DENIED; /* and the add could wrap */
+    if (region_lock(r) != 0) return VGPU_REGION_EFAIL;
+    int ok = 0, reaped = 0;
+    for (int i = 0; i < LOCKED_TRIES && !ok; i++) {
+        ok = vgpu_region_try(f, sd, dev, bytes, limit);
+        if (ok) break;
+        if (!reaped) {
+            reaped = 1;
+            if (reap_locked(r, dev) > 0) continue;
+        }
+        if (!fits(vgpu_region_sum(f, dev), bytes, limit)) break;
+        sched_yield(); /* the racer whose add we saw may be waiting for a CPU */
     }
-    if (VGPU_LIKELY(ok)) {
-        struct vgpu_slot_device *sd = &f->slots[s].dev[dev];
-        write_begin(f);
-        ST(&sd->charged, LD_RELAXED(&sd->charged) + bytes);
-        __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELEASE);
-        ST(&f->used[dev], used + bytes);
-        if (used + bytes > LD_RELAXED(&f->stats[dev].peak)) ST(&f->stats[dev].peak, used + bytes);
-    }
-    write_end(f);
+    if (ok) __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
     region_unlock(r);
     return ok ? VGPU_REGION_OK : VGPU_REGION_DENIED;
 }
 
-/* pending -= bytes, never below 0 (commit runs without the mutex, beside reserve). */
+/* Everything but the lock-free attempt on a registered process's slot: a forked child's
+ * first call, a request past the limit itself, the locked retry. */
+int vgpu_region_reserve_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
+    int s = ensure_slot(r);
+    if (s < 0) {
+        (void)region_lock(r); /* says why, once */
+        return VGPU_REGION_EFAIL;
+    }
+    return reserve_locked(r, s, dev, bytes);
+}
+
+VGPU_EXPORT int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes) {
+    return VGPU_UNLIKELY(bad_dev(r, dev)) ? VGPU_REGION_EINVAL : vgpu_region_reserve_dev(r, dev, bytes);
+}
+
+void vgpu_region_force(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (bad_dev(r, dev)) return;
+    int s = ensure_slot(r);
+    if (s < 0) return;
+    struct vgpu_region_slot *sl = &r->file->slots[s];
+    __atomic_fetch_or(&sl->forced, (uint64_t)1 << dev, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&sl->dev[dev].charged, bytes, __ATOMIC_SEQ_CST);
+    uint64_t *peak = &r->file->stats[dev].peak;
+    vgpu_region_peak_cas(peak, LD_RELAXED(peak), vgpu_region_sum(r->file, dev));
+}
+
+/* pending -= bytes, never below 0 (our other threads commit beside us). */
 static void pending_sub(uint64_t *p, uint64_t bytes) {
     uint64_t old = LD_RELAXED(p), next;
     do {
@@ -478,33 +474,24 @@ static void pending_sub(uint64_t *p, uint64_t bytes) {
 }
 
 VGPU_EXPORT void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
-    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (VGPU_UNLIKELY(s < 0)) return;
-    /* One RMW; a commit without its reserve (a forked child finishing its parent's
-     * allocation) would go below 0: put the difference back. */
-    uint64_t *p = &r->file->slots[s].dev[dev].pending;
-    uint64_t old = __atomic_fetch_sub(p, bytes, __ATOMIC_RELEASE);
-    if (VGPU_UNLIKELY(old < bytes)) __atomic_fetch_add(p, bytes - old, __ATOMIC_RELAXED);
+    if (VGPU_LIKELY(!bad_dev(r, dev))) vgpu_region_commit_dev(r, dev, bytes);
 }
 
-/* Uncharge up to `bytes` from our slot and the total. Mutex held. Inline: it is most of a
- * free's cost in the region, and a call with its own prologue was a fifth of that. */
+/* Take up to `bytes` off our slot's charge (a compare-and-swap: never below 0, even
+ * with our other threads at it). */
 static void clamp_warn(struct vgpu_region *r, int dev, uint64_t bytes, uint64_t have);
-static inline __attribute__((always_inline)) void uncharge_locked(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
-    struct vgpu_region_file *f = r->file;
-    struct vgpu_slot_device *sd = &f->slots[s].dev[dev];
-    uint64_t have = LD_RELAXED(&sd->charged);
-    if (VGPU_UNLIKELY(bytes > have)) {
-        clamp_warn(r, dev, bytes, have);
-        bytes = have;
+static void uncharge(struct vgpu_region *r, int s, int dev, uint64_t bytes) {
+    uint64_t *c = &r->file->slots[s].dev[dev].charged;
+    uint64_t have = LD_RELAXED(c);
+    for (;;) {
+        uint64_t take = bytes;
+        if (VGPU_UNLIKELY(take > have)) {
+            clamp_warn(r, dev, bytes, have);
+            take = have;
+        }
+        if (__atomic_compare_exchange_n(c, &have, have - take, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            return;
     }
-    if (bytes == 0) return;
-    uint64_t used = LD_RELAXED(&f->used[dev]);
-    write_begin(f);
-    ST(&sd->charged, have - bytes);
-    ST(&f->used[dev], used >= bytes ? used - bytes : 0);
-    write_end(f);
 }
 
 static void __attribute__((noinline, cold)) clamp_warn(struct vgpu_region *r, int dev, uint64_t bytes,
@@ -519,29 +506,25 @@ static void __attribute__((noinline, cold)) clamp_warn(struct vgpu_region *r, in
 VGPU_EXPORT void vgpu_region_rollback(struct vgpu_region *r, int dev, uint64_t bytes) {
     if (bad_dev(r, dev)) return;
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (s < 0 || region_lock(r) != 0) return;
+    if (s < 0) return;
     pending_sub(&r->file->slots[s].dev[dev].pending, bytes);
-    uncharge_locked(r, s, dev, bytes);
-    region_unlock(r);
+    uncharge(r, s, dev, bytes);
+}
+
+/* A release the inline path did not finish: a forked child freeing what its parent
+ * allocated (it holds nothing here), more than we hold, or a swap lost to our other threads. */
+void vgpu_region_release_slow(struct vgpu_region *r, int dev, uint64_t bytes) {
+    int s = ensure_slot(r);
+    if (s >= 0) uncharge(r, s, dev, bytes);
 }
 
 VGPU_EXPORT void vgpu_region_release(struct vgpu_region *r, int dev, uint64_t bytes) {
-    if (VGPU_UNLIKELY(bad_dev(r, dev))) return;
-    int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
-    if (VGPU_UNLIKELY(s < 0)) {
-        /* A forked child freeing what its parent allocated: it holds nothing here. */
-        s = ensure_slot(r);
-        if (s < 0) return;
-    }
-    if (VGPU_UNLIKELY(region_lock(r) != 0)) return;
-    uncharge_locked(r, s, dev, bytes);
-    region_unlock(r);
+    if (VGPU_LIKELY(!bad_dev(r, dev))) vgpu_region_release_dev(r, dev, bytes);
 }
 
 VGPU_EXPORT int vgpu_region_reap(struct vgpu_region *r) {
     if (!r || ensure_slot(r) < 0 || region_lock(r) != 0) return -1;
     int n = reap_locked(r, -1);
-    write_end(r->file);
     region_unlock(r);
     return n;
 }

@@ -15,8 +15,8 @@ static const char k_magic[8] = "VGPUREG";
 
 _Static_assert(sizeof(struct vgpu_region_slot) % 64 == 0, "slots must fill whole cache lines");
 _Static_assert(offsetof(struct vgpu_region_file, lock) == 64 &&
-                   offsetof(struct vgpu_region_file, used) == 120,
-               "the lock, the generation and device 0's total share line 1");
+                   offsetof(struct vgpu_region_file, stats) == 320,
+               "the lock word and slot_hwm on line 1, the counters from byte 320");
 _Static_assert(offsetof(struct vgpu_region_file, slots) % 64 == 0, "slots are line-aligned");
 _Static_assert(sizeof(((struct vgpu_limits *)0)->devices) ==
                    VGPU_MAX_DEVICES * sizeof(struct vgpu_device_limit),

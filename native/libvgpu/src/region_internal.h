@@ -17,30 +17,12 @@
 #define VGPU_LIKELY(x) __builtin_expect(!!(x), 1)
 #define VGPU_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
-/* Every field another process may read concurrently is accessed through these, so the
- * seqlock is sound under the C11 model (and ThreadSanitizer agrees): a writer's data stores
- * are release stores ordered after its odd `generation` store; a reader's data loads are
- * acquire loads ordered before its closing `generation` load. On x86 all are plain moves. */
+/* Every field another process may read concurrently is accessed atomically (through these,
+ * or sequentially consistent where region.c says why), so ThreadSanitizer and the C11 model
+ * agree with the protocol. On x86 all of these are plain moves. */
 #define LD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
 #define LD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define ST(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
-
-/* The process-local attachment. Fields other than `slot`/`fd` are fixed after open; `slot`
- * and `fd` change only when a forked child registers afresh (under `mu`). */
-struct vgpu_region {
-    struct vgpu_region_file *file;
-    int fd;                      /* our open file description: it carries our slot's lock */
-    int slot;                    /* -1: not registered in this process (fresh fork child) */
-    int device_count;
-    uint64_t limit[VGPU_MAX_DEVICES]; /* min(own, region's) */
-    dev_t st_dev;                /* the mapped file, to re-open the same one after fork */
-    ino_t st_ino;
-    pthread_mutex_t mu;          /* process-private: serialises re-registration */
-    int warned_clamp;            /* the release-clamp warning is printed once */
-    int warned_broken;
-    struct vgpu_region *next;    /* the list the fork handler walks */
-    char path[];
-};
 
 /* --- region_file.c ------------------------------------------------------------------------ */
 
@@ -93,11 +75,5 @@ static inline uint32_t vgpu_region_lock_word(const struct vgpu_region_file *f) {
 static inline int vgpu_region_holder_dead(int fd, uint32_t w) {
     return w != 0 && w <= VGPU_MAX_SLOTS && vgpu_slot_dead(fd, (int)w - 1);
 }
-
-/* --- region_snapshot.c: the writers' half of the snapshot protocol ------------------------- */
-
-/* Copy the dynamic state into `published` for the readers that asked (mutex held, inside a
- * write section whose stores are all done). */
-void vgpu_region_publish_locked(struct vgpu_region_file *f);
 
 #endif

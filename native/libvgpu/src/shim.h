@@ -224,17 +224,17 @@ VGPU_HIDDEN CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int 
 static inline CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
     if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!d->accounted) return CUDA_SUCCESS;
-    int rc = vgpu_region_reserve(vgpu.region, d->rdev, bytes);
+    int rc = vgpu_region_reserve_dev(vgpu.region, d->rdev, bytes);
     return LIKELY(rc == VGPU_REGION_OK) ? CUDA_SUCCESS : vgpu_charge_denied(d, bytes, rc);
 }
 static inline void vgpu_commit(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted) vgpu_region_commit(vgpu.region, d->rdev, bytes);
+    if (d->accounted) vgpu_region_commit_dev(vgpu.region, d->rdev, bytes);
 }
 static inline void vgpu_rollback(struct vgpu_dev *d, uint64_t bytes) {
     if (d->accounted) vgpu_region_rollback(vgpu.region, d->rdev, bytes);
 }
 static inline void vgpu_uncharge(struct vgpu_dev *d, uint64_t bytes) {
-    if (d->accounted && bytes) vgpu_region_release(vgpu.region, d->rdev, bytes);
+    if (d->accounted && bytes) vgpu_region_release_dev(vgpu.region, d->rdev, bytes);
 }
 VGPU_HIDDEN uint64_t vgpu_used(struct vgpu_dev *d);
 /* GPU time measured on d (launch.c). */
@@ -264,11 +264,7 @@ struct vgpu_rec {
     uint32_t refs;  /* VMM handles: retains; POOLPTR: the pool's index in pool.c + 1 */
 };
 VGPU_HIDDEN int vgpu_tab_put_rec(const struct vgpu_rec *rec);
-static inline int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx) {
-    struct vgpu_rec r = {.key = key, .bytes = bytes, .ctx = ctx, .ordinal = (int16_t)ordinal,
-                         .kind = (uint8_t)kind, .used = 1, .refs = 1};
-    return vgpu_tab_put_rec(&r);
-}
+VGPU_HIDDEN int vgpu_tab_put(int kind, uint64_t key, int ordinal, uint64_t bytes, CUcontext ctx);
 /* Put back a record taken out (the driver refused the free). */
 static inline void vgpu_tab_restore(const struct vgpu_rec *r) { vgpu_tab_put_rec(r); }
 VGPU_HIDDEN int vgpu_tab_take(int kind, uint64_t key, struct vgpu_rec *out);
@@ -302,7 +298,33 @@ VGPU_HIDDEN void vgpu_graphs_settle(void);
 
 /* ctx.c: contexts, their devices and the memory they take. */
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */
-VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out);
+VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CUcontext *ctx_out);
+/* A thread's last answer, valid while vgpu_ctx_gen (bumped when a context goes) is unchanged.
+ * The current context itself is asked of the driver at every call: the runtime switches
+ * contexts through its private table, unseen. */
+struct vgpu_ctx_last {
+    CUcontext ctx;
+    struct vgpu_dev *dev; /* resolved (ready) */
+    uint64_t gen;
+};
+extern VGPU_HIDDEN _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
+extern VGPU_HIDDEN uint64_t vgpu_ctx_gen;
+/* Inline: every allocation asks, and the answer is nearly always the thread's last one. */
+static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
+    if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) {
+        if (vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+            *ctx_out = NULL;
+            return NULL;
+        }
+        if (LIKELY(vgpu_ctx_last.ctx == ctx &&
+                   vgpu_ctx_last.gen == __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE))) {
+            *ctx_out = ctx;
+            return vgpu_ctx_last.dev;
+        }
+        return vgpu_ctx_dev_slow(ctx, 1, ctx_out);
+    }
+    return vgpu_ctx_dev_slow(ctx, ctx == NULL, ctx_out);
+}
 /* The device of a stream (NULL and the special handles: the current context's). */
 VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
 

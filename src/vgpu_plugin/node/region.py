@@ -36,14 +36,14 @@ class RegionError(RuntimeError):
 
 
 class RegionBusy(RegionError):
-    """A live process of the container is stopped inside an update: no consistent view now."""
+    """Two reads of the region's slots never agreed in time: no view now."""
 
 
 @dataclass(frozen=True)
 class DeviceUsage:
     uuid: str
     memory_limit: int  # bytes, as the region's creator wrote it
-    used: int  # bytes charged by the container's processes (their sum)
+    used: int  # bytes charged by the container's live processes (their sum)
     sm_percent: int
     refused: int = 0  # allocations refused at the limit, ever
     fallbacks: int = 0  # allocations that fell back to managed memory (oversubscription)
@@ -61,7 +61,7 @@ class ProcessUsage:
     slot: int
     pid: int  # in the container's pid namespace
     start_time: int  # clock ticks since boot (field 22 of /proc/<pid>/stat)
-    alive: bool  # False: dead, its charge not reclaimed yet
+    alive: bool  # False: dead, its charge not reclaimed yet (and not in DeviceUsage.used)
     used: tuple[int, ...]  # bytes per device, in the order of RegionSnapshot.devices
     pending: tuple[int, ...]  # of which reserved but not yet committed
 
@@ -69,8 +69,6 @@ class ProcessUsage:
 @dataclass(frozen=True)
 class RegionSnapshot:
     path: Path
-    generation: int
-    recovered: bool  # the last writer died mid-update; this is the view its repair will give
     devices: tuple[DeviceUsage, ...]
     processes: tuple[ProcessUsage, ...]
 
@@ -95,7 +93,9 @@ def _text(ffi: Any, buf: Any) -> str:
 
 
 def read_region(path: str | os.PathLike[str]) -> RegionSnapshot:
-    """A consistent view of the region at ``path``; RegionError if it cannot be had."""
+    """A view of the region at ``path`` (each process's figures as it really had them, at
+    most microseconds old; no device over its limit but for memory forced past it, see
+    region.h); RegionError if it cannot be had."""
     ffi, lib = _lib()
     snap = ffi.new("struct vgpu_region_snapshot *")
     err = ffi.new("char[]", lib.VGPU_REGION_ERRLEN)
@@ -133,8 +133,6 @@ def read_region(path: str | os.PathLike[str]) -> RegionSnapshot:
     )
     return RegionSnapshot(
         path=Path(path),
-        generation=snap.generation,
-        recovered=bool(snap.recovered),
         devices=devices,
         processes=processes,
     )

@@ -13,17 +13,39 @@
  * - Limits per device are written once, by whoever creates the file (the plugin on the host,
  *   or the first process), and never change. A process enforces min(its own limits, the
  *   region's): rewriting the region cannot raise anybody's limit.
- * - Slots are the truth. A slot holds a process's charge per device; device totals are the
- *   sum of the slots, kept in step under one process-shared lock word (and recomputed from
- *   the slots when a holder dies mid-update).
+ * - Slots are the truth, and there is no other: a slot holds a process's charge per device,
+ *   the container's usage of a device is the sum of its slots below `slot_hwm`. A FREE slot
+ *   holds 0 everywhere, so a sum need not look at `state`.
+ * - A reservation takes no lock: the process adds the bytes to its own slot's `charged`
+ *   (an atomic read-modify-write, sequentially consistent), then sums the slots (sequentially
+ *   consistent loads) and takes the bytes back out if the sum passes its limit. Of two
+ *   racing reservations the later one in that single order sees both charges, so the limit
+ *   is never exceeded by reservations that stay. The price is that both may see each other
+ *   and back out while one would fit: a process that backs out then retries under the lock
+ *   word (below), where only lock-free racers can still interfere, and such a racer that
+ *   backs out comes to the lock after it; so of two racers at the limit one always gets
+ *   through when one fits. A newcomer raises `slot_hwm` (sequentially consistent) before
+ *   its first add, so a racer's sum covers its slot whenever its add came first; while
+ *   `slot_hwm` is 1 the only slot is the reserving process's own, and its add's result is
+ *   the sum. A release subtracts from the own slot (a compare-and-swap that clamps at 0).
+ *   `peak` is raised by a compare-and-swap when a reservation passes it.
+ * - The lock word (0 free, else the holder's slot index + 1) serialises what is rare:
+ *   registering a slot, reclaiming dead slots, closing, and the retry of a refused
+ *   reservation. Its holder's death is found through the holder's slot's OFD lock, and the
+ *   next taker just reclaims dead slots: there is no total to recompute.
  * - Liveness is a kernel lock: the owner of slot i holds an OFD write lock on the first byte
  *   of slots[i] for its lifetime. A slot whose byte can be locked belongs to a dead process;
- *   its charge is reclaimed once, under the mutex. No pid is ever compared, so pid
- *   namespaces and pid reuse do not matter; (pid, start time) are recorded for people.
- * - Writers bump `generation` to odd before and to even after each update (a seqlock): the
- *   host copies without taking the lock and retries on change. A host that keeps losing the
- *   race posts a ticket in `snap_request`; the next writer copies the state into `published`
- *   while it holds the mutex anyway.
+ *   its charge is reclaimed once, under the lock word. No pid is ever compared, so pid
+ *   namespaces and pid reuse do not matter; (pid, start time) are recorded for people. A
+ *   process killed between its add and its back-out leaves the bytes in its dead slot: they
+ *   count against the container (conservatively) until that reclaim.
+ * - The host reads without any lock: it copies the slots twice (pread) and keeps a copy only
+ *   when both agree and no device's sum over live processes passes its limit (else it reads
+ *   again, briefly: a sum over the limit is a reservation between its add and its back-out,
+ *   or a release and a reservation read at different instants). Each word is a real value
+ *   of its slot, so a kept copy is a valid, at most microseconds stale, view that never
+ *   shows more than the limit; only memory forced past it (a graph's, `forced` below) or a
+ *   process stopped inside a reservation is shown over it, after the retries.
  */
 #ifndef VGPU_REGION_H
 #define VGPU_REGION_H
@@ -32,7 +54,8 @@
 #include <stdint.h>
 
 enum {
-    VGPU_REGION_VERSION = 2,  /* 2: per-device counters (stats) */
+    VGPU_REGION_VERSION = 3,  /* 2: per-device counters (stats); 3: no shared totals, lock-free
+                                 reservations on the own slot */
     VGPU_MAX_DEVICES = 16,
     VGPU_MAX_SLOTS = 256,
     VGPU_UUID_SIZE = 80,   /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" and NUL, with room */
@@ -45,7 +68,7 @@ enum vgpu_region_status {
     VGPU_REGION_DENIED = 1,   /* reserve: the charge would exceed this process's limit */
     VGPU_REGION_EINVAL = 2,   /* no such device index, or a bad argument */
     VGPU_REGION_EFAIL = 3,    /* the region is unusable (file refused, slot lost); see err */
-    VGPU_REGION_EBUSY = 4     /* snapshot: a live process is stalled inside an update */
+    VGPU_REGION_EBUSY = 4     /* snapshot: the slots kept changing for the whole read */
 };
 
 enum { VGPU_SLOT_FREE = 0, VGPU_SLOT_LIVE = 1 };
@@ -76,7 +99,7 @@ struct vgpu_region_device {
 };
 
 /* What the node can see of a device besides its usage: counters only ever grow (atomic adds
- * by the container's processes, outside the lock), `peak` only rises (under the lock). */
+ * by the container's processes), `peak` only rises (compare-and-swap). */
 struct vgpu_region_device_stats {
     uint64_t refused;        /* allocations (and contexts) refused at the limit */
     uint64_t fallbacks;      /* allocations that fell back to managed memory (CUDA_OVERSUBSCRIBE) */
@@ -110,19 +133,9 @@ struct vgpu_region_slot {
     int32_t pid;             /* in the container's pid namespace */
     uint64_t start_time;     /* field 22 of /proc/<pid>/stat, clock ticks since boot */
     struct vgpu_slot_device dev[16];
-    uint64_t reserved[6];
-};
-
-/* A consistent copy of the dynamic state, written by a writer on a host's request. */
-struct vgpu_region_published {
-    uint64_t generation;     /* seqlock of this copy: odd while being written */
-    uint64_t served;         /* the highest request this copy answers */
-    uint64_t source_generation;
-    uint32_t slot_hwm;
-    uint32_t reserved0;
-    uint64_t reserved1[4];
-    uint64_t used[16];
-    struct vgpu_region_slot slots[256];
+    uint64_t forced;         /* bit d: this process charged memory on device d past the limit
+                                (vgpu_region_force); the host then shows the sum as it is */
+    uint64_t reserved[5];
 };
 
 struct vgpu_region_file {
@@ -134,24 +147,17 @@ struct vgpu_region_file {
     uint32_t slot_count;     /* VGPU_MAX_SLOTS */
     uint32_t reserved0;
     uint64_t reserved1[4];
-    /* line 1: what every update touches, device 0's total included, so that an update on
-       device 0 moves one cache line between processes */
+    /* line 1: what only rare updates under the lock word touch */
     uint32_t lock;           /* 0: free; else the holder's slot index + 1 (its slot's OFD lock
                                 says whether it lives: a dead holder's lock is taken over) */
-    uint32_t reserved_lock;
-    uint64_t reserved_line1[5];
-    uint64_t generation;     /* seqlock: odd while a writer is between its stores */
-    uint64_t used[16];       /* per device: sum of the LIVE slots' charged */
-    /* line 3, from byte 248 */
-    uint64_t snap_request;   /* tickets posted by readers that want a published copy */
     uint32_t slot_hwm;       /* slots at or above this index have never been used */
-    uint32_t reserved2;
-    uint64_t reserved3[7];
+    uint64_t reserved_line1[7];
+    /* lines 2-3: unused since version 3 (the totals and the seqlock of versions 1-2) */
+    uint64_t reserved2[24];
     /* from byte 320: counters, before the devices (which the host compares across reads) */
     struct vgpu_region_device_stats stats[16];
     struct vgpu_region_device devices[16];
     struct vgpu_region_slot slots[256];
-    struct vgpu_region_published published;
 };
 
 /* --- what the host reads ------------------------------------------------------------------- */
@@ -159,7 +165,8 @@ struct vgpu_region_file {
 struct vgpu_snapshot_device {
     char uuid[80];
     uint64_t memory_limit;   /* as the region's creator wrote it */
-    uint64_t used;           /* bytes charged on the device: the sum of the processes below */
+    uint64_t used;           /* bytes charged on the device: the sum of the live processes
+                                below (a dead one's unreclaimed charge is listed, not added) */
     uint32_t sm_percent;
     uint32_t reserved;
     uint64_t refused;        /* the device's counters (struct vgpu_region_device_stats) */
@@ -183,11 +190,8 @@ struct vgpu_snapshot_process {
 struct vgpu_region_snapshot {
     uint32_t device_count;
     uint32_t process_count;
-    uint64_t generation;
-    int32_t recovered;       /* 1: the last writer died mid-update and no process has repaired
-                                the region yet; this view is what the repair will produce
-                                (live slots only, totals recomputed from them) */
-    int32_t published;       /* 1: copied by a writer on this reader's request (busy region) */
+    uint32_t attempts;       /* how many double reads the view took (1 on a quiet region) */
+    uint32_t reserved;
     struct vgpu_snapshot_device devices[16];
     struct vgpu_snapshot_process processes[256];
 };
@@ -223,9 +227,10 @@ int vgpu_region_device_count(const struct vgpu_region *r);
 uint64_t vgpu_region_limit(const struct vgpu_region *r, int dev);
 
 /* Charge `bytes` on `dev` to this process if the container's usage stays within this
- * process's limit, atomically across all processes (dead processes' charges are reclaimed
- * first when that makes room). Then call the driver, and commit on success or roll back on
- * failure. Returns VGPU_REGION_OK, _DENIED, _EINVAL or _EFAIL. No syscall unless denied. */
+ * process's limit, whatever other processes do at the same time (dead processes' charges
+ * are reclaimed first when that makes room). Then call the driver, and commit on success or
+ * roll back on failure. Returns VGPU_REGION_OK, _DENIED, _EINVAL or _EFAIL. No lock and no
+ * syscall unless the limit is reached. */
 int vgpu_region_reserve(struct vgpu_region *r, int dev, uint64_t bytes);
 void vgpu_region_commit(struct vgpu_region *r, int dev, uint64_t bytes);
 void vgpu_region_rollback(struct vgpu_region *r, int dev, uint64_t bytes);
@@ -240,12 +245,11 @@ uint64_t vgpu_region_own_usage(const struct vgpu_region *r, int dev);
 /* Reclaim the slots of dead processes now. Returns how many, or -1. */
 int vgpu_region_reap(struct vgpu_region *r);
 
-/* Host side: validate the file at `path` and copy a consistent view of it into `out`
- * without taking the region's lock (the tenants never wait on the reader) and without
+/* Host side: validate the file at `path` and copy a view of it into `out` (see the rules
+ * above) without taking the region's lock (the tenants never wait on the reader) and without
  * mapping it (a file its tenant shrinks, replaces or rewrites meanwhile is an error, never a
  * signal). Returns VGPU_REGION_OK, VGPU_REGION_EFAIL (missing, refused, changed while being
- * read: the reason is in err) or VGPU_REGION_EBUSY (a live process has been stalled inside
- * an update for too long). */
+ * read: the reason is in err) or VGPU_REGION_EBUSY (two reads never agreed in time). */
 int vgpu_region_snapshot(const char *path, struct vgpu_region_snapshot *out, char *err,
                          size_t errlen);
 

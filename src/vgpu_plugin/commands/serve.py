@@ -24,12 +24,13 @@ from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
-from vgpu_plugin.kubelet.checkpoint import read_checkpoint
+from vgpu_plugin.kubelet.checkpoint import CheckpointError, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
+from vgpu_plugin.node.atomicfile import DeferredSync
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import read_prepared_claims
@@ -125,6 +126,7 @@ class Plugin:
         self._metrics_server: MetricsServer | None = None
         self._cleaner: Cleaner | None = None
         self._dra: DraRunner | None = None
+        self._syncer: DeferredSync | None = None
 
     def start(self) -> None:
         s = self.settings
@@ -156,13 +158,18 @@ class Plugin:
                 self._dra.start()
             except (RuntimeError, OSError) as exc:
                 raise StartupError(f"DRA driver: {exc}", EXIT_NODE) from exc
+        # Allocate's writes are synced after it answers (docs/contracts.md#durability).
+        syncer = self._syncer = DeferredSync(name="vgpu-sync")
+        syncer.register(store.flush)
+        syncer.start()
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir,
-                cdi_spec_dir=s.cdi_spec_dir,
+                cdi_spec_dir=s.cdi_spec_dir, syncer=syncer,
             )  # fmt: skip
         except ListTooLargeError as exc:
             raise StartupError(str(exc), EXIT_CONFIG) from exc
+        self._rebuild_from_checkpoint()
         for g in self.backend.plan.gpus:
             log.info(
                 "GPU %d %s %s: %d slices of %d MiB, compute %d%%",
@@ -199,6 +206,25 @@ class Plugin:
             mark_released=store_release_marker(store),
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
+
+    def _rebuild_from_checkpoint(self) -> None:
+        """Before the kubelet can start a container again: what a power loss took of an
+        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``)."""
+        assert self.backend is not None
+        try:
+            entries = read_checkpoint(self.settings.device_plugin_dir)
+        except CheckpointError as exc:
+            log.warning("cannot check the allocations against the kubelet's checkpoint: %s", exc)
+            return
+        if entries:
+            report = self.backend.rebuild(entries)
+            if report.rebuilt or report.refused:
+                log.info(
+                    "kubelet checkpoint: %d allocations intact, %d rebuilt, %d not rebuildable",
+                    report.intact,
+                    len(report.rebuilt),
+                    len(report.refused),
+                )
 
     def _resource_name(self) -> str:
         assert self.backend is not None
@@ -336,6 +362,8 @@ class Plugin:
             self._health.stop()
         if self._dra is not None:
             self._dra.stop()
+        if self._syncer is not None:
+            self._syncer.stop()  # the last Allocates' writes, durable before we exit
         log.info("stopped")
 
 

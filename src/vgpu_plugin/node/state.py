@@ -397,6 +397,9 @@ class AllocationStore:
         self._queue_lock = threading.Lock()
         self._pending: list[_Batch] = []
         self.syncs = 0  # group commits tried (for tests and figures)
+        # Appends not synced yet (add_many(sync=False)) and the flushes that synced some.
+        self._unsynced = False
+        self.flushes = 0
         with self._mutex, self._flock:
             self._remove_stale_tmp()
             self._sync()
@@ -411,13 +414,23 @@ class AllocationStore:
             if replaced:
                 self._maybe_compact()
 
-    def add_many(self, records: Iterable[AllocationRecord]) -> None:
+    def add_many(self, records: Iterable[AllocationRecord], sync: bool = True) -> None:
         """Stores ``records`` (replacing those with the same ids) in one durable write: when this
         returns all of them are on disk; when it raises, none was acknowledged.
 
         Group commit: the entries are encoded before the lock and queued; whoever takes the lock
         first writes every queued batch in one append and syncs once, so callers that arrive
-        while a sync runs share the next one instead of each waiting for its own."""
+        while a sync runs share the next one instead of each waiting for its own.
+
+        ``sync`` False: one append, not synced: when this returns the records survive the
+        process's death (they are in the page cache, whole), and a power loss only once
+        ``flush`` (a ``DeferredSync`` pass) has run after it."""
+        if not sync:
+            unsynced = list(records)
+            if unsynced:
+                with self._locked():
+                    self._add_many(unsynced, sync=False)
+            return
         batch = _Batch(list(records))
         if not batch.records:
             return
@@ -469,6 +482,25 @@ class AllocationStore:
                 self._sorted = _sorted(self._records.values())
             return list(self._sorted)
 
+    def flush(self) -> None:
+        """Make every append so far durable (``add_many(sync=False)``'s), holding the lock only
+        to take a duplicate of the journal's fd: Allocate's appends never wait for this sync.
+        A compaction meanwhile is harmless: the new journal was synced whole."""
+        with self._mutex:
+            if not self._unsynced or self._fd is None:
+                return
+            fd = os.dup(self._fd)
+            self._unsynced = False
+        try:
+            os.fdatasync(fd)
+        except BaseException:
+            with self._mutex:
+                self._unsynced = True  # the next flush tries again
+            raise
+        finally:
+            os.close(fd)
+        self.flushes += 1
+
     def close(self) -> None:
         with self._mutex:
             self._close_fd()
@@ -500,29 +532,32 @@ class AllocationStore:
             b.done = True
         self._sorted = None
 
-    def _add_many(self, records: list[AllocationRecord]) -> None:
+    def _add_many(self, records: list[AllocationRecord], sync: bool = True) -> None:
         if not records:
             return
-        self._append([put_entry(r) for r in records])
+        self._append([put_entry(r) for r in records], sync)
         for r in records:
             self._records[r.allocation_id] = r
         self._sorted = None
 
-    def _append(self, entries: list[bytes]) -> None:
-        """Appends and syncs ``entries``; on failure the journal is cut back to where it was."""
+    def _append(self, entries: list[bytes], sync: bool = True) -> None:
+        """Appends and syncs ``entries``; on failure the journal is cut back to where it was.
+        ``sync`` False: not synced; ``flush`` syncs it later."""
         assert self._fd is not None
         data = b"".join(entries)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view) :]
-            os.fdatasync(self._fd)
+            if sync:
+                os.fdatasync(self._fd)  # covers earlier unsynced appends too
         except BaseException:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._offset)
             raise
         self._offset += len(data)
         self._entries += len(entries)
+        self._unsynced = not sync
 
     def _sync(self) -> None:
         """Catch up with the journal and import a legacy file (caller holds the lock)."""
@@ -610,6 +645,7 @@ class AllocationStore:
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self._ino = os.fstat(self._fd).st_ino
         self._offset, self._entries = len(data), len(records)
+        self._unsynced = False  # written and synced whole
         self._records = {r.allocation_id: r for r in records}
         self._sorted = None
 

@@ -289,8 +289,9 @@ def test_an_entry_that_cannot_be_rebuilt_is_refused_in_one_line_and_the_rest_is(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == [
         f"cannot rebuild allocation {aids[0]} (pod uid-1 container 'c0') from the kubelet's "
-        "checkpoint: its response names the GPUs by CDI, without their limits, and its record "
-        "is not on file; the container's limits are missing until its pod is recreated"
+        "checkpoint: its response carries no limits (the CDI strategies keep them in the CDI "
+        "spec) and its record is not on file; the container's limits are missing until its pod "
+        "is recreated"
     ]
     got = snapshot(tmp_path / "host")
     assert {k: v for k, v in files.items() if aids[0] not in k} == got

@@ -512,8 +512,8 @@ def _rebuild_one(self: VgpuBackend, e: CheckpointEntry, aid: str, config: Config
     if wanted is None:
         if record is None or not record.limits:
             raise NotRebuildable(
-                "its response names the GPUs by CDI, without their limits, and its record is "
-                "not on file"
+                "its response carries no limits (the CDI strategies keep them in the CDI spec) "
+                "and its record is not on file"
             )
         oversubscribe = record.extra.get(OVERSUBSCRIBED_KEY) is True
         wanted = _Wanted(

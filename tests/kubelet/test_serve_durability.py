@@ -203,6 +203,10 @@ def test_after_a_power_loss_serve_rebuilds_from_the_checkpoint_before_registerin
     assert after == before
     records = {r.allocation_id: r for r in AllocationStore(serve.state_dir).all()}
     assert set(records) == set(aids)
+    deadline = time.monotonic() + 30  # serve logs "registered" once the kubelet answered
+    while "registered" not in serve.log.read_text()[len(log_before) :]:
+        assert time.monotonic() < deadline, serve.log.read_text()
+        time.sleep(0.05)
     lines = serve.log.read_text()[len(log_before) :].splitlines()
     rebuilt = [line for line in lines if "rebuilt allocation" in line]
     refused = [line for line in lines if "cannot rebuild allocation" in line]

@@ -58,6 +58,8 @@ log = logging.getLogger("vgpu_plugin.commands.serve")
 # A scrape rebuilds the node view's metrics at most once a second (and at most ~10 % of one
 # CPU's time however often it is scraped): node/metrics.py's NodeViewExposition.
 METRICS_MIN_INTERVAL = 1.0
+# Serving scrapes takes at most ~1/10 of one CPU, however often the node is scraped.
+SCRAPE_PACE = 10.0
 # The GIL's switch interval (CPython's default: 5 ms). A thread that comes back from a
 # syscall waits up to this long for a CPU-bound thread (a metrics rebuild) to let go of the
 # GIL, and an Allocate makes dozens of syscalls: a shorter interval keeps scrapes from adding
@@ -261,7 +263,7 @@ class Plugin:
             region.bind()  # once here, not again in each forked build
         try:
             self._metrics_server, port = serve_metrics(
-                self.settings.metrics_address, self._metrics.registry
+                self.settings.metrics_address, self._metrics.registry, pace=SCRAPE_PACE
             )
         except (OSError, ValueError) as exc:
             raise StartupError(

@@ -12,6 +12,7 @@ were taken).
 
     VGPU_NATIVE_DIR=build/native-release python bench/bench_plugin.py [--calls 1000] \
         [--records 2000]
+    python bench/bench_plugin.py --deferred-sync   # Allocate's sync lag, in process
 
 The records on file are seeded as an ``allocations.msgpack`` (the format before the journal),
 which every version reads: the current one imports it at start.
@@ -164,6 +165,57 @@ def timed_calls(n: int, call: Callable[[], object]) -> list[float]:
     return out
 
 
+def deferred_sync_lag(calls: int, batch: int) -> None:
+    """In process (no gRPC): ``calls`` Allocates back to back through the backend with serve's
+    deferred sync, then one of ``batch`` containers; prints how long a write stayed
+    acknowledged but not yet durable (the longest seen)."""
+    from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+    from vgpu_plugin.core.config import parse_config
+    from vgpu_plugin.core.devices import PhysicalGpu
+    from vgpu_plugin.kubelet.plugin import VgpuBackend
+    from vgpu_plugin.node.atomicfile import DeferredSync
+    from vgpu_plugin.node.state import AllocationStore
+
+    work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    gpus = [
+        PhysicalGpu(i, f"GPU-{i:08x}-0000-0000-0000-000000000000", "H100", 81559 * MIB, i,
+                    f"0000:{i:02x}:00.0", i // 4)
+        for i in range(8)
+    ]  # fmt: skip
+    config = parse_config(f"version: v1\nsharing: {{splitCount: 32}}\nhostRoot: {work}/host\n")
+    store = AllocationStore(work / "state")
+    syncer = DeferredSync()
+    syncer.register(store.flush)
+    syncer.start()
+    backend = VgpuBackend(
+        gpus, config, "node-1", {}, store, "0.1.0", str(work / "locks"),
+        cdi_spec_dir=str(work / "cdi"), syncer=syncer,
+    )  # fmt: skip
+    ids = [s.id for s in backend.plan.all_slices()]
+    rng = random.Random(1)
+
+    def request(n: int, size: int) -> pb.AllocateRequest:
+        return pb.AllocateRequest(
+            container_requests=[
+                pb.ContainerAllocateRequest(devices_ids=rng.sample(ids, size)) for _ in range(n)
+            ]
+        )
+
+    times = timed_calls(calls, lambda: backend.allocate(request(1, 2)))
+    syncer.wait(60)
+    report("Allocate in process (no gRPC)", times)
+    print(f"deferred sync: {syncer.passes} passes for {calls} Allocates, longest acknowledged "
+          f"to durable {syncer.max_lag * 1e3:.1f} ms, {syncer.errors} errors")  # fmt: skip
+    syncer.max_lag = 0.0
+    t = time.perf_counter()
+    backend.allocate(request(batch, 1))
+    answered = time.perf_counter() - t
+    syncer.wait(600)
+    print(f"one Allocate of {batch} containers: answered in {answered:.2f} s, durable "
+          f"{syncer.max_lag:.2f} s after")  # fmt: skip
+    syncer.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=1000)
@@ -177,7 +229,15 @@ def main() -> int:
         action="store_true",
         help="scrape from threads of this process (shares its GIL with the timed calls)",
     )
+    ap.add_argument(
+        "--deferred-sync",
+        action="store_true",
+        help="only measure, in process, how long Allocate's writes wait for their sync",
+    )
     args = ap.parse_args()
+    if args.deferred_sync:
+        deferred_sync_lag(args.calls, args.batch)
+        return 0
     work = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
     gpus = [GpuSpec(numa_node=i // 4) for i in range(8)]
     node = Node.create(work / "simgpu", gpus)

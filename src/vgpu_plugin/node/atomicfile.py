@@ -101,6 +101,10 @@ class DeferredSync:
         self._thread: threading.Thread | None = None
         self.passes = 0
         self.errors = 0
+        # Seconds from the earliest note a pass covered to the pass's end: how long a write
+        # stayed acknowledged but not durable (the largest seen; for figures).
+        self.max_lag = 0.0
+        self._oldest: float | None = None
 
     def register(self, flush: Callable[[], None]) -> None:
         """``flush`` runs at the end of every pass (after the files and dirs)."""
@@ -112,6 +116,8 @@ class DeferredSync:
             self._files.update(map(str, files))
             self._dirs.update(map(str, dirs))
             self._noted += 1
+            if self._oldest is None:
+                self._oldest = time.monotonic()
             self._cond.notify_all()
 
     def start(self) -> None:
@@ -159,6 +165,7 @@ class DeferredSync:
             files, self._files = self._files, set()
             dirs, self._dirs = self._dirs, set()
             flushers, target = list(self._flushers), self._noted
+            oldest, self._oldest = self._oldest, None
         start = time.monotonic()
         for path in sorted(files):
             self._sync_path(path, os.O_RDONLY)
@@ -179,6 +186,8 @@ class DeferredSync:
                 "deferred sync of %d files and %d dirs took %.2f s", len(files), len(dirs), took
             )
         with self._cond:
+            if oldest is not None:
+                self.max_lag = max(self.max_lag, time.monotonic() - oldest)
             self.passes += 1
             self._synced = max(self._synced, target)
             self._cond.notify_all()

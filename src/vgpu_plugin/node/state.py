@@ -4,13 +4,24 @@ The records live in an append-only journal, ``allocations.journal``: a header li
 entry per change (a record stored or replaced, or one dropped), each framed as a mark, its
 length and a CRC-32 of both, then the msgpack payload. A change costs one append and one
 ``fdatasync`` whatever the number of records (``add_many`` writes a whole Allocate's records in
-one), and a write is acknowledged only once it is synced. Concurrent ``add_many`` calls share
-syncs (group commit): each queues its entries, and whichever caller holds the lock next writes
-every queued entry in one append and one ``fdatasync``; a caller returns once the sync that
-covers its own entries has returned, and fails if that sync failed (the whole group is cut
-back from the journal, as a single write is). When the journal holds more dead
-entries than live records (and at least ``compact_min``), it is rewritten with the live records
-only (tmp file, fsync, rename, fsync of the dir); Allocate's writes never compact.
+one), and a write is acknowledged only once it is synced, except ``add_many(sync=False)``.
+
+Durability (docs/contracts.md#durability): an appended entry survives the death of the
+process as soon as ``write`` returned (the page cache keeps it, whole or, if the process died
+inside the call, as an unfinished tail that is cut off), so only a power loss or kernel crash
+needs the sync. Allocate therefore appends with ``sync=False`` and answers; ``flush``, run by
+serve's ``DeferredSync`` thread moments later, syncs it without holding the lock while the disk
+works, and what a power loss takes in between is rebuilt at start from the kubelet's
+checkpoint (``VgpuBackend.rebuild``). Every other change is synced before it returns, and a
+synced append also covers the unsynced ones before it.
+
+Concurrent synced ``add_many`` calls share syncs (group commit): each queues its entries,
+and whichever caller holds the lock next writes every queued entry in one append and one
+``fdatasync``; a caller returns once the sync that covers its own entries has returned, and
+fails if that sync failed (the whole group is cut back from the journal, as a single write
+is). When the journal holds more dead entries than live records (and at least
+``compact_min``), it is rewritten with the live records only (tmp file, fsync, rename, fsync
+of the dir); Allocate's writes never compact.
 
 Crashes: a writer killed mid-append leaves an incomplete entry at the end, never acknowledged;
 the next writer (under the lock) truncates it and logs it. Bytes that do not frame an entry

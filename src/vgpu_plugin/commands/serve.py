@@ -30,7 +30,7 @@ from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
-from vgpu_plugin.node.atomicfile import DeferredSync
+from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import read_prepared_claims
@@ -211,8 +211,19 @@ class Plugin:
 
     def _rebuild_from_checkpoint(self) -> None:
         """Before the kubelet can start a container again: what a power loss took of an
-        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``)."""
+        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``). Only on
+        the first start since the node booted: without a reboot no write was lost, and the
+        checkpoint may still name allocations the cleanup removed (the kubelet drops a pod's
+        entries only at its next write), which must not come back."""
         assert self.backend is not None
+        marker = self.settings.state_dir / BOOT_ID_FILE_NAME
+        boot = _boot_id()
+        try:
+            last = marker.read_text().strip()
+        except OSError:
+            last = None
+        if boot is not None and last == boot:
+            return
         try:
             entries = read_checkpoint(self.settings.device_plugin_dir)
         except CheckpointError as exc:
@@ -220,13 +231,18 @@ class Plugin:
             return
         if entries:
             report = self.backend.rebuild(entries)
-            if report.rebuilt or report.refused:
-                log.info(
-                    "kubelet checkpoint: %d allocations intact, %d rebuilt, %d not rebuildable",
-                    report.intact,
-                    len(report.rebuilt),
-                    len(report.refused),
-                )
+            log.info(
+                "first start since the node booted: of the allocations in the kubelet's "
+                "checkpoint %d intact, %d rebuilt, %d not rebuildable",
+                report.intact,
+                len(report.rebuilt),
+                len(report.refused),
+            )
+        if boot is not None:
+            try:
+                write_atomically(marker, f"{boot}\n".encode(), 0o644)
+            except OSError as exc:
+                log.warning("cannot write %s: %s (the next start checks again)", marker, exc)
 
     def _resource_name(self) -> str:
         assert self.backend is not None
@@ -367,6 +383,17 @@ class Plugin:
         if self._syncer is not None:
             self._syncer.stop()  # the last Allocates' writes, durable before we exit
         log.info("stopped")
+
+
+BOOT_ID_FILE_NAME = "boot_id"  # in the state dir: the boot the last start ran in
+
+
+def _boot_id() -> str | None:
+    """This boot's id (changes at every boot); None where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:

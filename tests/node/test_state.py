@@ -690,3 +690,20 @@ def test_reading_many_state_dirs_holds_no_file_open_forever(tmp_path: Path) -> N
     for i in range(4, 54):
         write_then_read(i)
     assert len(os.listdir("/proc/self/fd")) - before <= 2  # 50 without the bound
+
+
+def test_a_lock_another_process_holds_too_long_is_a_clear_timeout(tmp_path: Path) -> None:
+    import fcntl
+
+    store = AllocationStore(tmp_path, lock_timeout=0.05)
+    # Another open file of the lock: flock tells it from the store's as it would a process.
+    other = os.open(tmp_path / state.LOCK_FILE_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="another process has held the lock"):
+            store.add_many([record(1)], sync=False)
+        fcntl.flock(other, fcntl.LOCK_UN)
+        store.add_many([record(1)], sync=False)
+    finally:
+        os.close(other)
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]

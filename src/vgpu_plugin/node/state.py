@@ -44,6 +44,7 @@ rolling update) its records are imported into the journal and it is renamed
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -58,7 +59,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import filelock
 import msgpack
 
 from vgpu_plugin.core import defaults
@@ -359,6 +359,44 @@ def _aside(path: Path, suffix: str) -> Path:
 # --- the store ----------------------------------------------------------------------------
 
 
+class _FileLock:
+    """An exclusive ``flock`` on the lock file, which stays open: taking the lock is one
+    syscall when it is free (the filelock package opened, resolved and closed the file at
+    every change: ~0.3 ms of an Allocate's ~1 ms). It keeps other processes out; the store's
+    mutex keeps our own threads apart. A forked child shares the open file (and the lock
+    while we hold it) but never unlocks it. ``TimeoutError`` (an OSError) after ``timeout``
+    seconds held by another process."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.path}: another process has held the lock for {self.timeout} s"
+                    ) from None
+                time.sleep(0.005)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 @dataclass(eq=False)
 class _Batch:
     """One ``add_many`` call's records, queued for the next group commit."""
@@ -391,7 +429,7 @@ class AllocationStore:
         self.path = self.state_dir / JOURNAL_FILE_NAME
         self.legacy_path = self.state_dir / LEGACY_FILE_NAME
         self.compact_min = compact_min
-        self._flock = filelock.FileLock(self.state_dir / LOCK_FILE_NAME, timeout=lock_timeout)
+        self._flock = _FileLock(self.state_dir / LOCK_FILE_NAME, lock_timeout)
         # flock is per open file; this keeps our own threads from racing on one FileLock.
         self._mutex = threading.RLock()
         # Where refused or damaged files were kept, if any; for status output and tests.
@@ -515,6 +553,7 @@ class AllocationStore:
     def close(self) -> None:
         with self._mutex:
             self._close_fd()
+            self._flock.close()
 
     # --- under the lock -----------------------------------------------------------------
 

@@ -197,6 +197,7 @@ def power_loss(tmp_path: Path, journal_size: int, aids: Sequence[str]) -> None:
     host = tmp_path / "host"
     (host / "limits" / aids[0]).unlink()
     (host / "containers" / aids[0]).rmdir()
+    (host / "containers" / aids[2]).chmod(0o755)  # its mode lost with the journal's commit
     (host / "limits" / aids[1]).write_bytes(b"")
     for spec in (tmp_path / "cdi").glob("*"):
         spec.unlink()
@@ -252,6 +253,7 @@ def test_after_a_power_loss_start_rebuilds_exactly_what_allocate_wrote(
     lost_records = strategy != "cdi-cri"
     assert report.rebuilt[aids[0]][:2] == ["limits file", "region dir"]
     assert report.rebuilt[aids[1]][0] == "limits file"
+    assert report.rebuilt[aids[2]][0] == "region dir"
     assert ("record" in report.rebuilt[aids[2]]) == lost_records
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == len(report.rebuilt)
@@ -295,7 +297,7 @@ def test_an_entry_that_cannot_be_rebuilt_is_refused_in_one_line_and_the_rest_is(
     ]
     got = snapshot(tmp_path / "host")
     assert {k: v for k, v in files.items() if aids[0] not in k} == got
-    assert sorted(report.rebuilt) == sorted(aids[1:])  # the third: its CDI spec only
-    assert report.rebuilt[aids[2]] == ["CDI spec"]
+    assert sorted(report.rebuilt) == sorted(aids[1:])
+    assert report.rebuilt[aids[2]] == ["region dir", "CDI spec"]
     assert {r.allocation_id for r in restarted._store.all()} == set(aids[1:])
     assert cdi_files.spec_path(tmp_path / "cdi", aids[1]).is_file()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -534,7 +535,7 @@ def _rebuild_one(self: VgpuBackend, e: CheckpointEntry, aid: str, config: Config
         write_atomically(limits_path, text, 0o644)
         done.append("limits file")
     alloc_dir = Path(wanted.allocation_dir)
-    if not alloc_dir.is_dir():
+    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
         alloc_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
         fsync_dir(alloc_dir.parent)

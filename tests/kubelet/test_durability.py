@@ -301,3 +301,28 @@ def test_an_entry_that_cannot_be_rebuilt_is_refused_in_one_line_and_the_rest_is(
     assert report.rebuilt[aids[2]] == ["region dir", "CDI spec"]
     assert {r.allocation_id for r in restarted._store.all()} == set(aids[1:])
     assert cdi_files.spec_path(tmp_path / "cdi", aids[1]).is_file()
+
+
+def test_a_checkpoint_naming_paths_allocate_never_writes_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = make_backend(tmp_path, "volume-mounts", DeferredSync())
+    response = allocate(backend, [f"{A}-0"], [f"{A}-1"])
+    first, second = response.container_responses
+    victim = tmp_path / "etc" / "passwd"
+    # One entry mounts someone else's file as its limits file; the other an unnormalized path.
+    for m in first.mounts:
+        if m.container_path == "/etc/vgpu/limits":
+            m.host_path = str(victim)
+    for m in second.mounts:
+        if m.container_path == "/etc/vgpu/limits":
+            m.host_path = m.host_path.replace("/limits/", "/limits/../limits/")
+    write_checkpoint(tmp_path / "plugins", response, [[f"{A}-0"], [f"{A}-1"]])
+    entries = read_checkpoint(tmp_path / "plugins")
+    assert entries is not None
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        report = backend.rebuild(entries)
+    assert sorted(report.refused) == sorted(allocation_ids_of(c)[0] for c in (first, second))
+    assert not victim.exists() and len(caplog.records) == 2
+    assert "not a limits path of ours" in caplog.records[0].getMessage()
+    assert "not a normalized absolute path" in caplog.records[1].getMessage()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import stat
 import threading
 import time
@@ -44,7 +45,14 @@ from vgpu_plugin.core.devices import (
     parse_device_id,
     plan_node,
 )
-from vgpu_plugin.core.grant import GpuGrant, Grant, InvalidRequest, grant, new_allocation_id
+from vgpu_plugin.core.grant import (
+    GpuGrant,
+    Grant,
+    InvalidRequest,
+    check_allocation_id,
+    grant,
+    new_allocation_id,
+)
 from vgpu_plugin.core.limits import Limits, format_limits
 from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
@@ -431,8 +439,18 @@ def _from_response(aid: str, response: pb.ContainerAllocateResponse) -> _Wanted 
     allocation_dir = _mounted(response, defaults.CACHE_DIR)
     if limits_path is None or allocation_dir is None:
         raise NotRebuildable("its response mounts no limits file or region dir")
+    _check_ours(limits_path, "limits", aid)
+    _check_ours(allocation_dir, "containers", aid)
     oversubscribe = envs.get("CUDA_OVERSUBSCRIBE") == "true"
     return _Wanted(aid, Limits(aid, oversubscribe, tuple(gpus)), limits_path, allocation_dir)
+
+
+def _check_ours(path: str, kind: str, aid: str) -> None:
+    """Only a path Allocate could have written is written again: ``<root>/<kind>/<aid>``."""
+    if posixpath.normpath(path) != path or not path.startswith("/"):
+        raise NotRebuildable(f"its response mounts {path!r}, not a normalized absolute path")
+    if not path.endswith(f"/{kind}/{aid}"):
+        raise NotRebuildable(f"its response mounts {path!r}, not a {kind} path of ours")
 
 
 def _slice_order(limits: Limits) -> Callable[[str], tuple[int, int, str]]:
@@ -457,8 +475,8 @@ class RebuildReport:
     intact: int = 0
 
 
-def _rebuild(self: VgpuBackend, entries: Sequence[CheckpointEntry]) -> RebuildReport:
-    snapshot = self._snapshot
+def _rebuild(backend: VgpuBackend, entries: Sequence[CheckpointEntry]) -> RebuildReport:
+    snapshot = backend._snapshot
     config = snapshot.config
     report = RebuildReport()
     for e in entries:
@@ -467,7 +485,7 @@ def _rebuild(self: VgpuBackend, entries: Sequence[CheckpointEntry]) -> RebuildRe
         aid = e.allocation_ids[0]
         who = f"pod {e.pod_uid} container {e.container!r}"
         try:
-            done = _rebuild_one(self, e, aid, config)
+            done = _rebuild_one(backend, e, aid, config)
         except NotRebuildable as exc:
             report.refused[aid] = str(exc)
             log.error(
@@ -504,9 +522,13 @@ def _rebuild(self: VgpuBackend, entries: Sequence[CheckpointEntry]) -> RebuildRe
     return report
 
 
-def _rebuild_one(self: VgpuBackend, e: CheckpointEntry, aid: str, config: Config) -> list[str]:
+def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Config) -> list[str]:
     """Rebuilds what is missing or torn of one allocation; returns what it rebuilt."""
-    record = self._store.get(aid)
+    try:
+        check_allocation_id(aid)  # it names files: nothing else is written from a checkpoint
+    except ValueError as exc:
+        raise NotRebuildable(str(exc)) from exc
+    record = backend._store.get(aid)
     response = e.response
     assert response is not None  # an entry with an allocation id has its response
     wanted = _from_response(aid, response)
@@ -541,18 +563,18 @@ def _rebuild_one(self: VgpuBackend, e: CheckpointEntry, aid: str, config: Config
         fsync_dir(alloc_dir.parent)
         done.append("region dir")
     if response.cdi_devices or response.annotations:
-        spec_path = cdi_files.spec_path(self._cdi_spec_dir, aid)
+        spec_path = cdi_files.spec_path(backend._cdi_spec_dir, aid)
         if not spec_path.exists():
-            cdi_files.write_spec(self._cdi_spec_dir, aid, self._cdi_spec(e, wanted, config))
+            cdi_files.write_spec(backend._cdi_spec_dir, aid, backend._cdi_spec(e, wanted, config))
             done.append("CDI spec")
     if record is None:
         driver = {DRIVER_LIMIT_KEY: "requested"} if MEMORY_LIMIT_ENV in response.envs else {}
-        self._store.add(
+        backend._store.add(
             AllocationRecord(
                 allocation_id=aid,
                 device_ids=tuple(sorted(e.device_ids, key=_slice_order(wanted.limits))),
                 resource_name=e.resource_name,
-                created=self._clock(),
+                created=backend._clock(),
                 limits=wanted.limits.gpus,
                 extra={
                     **driver,

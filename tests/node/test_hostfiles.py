@@ -54,10 +54,14 @@ def test_allocate_writes_its_files_through_hostfiles(
     written: list[str] = []
 
     def spy(
-        spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path, sync_dir: bool = True
+        spec: ContainerSpec,
+        allocation_id: str,
+        cdi_spec_dir: str | Path,
+        sync_dir: bool = True,
+        durable: bool = True,
     ) -> None:
         written.append(allocation_id)
-        hostfiles.write_allocation(spec, allocation_id, cdi_spec_dir, sync_dir)
+        hostfiles.write_allocation(spec, allocation_id, cdi_spec_dir, sync_dir, durable)
 
     monkeypatch.setattr(plugin_module, "write_allocation", spy)
     backend(tmp_path).allocate(request([f"{A}-0"]))
@@ -76,7 +80,11 @@ def test_a_failed_write_removes_every_container_of_the_call(
     calls = 0
 
     def second_fails(
-        spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path, sync_dir: bool = True
+        spec: ContainerSpec,
+        allocation_id: str,
+        cdi_spec_dir: str | Path,
+        sync_dir: bool = True,
+        durable: bool = True,
     ) -> None:
         nonlocal calls
         calls += 1

@@ -152,6 +152,29 @@ def test_add_many_is_one_durable_write_and_all_or_nothing(
     assert len(AllocationStore(tmp_path).all()) == 500
 
 
+def test_an_unsynced_add_many_is_synced_by_the_next_flush_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AllocationStore(tmp_path)
+    syncs: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(
+        os, "fdatasync", lambda fd: (syncs.append(os.fstat(fd).st_size), real(fd))[1]
+    )
+    store.add_many([record(1), record(2)], sync=False)
+    assert syncs == []  # acknowledged from the page cache
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == [
+        "alloc-0001",
+        "alloc-0002",
+    ]
+    store.flush()
+    assert syncs == [(tmp_path / JOURNAL_FILE_NAME).stat().st_size] and store.flushes == 1
+    store.flush()  # nothing new: no sync
+    store.add(record(3))  # a synced write covers what came before it
+    store.flush()
+    assert len(syncs) == 2 and store.flushes == 1
+
+
 class _HeldSync:
     """A fake ``fdatasync`` that logs the journal's size at each call and holds the first call
     until released, so other callers queue up behind it."""
@@ -315,7 +338,8 @@ def test_a_caller_that_fails_to_catch_up_learns_what_became_of_its_batch(
 # --- crashes ------------------------------------------------------------------------------------
 
 # Applies random changes and reports each on stdout: "begin <change>" before, "done" once the
-# store call returned (acknowledged). Small compact_min: SIGKILLs land in compactions too.
+# store call returned (acknowledged). Small compact_min: SIGKILLs land in compactions too. Half
+# the batches are not synced (Allocate's path under serve): a SIGKILL must not tell.
 _WRITER = """
 import dataclasses, json, random, sys
 from vgpu_plugin.node import state
@@ -333,9 +357,14 @@ while True:
         n += len(ids)
         say("begin", "put", ids)
         store.add_many(
-            state.AllocationRecord(i, ("GPU-x-0",), "nvidia.com/gpu", 1.0, pod="p" * 300)
-            for i in ids
+            (
+                state.AllocationRecord(i, ("GPU-x-0",), "nvidia.com/gpu", 1.0, pod="p" * 300)
+                for i in ids
+            ),
+            sync=rng.random() < 0.5,
         )
+        if rng.random() < 0.3:
+            store.flush()  # what the deferred sync does, from another thread under serve
     elif kind == "release":
         aid = rng.choice(live)
         say("begin", "release", [aid])
@@ -661,3 +690,20 @@ def test_reading_many_state_dirs_holds_no_file_open_forever(tmp_path: Path) -> N
     for i in range(4, 54):
         write_then_read(i)
     assert len(os.listdir("/proc/self/fd")) - before <= 2  # 50 without the bound
+
+
+def test_a_lock_another_process_holds_too_long_is_a_clear_timeout(tmp_path: Path) -> None:
+    import fcntl
+
+    store = AllocationStore(tmp_path, lock_timeout=0.05)
+    # Another open file of the lock: flock tells it from the store's as it would a process.
+    other = os.open(tmp_path / state.LOCK_FILE_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="another process has held the lock"):
+            store.add_many([record(1)], sync=False)
+        fcntl.flock(other, fcntl.LOCK_UN)
+        store.add_many([record(1)], sync=False)
+    finally:
+        os.close(other)
+    assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]

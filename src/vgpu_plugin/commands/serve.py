@@ -24,12 +24,13 @@ from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
-from vgpu_plugin.kubelet.checkpoint import read_checkpoint
+from vgpu_plugin.kubelet.checkpoint import CheckpointError, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
+from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import read_prepared_claims
@@ -57,6 +58,8 @@ log = logging.getLogger("vgpu_plugin.commands.serve")
 # A scrape rebuilds the node view's metrics at most once a second (and at most ~10 % of one
 # CPU's time however often it is scraped): node/metrics.py's NodeViewExposition.
 METRICS_MIN_INTERVAL = 1.0
+# Serving scrapes takes at most ~1/10 of one CPU, however often the node is scraped.
+SCRAPE_PACE = 10.0
 # The GIL's switch interval (CPython's default: 5 ms). A thread that comes back from a
 # syscall waits up to this long for a CPU-bound thread (a metrics rebuild) to let go of the
 # GIL, and an Allocate makes dozens of syscalls: a shorter interval keeps scrapes from adding
@@ -125,6 +128,7 @@ class Plugin:
         self._metrics_server: MetricsServer | None = None
         self._cleaner: Cleaner | None = None
         self._dra: DraRunner | None = None
+        self._syncer: DeferredSync | None = None
 
     def start(self) -> None:
         s = self.settings
@@ -156,13 +160,18 @@ class Plugin:
                 self._dra.start()
             except (RuntimeError, OSError) as exc:
                 raise StartupError(f"DRA driver: {exc}", EXIT_NODE) from exc
+        # Allocate's writes are synced after it answers (docs/contracts.md#durability).
+        syncer = self._syncer = DeferredSync(name="vgpu-sync")
+        syncer.register(store.flush)
+        syncer.start()
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir,
-                cdi_spec_dir=s.cdi_spec_dir,
+                cdi_spec_dir=s.cdi_spec_dir, syncer=syncer,
             )  # fmt: skip
         except ListTooLargeError as exc:
             raise StartupError(str(exc), EXIT_CONFIG) from exc
+        self._rebuild_from_checkpoint()
         for g in self.backend.plan.gpus:
             log.info(
                 "GPU %d %s %s: %d slices of %d MiB, compute %d%%",
@@ -200,6 +209,41 @@ class Plugin:
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 
+    def _rebuild_from_checkpoint(self) -> None:
+        """Before the kubelet can start a container again: what a power loss took of an
+        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``). Only on
+        the first start since the node booted: without a reboot no write was lost, and the
+        checkpoint may still name allocations the cleanup removed (the kubelet drops a pod's
+        entries only at its next write), which must not come back."""
+        assert self.backend is not None
+        marker = self.settings.state_dir / BOOT_ID_FILE_NAME
+        boot = _boot_id()
+        try:
+            last = marker.read_text().strip()
+        except OSError:
+            last = None
+        if boot is not None and last == boot:
+            return
+        try:
+            entries = read_checkpoint(self.settings.device_plugin_dir)
+        except CheckpointError as exc:
+            log.warning("cannot check the allocations against the kubelet's checkpoint: %s", exc)
+            return
+        if entries:
+            report = self.backend.rebuild(entries)
+            log.info(
+                "first start since the node booted: of the allocations in the kubelet's "
+                "checkpoint %d intact, %d rebuilt, %d not rebuildable",
+                report.intact,
+                len(report.rebuilt),
+                len(report.refused),
+            )
+        if boot is not None:
+            try:
+                write_atomically(marker, f"{boot}\n".encode(), 0o644)
+            except OSError as exc:
+                log.warning("cannot write %s: %s (the next start checks again)", marker, exc)
+
     def _resource_name(self) -> str:
         assert self.backend is not None
         return self.backend.config.resource_name
@@ -235,7 +279,7 @@ class Plugin:
             region.bind()  # once here, not again in each forked build
         try:
             self._metrics_server, port = serve_metrics(
-                self.settings.metrics_address, self._metrics.registry
+                self.settings.metrics_address, self._metrics.registry, pace=SCRAPE_PACE
             )
         except (OSError, ValueError) as exc:
             raise StartupError(
@@ -336,7 +380,20 @@ class Plugin:
             self._health.stop()
         if self._dra is not None:
             self._dra.stop()
+        if self._syncer is not None:
+            self._syncer.stop()  # the last Allocates' writes, durable before we exit
         log.info("stopped")
+
+
+BOOT_ID_FILE_NAME = "boot_id"  # in the state dir: the boot the last start ran in
+
+
+def _boot_id() -> str | None:
+    """This boot's id (changes at every boot); None where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:

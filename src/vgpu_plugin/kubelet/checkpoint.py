@@ -3,8 +3,14 @@
 The kubelet keeps, in the device-plugin dir, a JSON file with every container it allocated
 devices to: pod UID, container name, resource, device IDs and the Allocate response it got,
 init containers included (the pod-resources ``List`` omits non-restartable init containers).
-The response carries our ``VGPU_ALLOCATION_ID`` env, so each entry names its allocation
-exactly, without guessing from device IDs. Node-local, read-only, never on the Allocate path.
+The response carries our ``VGPU_ALLOCATION_ID`` env (or, with the CDI strategies, our CDI
+device named by the allocation id), so each entry names its allocation exactly, without
+guessing from device IDs. Node-local, read-only, never on the Allocate path.
+
+The kubelet writes the file after our Allocate answered (tmp file, fsync, rename), keeping each
+container's whole serialized ``ContainerAllocateResponse``; after a node reboot it starts the
+containers again from these responses without calling Allocate. ``serve`` rebuilds at start
+what an entry's response needs on the host and a power loss took (``VgpuBackend.rebuild``).
 
 The kubelet drops a deleted pod's entries only at its next write of the file (the next
 admission of a pod with devices, a device-list update, its own restart): an entry says that
@@ -27,13 +33,14 @@ import binascii
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.core import cdi
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 ALLOCATION_ENV = "VGPU_ALLOCATION_ID"
@@ -54,17 +61,36 @@ class CheckpointEntry:
     resource_name: str
     device_ids: tuple[str, ...]
     allocation_ids: tuple[str, ...]  # from the Allocate response's envs; () if not ours
+    # The Allocate response the kubelet keeps (None: absent or not decodable).
+    response: pb.ContainerAllocateResponse | None = field(default=None, compare=False)
 
 
-def _allocation_ids(alloc_resp: Any) -> tuple[str, ...]:
+def _response(alloc_resp: Any) -> pb.ContainerAllocateResponse | None:
     if not isinstance(alloc_resp, str) or not alloc_resp:
-        return ()
+        return None
     try:
-        resp = pb.ContainerAllocateResponse.FromString(base64.b64decode(alloc_resp))
+        return pb.ContainerAllocateResponse.FromString(base64.b64decode(alloc_resp))
     except (binascii.Error, ValueError, DecodeError):
+        return None
+
+
+def allocation_ids_of(resp: pb.ContainerAllocateResponse | None) -> tuple[str, ...]:
+    """Our env; with the CDI strategies (whose envs are in the spec) our CDI device's name,
+    from the response's CDI devices or its CDI annotation."""
+    if resp is None:
         return ()
     value = resp.envs.get(ALLOCATION_ENV)
-    return (value,) if value else ()
+    if value:
+        return (value,)
+    names = [d.name for d in resp.cdi_devices]
+    for key, devices in resp.annotations.items():
+        if key.startswith(cdi.ANNOTATION_PREFIX):
+            names += devices.split(",")
+    ours = f"{cdi.KIND}="
+    for name in names:
+        if name.startswith(ours) and len(name) > len(ours):
+            return (name[len(ours) :],)
+    return ()
 
 
 def _device_ids(raw: Any) -> tuple[str, ...]:
@@ -96,13 +122,15 @@ def parse_checkpoint(data: bytes, source: str = CHECKPOINT_NAME) -> list[Checkpo
         uid, name, resource = raw.get("PodUID"), raw.get("ContainerName"), raw.get("ResourceName")
         if not (isinstance(uid, str) and isinstance(name, str) and isinstance(resource, str)):
             continue
+        resp = _response(raw.get("AllocResp"))
         out.append(
             CheckpointEntry(
                 uid,
                 name,
                 resource,
                 _device_ids(raw.get("DeviceIDs")),
-                _allocation_ids(raw.get("AllocResp")),
+                allocation_ids_of(resp),
+                resp,
             )
         )
     return out

@@ -21,13 +21,19 @@ def spec_path(spec_dir: str | Path, allocation_id: str) -> Path:
 
 
 def write_spec(
-    spec_dir: str | Path, allocation_id: str, spec: dict[str, Any], sync_dir: bool = True
+    spec_dir: str | Path,
+    allocation_id: str,
+    spec: dict[str, Any],
+    sync_dir: bool = True,
+    durable: bool = True,
 ) -> Path:
     """Write the allocation's spec (mode 0644: the runtime reads it); creates the dir. With
-    ``sync_dir`` False the caller fsyncs the dir (once for many specs)."""
+    ``sync_dir`` False the caller fsyncs the dir (once for many specs); with ``durable`` False
+    nothing is synced (``atomicfile.write_atomically``)."""
     path = spec_path(spec_dir, allocation_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, (json.dumps(spec, indent=1) + "\n").encode(), 0o644, sync_dir)
+    data = (json.dumps(spec, indent=1) + "\n").encode()
+    write_atomically(path, data, 0o644, sync_dir, durable)
     return path
 
 

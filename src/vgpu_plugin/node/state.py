@@ -4,13 +4,24 @@ The records live in an append-only journal, ``allocations.journal``: a header li
 entry per change (a record stored or replaced, or one dropped), each framed as a mark, its
 length and a CRC-32 of both, then the msgpack payload. A change costs one append and one
 ``fdatasync`` whatever the number of records (``add_many`` writes a whole Allocate's records in
-one), and a write is acknowledged only once it is synced. Concurrent ``add_many`` calls share
-syncs (group commit): each queues its entries, and whichever caller holds the lock next writes
-every queued entry in one append and one ``fdatasync``; a caller returns once the sync that
-covers its own entries has returned, and fails if that sync failed (the whole group is cut
-back from the journal, as a single write is). When the journal holds more dead
-entries than live records (and at least ``compact_min``), it is rewritten with the live records
-only (tmp file, fsync, rename, fsync of the dir); Allocate's writes never compact.
+one), and a write is acknowledged only once it is synced, except ``add_many(sync=False)``.
+
+Durability (docs/contracts.md#durability): an appended entry survives the death of the
+process as soon as ``write`` returned (the page cache keeps it, whole or, if the process died
+inside the call, as an unfinished tail that is cut off), so only a power loss or kernel crash
+needs the sync. Allocate therefore appends with ``sync=False`` and answers; ``flush``, run by
+serve's ``DeferredSync`` thread moments later, syncs it without holding the lock while the disk
+works, and what a power loss takes in between is rebuilt at start from the kubelet's
+checkpoint (``VgpuBackend.rebuild``). Every other change is synced before it returns, and a
+synced append also covers the unsynced ones before it.
+
+Concurrent synced ``add_many`` calls share syncs (group commit): each queues its entries,
+and whichever caller holds the lock next writes every queued entry in one append and one
+``fdatasync``; a caller returns once the sync that covers its own entries has returned, and
+fails if that sync failed (the whole group is cut back from the journal, as a single write
+is). When the journal holds more dead entries than live records (and at least
+``compact_min``), it is rewritten with the live records only (tmp file, fsync, rename, fsync
+of the dir); Allocate's writes never compact.
 
 Crashes: a writer killed mid-append leaves an incomplete entry at the end, never acknowledged;
 the next writer (under the lock) truncates it and logs it. Bytes that do not frame an entry
@@ -33,6 +44,7 @@ rolling update) its records are imported into the journal and it is renamed
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -47,7 +59,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import filelock
 import msgpack
 
 from vgpu_plugin.core import defaults
@@ -348,6 +359,44 @@ def _aside(path: Path, suffix: str) -> Path:
 # --- the store ----------------------------------------------------------------------------
 
 
+class _FileLock:
+    """An exclusive ``flock`` on the lock file, which stays open: taking the lock is one
+    syscall when it is free (the filelock package opened, resolved and closed the file at
+    every change: ~0.3 ms of an Allocate's ~1 ms). It keeps other processes out; the store's
+    mutex keeps our own threads apart. A forked child shares the open file (and the lock
+    while we hold it) but never unlocks it. ``TimeoutError`` (an OSError) after ``timeout``
+    seconds held by another process."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"{self.path}: another process has held the lock for {self.timeout} s"
+                    ) from None
+                time.sleep(0.005)
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 @dataclass(eq=False)
 class _Batch:
     """One ``add_many`` call's records, queued for the next group commit."""
@@ -380,7 +429,7 @@ class AllocationStore:
         self.path = self.state_dir / JOURNAL_FILE_NAME
         self.legacy_path = self.state_dir / LEGACY_FILE_NAME
         self.compact_min = compact_min
-        self._flock = filelock.FileLock(self.state_dir / LOCK_FILE_NAME, timeout=lock_timeout)
+        self._flock = _FileLock(self.state_dir / LOCK_FILE_NAME, lock_timeout)
         # flock is per open file; this keeps our own threads from racing on one FileLock.
         self._mutex = threading.RLock()
         # Where refused or damaged files were kept, if any; for status output and tests.
@@ -397,6 +446,9 @@ class AllocationStore:
         self._queue_lock = threading.Lock()
         self._pending: list[_Batch] = []
         self.syncs = 0  # group commits tried (for tests and figures)
+        # Appends not synced yet (add_many(sync=False)) and the flushes that synced some.
+        self._unsynced = False
+        self.flushes = 0
         with self._mutex, self._flock:
             self._remove_stale_tmp()
             self._sync()
@@ -411,13 +463,23 @@ class AllocationStore:
             if replaced:
                 self._maybe_compact()
 
-    def add_many(self, records: Iterable[AllocationRecord]) -> None:
+    def add_many(self, records: Iterable[AllocationRecord], sync: bool = True) -> None:
         """Stores ``records`` (replacing those with the same ids) in one durable write: when this
         returns all of them are on disk; when it raises, none was acknowledged.
 
         Group commit: the entries are encoded before the lock and queued; whoever takes the lock
         first writes every queued batch in one append and syncs once, so callers that arrive
-        while a sync runs share the next one instead of each waiting for its own."""
+        while a sync runs share the next one instead of each waiting for its own.
+
+        ``sync`` False: one append, not synced: when this returns the records survive the
+        process's death (they are in the page cache, whole), and a power loss only once
+        ``flush`` (a ``DeferredSync`` pass) has run after it."""
+        if not sync:
+            unsynced = list(records)
+            if unsynced:
+                with self._locked():
+                    self._add_many(unsynced, sync=False)
+            return
         batch = _Batch(list(records))
         if not batch.records:
             return
@@ -469,9 +531,29 @@ class AllocationStore:
                 self._sorted = _sorted(self._records.values())
             return list(self._sorted)
 
+    def flush(self) -> None:
+        """Make every append so far durable (``add_many(sync=False)``'s), holding the lock only
+        to take a duplicate of the journal's fd: Allocate's appends never wait for this sync.
+        A compaction meanwhile is harmless: the new journal was synced whole."""
+        with self._mutex:
+            if not self._unsynced or self._fd is None:
+                return
+            fd = os.dup(self._fd)
+            self._unsynced = False
+        try:
+            os.fdatasync(fd)
+        except BaseException:
+            with self._mutex:
+                self._unsynced = True  # the next flush tries again
+            raise
+        finally:
+            os.close(fd)
+        self.flushes += 1
+
     def close(self) -> None:
         with self._mutex:
             self._close_fd()
+            self._flock.close()
 
     # --- under the lock -----------------------------------------------------------------
 
@@ -500,29 +582,32 @@ class AllocationStore:
             b.done = True
         self._sorted = None
 
-    def _add_many(self, records: list[AllocationRecord]) -> None:
+    def _add_many(self, records: list[AllocationRecord], sync: bool = True) -> None:
         if not records:
             return
-        self._append([put_entry(r) for r in records])
+        self._append([put_entry(r) for r in records], sync)
         for r in records:
             self._records[r.allocation_id] = r
         self._sorted = None
 
-    def _append(self, entries: list[bytes]) -> None:
-        """Appends and syncs ``entries``; on failure the journal is cut back to where it was."""
+    def _append(self, entries: list[bytes], sync: bool = True) -> None:
+        """Appends and syncs ``entries``; on failure the journal is cut back to where it was.
+        ``sync`` False: not synced; ``flush`` syncs it later."""
         assert self._fd is not None
         data = b"".join(entries)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view) :]
-            os.fdatasync(self._fd)
+            if sync:
+                os.fdatasync(self._fd)  # covers earlier unsynced appends too
         except BaseException:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._offset)
             raise
         self._offset += len(data)
         self._entries += len(entries)
+        self._unsynced = not sync
 
     def _sync(self) -> None:
         """Catch up with the journal and import a legacy file (caller holds the lock)."""
@@ -610,6 +695,7 @@ class AllocationStore:
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
         self._ino = os.fstat(self._fd).st_ino
         self._offset, self._entries = len(data), len(records)
+        self._unsynced = False  # written and synced whole
         self._records = {r.allocation_id: r for r in records}
         self._sorted = None
 

@@ -8,6 +8,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from prometheus_client import Gauge
+
 from vgpu_plugin.node import metrics
 from vgpu_plugin.node.metrics import ScrapePacer
 from vgpu_plugin.node.nodeview import view_provider
@@ -78,3 +80,40 @@ def test_a_client_that_hangs_up_mid_body_ends_its_turn(tmp_path: Path) -> None:
                 assert r.status == 200 and r.read()
     finally:
         server.shutdown()
+
+
+def test_a_client_that_stops_reading_delays_the_others_by_max_wait_at_most(
+    tmp_path: Path,
+) -> None:
+    # A scrape's turn lasts until its body is sent; a client that asks and never reads would
+    # hold it for good and wedge every later scrape (Prometheus's included) without the bound.
+    pm = metrics.new_registry(view_provider(tmp_path / "host", lambda: [], lambda: []))
+    big = Gauge(
+        "test_big", "a body far larger than the sockets' buffers", ["n"], registry=pm.registry
+    )
+    for n in range(100_000):
+        big.labels(f"{n:040d}").set(n)
+    server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry, pace=1e-9)
+    stalled = socket.socket()
+    try:
+        # A receive buffer of a few KiB and a body of ~8 MiB: the server's write blocks.
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        stalled.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert stalled.recv(12).startswith(b"HTTP/1.0 200")
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200 and r.read()
+    finally:
+        stalled.close()
+        server.shutdown()
+
+
+def test_a_turn_not_given_within_max_wait_serves_the_scrape_unpaced() -> None:
+    pacer = ScrapePacer(10, max_wait=0.05)
+    held = pacer.begin()
+    assert held is not None
+    assert pacer.begin() is None and pacer.unpaced == 1
+    pacer.end(None)  # an unpaced scrape's end gives back nothing
+    pacer.end(held)
+    assert pacer.begin() is not None

@@ -448,7 +448,6 @@ def run(settings: ServeSettings) -> int:
     except ValueError as exc:
         print(f"vgpu-plugin serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.getLogger("filelock").setLevel(logging.WARNING)  # one line per lock is noise
     sys.setswitchinterval(SWITCH_INTERVAL)
     limit_malloc_arenas()
     plugin = Plugin(settings)

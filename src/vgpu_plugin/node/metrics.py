@@ -620,7 +620,10 @@ class ScrapePacer:
     ``ratio`` times the CPU the last one cost (its thread's CPU: rendering its head, inflating
     for a client without gzip, writing) has passed since it ended, at most ``max_wait``
     seconds. A waiting scrape sleeps (no GIL, no CPU); Prometheus's scrape timeout (10 s by
-    default) is far above what a scrape then waits. ``ratio`` 0: no pacing."""
+    default) is far above what a scrape then waits. A turn is held until its body is sent, so
+    a client that stops reading would hold it for good: a scrape that has waited ``max_wait``
+    for the turn is served without one (unpaced), and one stalled reader delays the others
+    by ``max_wait`` at most. ``ratio`` 0: no pacing."""
 
     def __init__(
         self,
@@ -636,17 +639,23 @@ class ScrapePacer:
         self._lock = threading.Lock()
         self._next = -math.inf
         self.waited = 0.0  # seconds scrapes slept for their turn (for figures)
+        self.unpaced = 0  # scrapes served without a turn (a turn held past max_wait)
 
-    def begin(self) -> float:
-        """Waits for this scrape's turn; returns the token ``end`` takes."""
-        self._lock.acquire()
+    def begin(self) -> float | None:
+        """Waits for this scrape's turn; returns the token ``end`` takes (None: no turn came
+        within ``max_wait``, and the scrape goes unpaced)."""
+        if not self._lock.acquire(timeout=self.max_wait):
+            self.unpaced += 1
+            return None
         wait = min(self._next - self._clock(), self.max_wait)
         if wait > 0:
             self.waited += wait
             self._sleep(wait)
         return self._cpu()
 
-    def end(self, token: float) -> None:
+    def end(self, token: float | None) -> None:
+        if token is None:
+            return
         cost = self._cpu() - token
         self._next = self._clock() + self.ratio * cost
         self._lock.release()
@@ -656,7 +665,7 @@ class _Paced:
     """A response body that ends its scrape's turn when the server closes it (sent, failed or
     cut short: WSGI servers always call ``close``)."""
 
-    def __init__(self, parts: Iterable[bytes], pacer: ScrapePacer, token: float) -> None:
+    def __init__(self, parts: Iterable[bytes], pacer: ScrapePacer, token: float | None) -> None:
         self._parts = parts
         self._pacer = pacer
         self._token: float | None = token

@@ -21,7 +21,7 @@ import pytest
 from test_shim_helpers import GIB, MIB, Shim
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node.nodeview import SHIM_FOUND, SHIM_NONE, SHIM_UNCHECKED
+from vgpu_plugin.node.nodeview import SHIM_FOUND, SHIM_NONE, SHIM_UNCHECKED, SHIM_UNSUPPORTED
 from vgpu_plugin.node.region import create_region, read_region
 from vgpu_plugin.sim.simgpu import Node
 
@@ -53,9 +53,10 @@ def hook(shim: Shim, cgroupfs: Path, hard: int, *uuids: str) -> None:
     )
 
 
-def run_in_container(shim: Shim, cgroupfs: Path) -> None:
+def run_in_container(shim: Shim, cgroupfs: Path, **extra: str) -> None:
     env = shim.env()
     env["SIMGPU_SYSFS_CGROUP"] = str(cgroupfs / CONTAINER)
+    env.update(extra)
     r = shim.run("shim_mem", "handle", 0, "alloc", 64 * MIB, 1, env=env)
     assert r.rc == 0, r.stderr
 
@@ -83,6 +84,19 @@ def test_without_the_hook_a_process_records_that_the_driver_holds_nothing(
     run_in_container(shim, cgroupfs)
     (dev,) = read_region(shim.region).devices
     assert (dev.driver_limit_state, dev.driver_limit) == (SHIM_NONE, 0)
+
+
+def test_a_driver_that_cannot_report_a_limit_is_recorded_as_unsupported(
+    shim: Shim, cgroupfs: Path
+) -> None:
+    """NVML answers NOT_SUPPORTED (a driver with the entry points, without the feature): the
+    node must say the driver holds nothing, and why, not "none on the cgroup"."""
+    g0 = shim.node.gpus()[0]
+    shim.write_limits([(g0.uuid, 2 * GIB, 0)])
+    hook(shim, cgroupfs, 2 * GIB, g0.uuid)  # set while the driver could: still not reported
+    run_in_container(shim, cgroupfs, SIMGPU_NO_MEMORY_LIMITS="1")
+    (dev,) = read_region(shim.region).devices
+    assert (dev.driver_limit_state, dev.driver_limit) == (SHIM_UNSUPPORTED, 0)
 
 
 def test_the_first_answer_stands_for_the_container(shim: Shim, cgroupfs: Path) -> None:

@@ -7,6 +7,7 @@
  * forwarded. With no limits at all every hook is a forward after one branch. */
 #include <string.h>
 
+#include "ptrtab.h"
 #include "shim.h"
 
 #define NEED VGPU_NEED
@@ -19,7 +20,7 @@ static inline __attribute__((always_inline)) CUresult finish(struct vgpu_dev *d,
         return rc;
     }
     vgpu_commit(d, bytes);
-    if (d->accounted && vgpu_tab_put(kind, key, d->ordinal, bytes, ctx) != 0)
+    if (d->accounted && vgpu_tab_put_inline(kind, key, d->ordinal, bytes, ctx, 1) != 0)
         VLOG(VGPU_LOG_ERROR, "out of memory recording an allocation: its %llu bytes stay "
              "charged until the process exits", (unsigned long long)bytes);
     return CUDA_SUCCESS;
@@ -73,7 +74,7 @@ CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, si
     return rc;
 }
 
-static inline CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
+static inline __attribute__((always_inline)) CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
     CUcontext ctx;
     struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
     if (!d) return UNRESOLVED(ctx, real_alloc(v1, dptr, bytes));
@@ -204,10 +205,10 @@ static inline CUresult real_free_any(enum real_free_fn which, uint64_t key) {
     }
 }
 
-static inline CUresult mem_free(enum real_free_fn which, int kind, uint64_t key) {
+static inline __attribute__((always_inline)) CUresult mem_free(enum real_free_fn which, int kind, uint64_t key) {
     if (LIKELY(!vgpu.limited)) return real_free_any(which, key);
     struct vgpu_rec r;
-    int had = vgpu_tab_take(kind, key, &r);
+    int had = vgpu_tab_take_inline(kind, key, &r);
     /* cuMemFree also frees stream-ordered memory (the driver synchronises first). */
     int pooled = !had && kind == VGPU_OBJ_PTR && vgpu_tab_take(VGPU_OBJ_POOLPTR, key, &r);
     CUresult rc = real_free_any(which, key);

@@ -26,10 +26,13 @@ static inline __attribute__((always_inline)) CUresult finish(struct vgpu_dev *d,
     return CUDA_SUCCESS;
 }
 
-/* Release what the record of (kind, key) charged; it was taken out already. */
+/* Release what the record of (kind, key) charged; it was taken out already. The records
+ * given back here (pointers, arrays, VMM handles) are made by finish() and pool.c's managed
+ * fallback, from a resolved device: its ordinal is in range and the device ready. A release
+ * of 0 bytes changes nothing. */
 static inline __attribute__((always_inline)) void give_back(const struct vgpu_rec *r) {
-    struct vgpu_dev *d = vgpu_dev(r->ordinal);
-    if (d) vgpu_uncharge(d, r->bytes);
+    const struct vgpu_dev *d = &vgpu.dev[r->ordinal];
+    if (d->accounted) vgpu_region_release_dev(vgpu.region, d->rdev, r->bytes);
 }
 
 /* --- device memory --------------------------------------------------------------------------- */

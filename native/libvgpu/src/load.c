@@ -122,6 +122,12 @@ static void load_once(void) {
         VLOG(VGPU_LOG_INFO, "libcuda.so.1 not loadable (%s): CUDA hooks report "
              "CUDA_ERROR_NOT_INITIALIZED", dlerror());
     }
+    /* Everything the allocation and free hooks test, in one word (the real pointers and the
+     * limits do not change after this). */
+    __atomic_store_n(&vgpu.mem_hot,
+                     vgpu.limited && vgpu.real.cuMemAlloc_v2 && vgpu.real.cuMemFree_v2 &&
+                         vgpu.real.cuCtxGetCurrent,
+                     __ATOMIC_RELEASE);
     t_loading = 0;
 }
 

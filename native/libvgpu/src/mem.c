@@ -7,6 +7,7 @@
  * forwarded. With no limits at all every hook is a forward after one branch. */
 #include <string.h>
 
+#include "ptrtab.h"
 #include "shim.h"
 
 #define NEED VGPU_NEED
@@ -19,16 +20,19 @@ static inline __attribute__((always_inline)) CUresult finish(struct vgpu_dev *d,
         return rc;
     }
     vgpu_commit(d, bytes);
-    if (d->accounted && vgpu_tab_put(kind, key, d->ordinal, bytes, ctx) != 0)
+    if (d->accounted && vgpu_tab_put_inline(kind, key, d->ordinal, bytes, ctx, 1) != 0)
         VLOG(VGPU_LOG_ERROR, "out of memory recording an allocation: its %llu bytes stay "
              "charged until the process exits", (unsigned long long)bytes);
     return CUDA_SUCCESS;
 }
 
-/* Release what the record of (kind, key) charged; it was taken out already. */
+/* Release what the record of (kind, key) charged; it was taken out already. The records
+ * given back here (pointers, arrays, VMM handles) are made by finish() and pool.c's managed
+ * fallback, from a resolved device: its ordinal is in range and the device ready. A release
+ * of 0 bytes changes nothing. */
 static inline __attribute__((always_inline)) void give_back(const struct vgpu_rec *r) {
-    struct vgpu_dev *d = vgpu_dev(r->ordinal);
-    if (d) vgpu_uncharge(d, r->bytes);
+    const struct vgpu_dev *d = &vgpu.dev[r->ordinal];
+    if (d->accounted) vgpu_region_release_dev(vgpu.region, d->rdev, r->bytes);
 }
 
 /* --- device memory --------------------------------------------------------------------------- */
@@ -73,7 +77,7 @@ CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, si
     return rc;
 }
 
-static inline CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
+static inline __attribute__((always_inline)) CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
     CUcontext ctx;
     struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
     if (!d) return UNRESOLVED(ctx, real_alloc(v1, dptr, bytes));
@@ -84,10 +88,50 @@ static inline CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
     return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytes, ctx);
 }
 
+/* cuMemAlloc_v2's uncommon cases, out of line: the hook's common path then saves fewer
+ * registers. `charged`: the lock-free reservation was made and the driver answered rc. */
+static CUresult __attribute__((noinline)) mem_alloc_v2_rest(struct vgpu_dev *d, CUcontext ctx, CUdeviceptr *dptr,
+                                                            size_t bytes, int charged, CUresult rc) {
+    if (!d) return UNRESOLVED(ctx, real_alloc(0, dptr, bytes));
+    if (!charged) { /* vgpu_charge, less the lock-free attempt made already */
+        if (d->accounted) {
+            int st = vgpu_region_reserve_slow(vgpu.region, d->rdev, bytes);
+            if (st != VGPU_REGION_OK && vgpu_charge_denied(d, bytes, st) != CUDA_SUCCESS)
+                return CUDA_ERROR_OUT_OF_MEMORY;
+        } else if (d->fail_closed) {
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        rc = real_alloc(0, dptr, bytes);
+    }
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY) rc = vgpu_managed_fallback(d, 0, dptr, bytes);
+    return finish(d, rc, VGPU_OBJ_PTR, rc == CUDA_SUCCESS ? *dptr : 0, bytes, ctx);
+}
+
+/* The common case of a limited process, all inline: the device of the thread's cached
+ * context is accounted, the lock-free reservation fits, the driver allocates; our slot's
+ * entry is kept across the driver's call for the commit. */
+static inline __attribute__((always_inline)) CUresult mem_alloc_v2_hot(CUdeviceptr *dptr, size_t bytes) {
+    CUcontext ctx;
+    struct vgpu_dev *d = vgpu_ctx_dev_current(&ctx);
+    struct vgpu_slot_device *sd;
+    if (UNLIKELY(!d || !d->accounted || !(sd = vgpu_region_reserve_fast(vgpu.region, d->rdev, bytes))))
+        return mem_alloc_v2_rest(d, ctx, dptr, bytes, 0, CUDA_SUCCESS);
+    CUresult rc = vgpu.real.cuMemAlloc_v2(dptr, bytes);
+    if (UNLIKELY(rc != CUDA_SUCCESS)) return mem_alloc_v2_rest(d, ctx, dptr, bytes, 1, rc);
+    vgpu_region_commit_sd(sd, bytes);
+    if (UNLIKELY(vgpu_tab_put_inline(VGPU_OBJ_PTR, *dptr, d->ordinal, bytes, ctx, 1) != 0))
+        VLOG(VGPU_LOG_ERROR, "out of memory recording an allocation: its %llu bytes stay "
+             "charged until the process exits", (unsigned long long)bytes);
+    return CUDA_SUCCESS;
+}
+
 VGPU_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
-    NEED(cuMemAlloc_v2);
-    if (LIKELY(!vgpu.limited) || !dptr) return vgpu.real.cuMemAlloc_v2(dptr, bytesize);
-    return mem_alloc(0, dptr, bytesize);
+    if (UNLIKELY(!__atomic_load_n(&vgpu.mem_hot, __ATOMIC_ACQUIRE) || !dptr)) {
+        NEED(cuMemAlloc_v2);
+        if (LIKELY(!vgpu.limited) || !dptr) return vgpu.real.cuMemAlloc_v2(dptr, bytesize);
+        return mem_alloc(0, dptr, bytesize);
+    }
+    return mem_alloc_v2_hot(dptr, bytesize);
 }
 
 /* The 32-bit ABI of CUDA < 3.2: still exported by drivers, so a way around the limit. */
@@ -204,10 +248,11 @@ static inline CUresult real_free_any(enum real_free_fn which, uint64_t key) {
     }
 }
 
-static inline CUresult mem_free(enum real_free_fn which, int kind, uint64_t key) {
-    if (LIKELY(!vgpu.limited)) return real_free_any(which, key);
+/* A free in a limited process. */
+static inline __attribute__((always_inline)) CUresult mem_free_limited(enum real_free_fn which, int kind,
+                                                                       uint64_t key) {
     struct vgpu_rec r;
-    int had = vgpu_tab_take(kind, key, &r);
+    int had = vgpu_tab_take_inline(kind, key, &r);
     /* cuMemFree also frees stream-ordered memory (the driver synchronises first). */
     int pooled = !had && kind == VGPU_OBJ_PTR && vgpu_tab_take(VGPU_OBJ_POOLPTR, key, &r);
     CUresult rc = real_free_any(which, key);
@@ -219,9 +264,17 @@ static inline CUresult mem_free(enum real_free_fn which, int kind, uint64_t key)
     return rc;
 }
 
+static inline __attribute__((always_inline)) CUresult mem_free(enum real_free_fn which, int kind, uint64_t key) {
+    if (LIKELY(!vgpu.limited)) return real_free_any(which, key);
+    return mem_free_limited(which, kind, key);
+}
+
 VGPU_API CUresult cuMemFree_v2(CUdeviceptr dptr) {
-    NEED(cuMemFree_v2);
-    return mem_free(FREE_V2, VGPU_OBJ_PTR, dptr);
+    if (UNLIKELY(!__atomic_load_n(&vgpu.mem_hot, __ATOMIC_ACQUIRE))) {
+        NEED(cuMemFree_v2);
+        if (LIKELY(!vgpu.limited)) return vgpu.real.cuMemFree_v2(dptr);
+    }
+    return mem_free_limited(FREE_V2, VGPU_OBJ_PTR, dptr);
 }
 
 VGPU_API CUresult cuMemFree(CUdeviceptr_v1 dptr) {

@@ -88,29 +88,43 @@ static inline int vgpu_region_try(struct vgpu_region_file *f, struct vgpu_slot_d
     return 0;
 }
 
-/* vgpu_region_reserve for a valid `dev`. */
-static inline int vgpu_region_reserve_dev(struct vgpu_region *r, int dev, uint64_t bytes) {
+/* The lock-free reservation alone: our slot's entry for dev, charged and pending, or NULL
+ * with nothing charged (no slot yet, over the limit, or a racer in the way: the caller then
+ * takes vgpu_region_reserve_slow). The entry stays ours until a fork, and a fork's child has
+ * no thread inside an allocation: the caller may keep it for the commit. */
+static inline struct vgpu_slot_device *vgpu_region_reserve_fast(struct vgpu_region *r, int dev,
+                                                                uint64_t bytes) {
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
     uint64_t limit = r->limit[dev];
     if (VGPU_REGION_LIKELY(s >= 0 && bytes <= limit)) {
         struct vgpu_slot_device *sd = &r->file->slots[s].dev[dev];
         if (VGPU_REGION_LIKELY(vgpu_region_try(r->file, sd, dev, bytes, limit))) {
             __atomic_fetch_add(&sd->pending, bytes, __ATOMIC_RELAXED);
-            return VGPU_REGION_OK;
+            return sd;
         }
     }
+    return NULL;
+}
+
+/* vgpu_region_reserve for a valid `dev`. */
+static inline int vgpu_region_reserve_dev(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (VGPU_REGION_LIKELY(vgpu_region_reserve_fast(r, dev, bytes) != NULL)) return VGPU_REGION_OK;
     return vgpu_region_reserve_slow(r, dev, bytes);
 }
 
-/* vgpu_region_commit for a valid `dev`: one RMW on our slot's pending; a commit without its
- * reserve (a forked child finishing its parent's allocation) would go below 0: put the
- * difference back. */
+/* The commit of a reservation on our slot's entry sd: one RMW on its pending; a commit
+ * without its reserve (a forked child finishing its parent's allocation) would go below 0:
+ * put the difference back. */
+static inline void vgpu_region_commit_sd(struct vgpu_slot_device *sd, uint64_t bytes) {
+    uint64_t old = __atomic_fetch_sub(&sd->pending, bytes, __ATOMIC_RELEASE);
+    if (VGPU_REGION_UNLIKELY(old < bytes)) __atomic_fetch_add(&sd->pending, bytes - old, __ATOMIC_RELAXED);
+}
+
+/* vgpu_region_commit for a valid `dev`. */
 static inline void vgpu_region_commit_dev(struct vgpu_region *r, int dev, uint64_t bytes) {
     int s = __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE);
     if (VGPU_REGION_UNLIKELY(s < 0)) return;
-    uint64_t *p = &r->file->slots[s].dev[dev].pending;
-    uint64_t old = __atomic_fetch_sub(p, bytes, __ATOMIC_RELEASE);
-    if (VGPU_REGION_UNLIKELY(old < bytes)) __atomic_fetch_add(p, bytes - old, __ATOMIC_RELAXED);
+    vgpu_region_commit_sd(&r->file->slots[s].dev[dev], bytes);
 }
 
 /* vgpu_region_release for a valid `dev`: take `bytes` off our slot's charge with one

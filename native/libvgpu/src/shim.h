@@ -143,6 +143,9 @@ struct vgpu_state {
     int limits_ready;         /* limits read: all the NVML hooks need (acquire/release) */
     int log_level;            /* 0 error .. 3 debug */
     int limited;              /* any limit applies: hooks do real work */
+    int mem_hot;              /* limited, loaded, and the driver has cuMemAlloc_v2, cuMemFree_v2
+                               * and cuCtxGetCurrent: their hooks test this word alone
+                               * (acquire/release; set once with the load) */
     int pace_any;             /* some device is paced */
     int graph_mem;            /* the process has made graph allocations: launches settle them */
     void *cuda;               /* dlopen handles of the real libraries */
@@ -222,8 +225,8 @@ VGPU_HIDDEN void vgpu_format_uuid(const CUuuid *u, char out[VGPU_UUID_SIZE]);
 /* Inline: they are most of what an allocation and its free add. */
 VGPU_HIDDEN CUresult vgpu_charge_denied(struct vgpu_dev *d, uint64_t bytes, int rc);
 static inline CUresult vgpu_charge(struct vgpu_dev *d, uint64_t bytes) {
-    if (UNLIKELY(d->fail_closed)) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d->accounted) return CUDA_SUCCESS;
+    /* accounted implies not fail_closed: one test on the common path */
+    if (UNLIKELY(!d->accounted)) return d->fail_closed ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
     int rc = vgpu_region_reserve_dev(vgpu.region, d->rdev, bytes);
     return LIKELY(rc == VGPU_REGION_OK) ? CUDA_SUCCESS : vgpu_charge_denied(d, bytes, rc);
 }
@@ -309,20 +312,22 @@ struct vgpu_ctx_last {
 };
 extern VGPU_HIDDEN _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
 extern VGPU_HIDDEN uint64_t vgpu_ctx_gen;
-/* Inline: every allocation asks, and the answer is nearly always the thread's last one. */
-static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
-    if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) {
-        if (vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
-            *ctx_out = NULL;
-            return NULL;
-        }
-        if (LIKELY(vgpu_ctx_last.ctx == ctx &&
-                   vgpu_ctx_last.gen == __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE))) {
-            *ctx_out = ctx;
-            return vgpu_ctx_last.dev;
-        }
-        return vgpu_ctx_dev_slow(ctx, 1, ctx_out);
+/* Inline: every allocation asks, and the answer is nearly always the thread's last one.
+ * The current context's device, with the driver's cuCtxGetCurrent known to be loaded. */
+static inline struct vgpu_dev *vgpu_ctx_dev_current(CUcontext *ctx_out) {
+    CUcontext ctx = NULL;
+    if (vgpu.real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) {
+        *ctx_out = NULL;
+        return NULL;
     }
+    *ctx_out = ctx;
+    if (LIKELY(vgpu_ctx_last.ctx == ctx &&
+               vgpu_ctx_last.gen == __atomic_load_n(&vgpu_ctx_gen, __ATOMIC_ACQUIRE)))
+        return vgpu_ctx_last.dev;
+    return vgpu_ctx_dev_slow(ctx, 1, ctx_out);
+}
+static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
+    if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) return vgpu_ctx_dev_current(ctx_out);
     return vgpu_ctx_dev_slow(ctx, ctx == NULL, ctx_out);
 }
 /* The device of a stream (NULL and the special handles: the current context's). */

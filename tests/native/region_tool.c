@@ -524,15 +524,21 @@ static int cmd_race_limit(int rounds) {
     return 0;
 }
 
+/* The index of this process's live slot in the raw mapping `f`. */
+static uint32_t own_slot(const struct vgpu_region_file *f) {
+    uint32_t s = 0;
+    while (s < VGPU_MAX_SLOTS && !(f->slots[s].state == VGPU_SLOT_LIVE && f->slots[s].pid == getpid())) s++;
+    CHECK(s < VGPU_MAX_SLOTS, "no slot of ours");
+    return s;
+}
+
 /* Register, add `bytes` to our own slot as a reservation does before its check (through the
  * file, behind the library), and die by SIGKILL before backing out or committing. */
 static int __attribute__((noreturn)) cmd_die_mid_reserve(uint64_t bytes) {
     struct vgpu_region *r = open_region(path, NULL);
     (void)r;
     struct vgpu_region_file *f = map_raw();
-    uint32_t s = 0;
-    while (s < VGPU_MAX_SLOTS && !(f->slots[s].state == VGPU_SLOT_LIVE && f->slots[s].pid == getpid())) s++;
-    CHECK(s < VGPU_MAX_SLOTS, "no slot of ours");
+    uint32_t s = own_slot(f);
     __atomic_fetch_add(&f->slots[s].dev[0].charged, bytes, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(&f->slots[s].dev[0].pending, bytes, __ATOMIC_RELAXED);
     raise(SIGKILL);
@@ -546,9 +552,7 @@ static int __attribute__((noreturn)) cmd_over(uint64_t bytes, int forced) {
     struct vgpu_region *r = open_region(path, NULL);
     (void)r;
     struct vgpu_region_file *f = map_raw();
-    uint32_t s = 0;
-    while (s < VGPU_MAX_SLOTS && !(f->slots[s].state == VGPU_SLOT_LIVE && f->slots[s].pid == getpid())) s++;
-    CHECK(s < VGPU_MAX_SLOTS, "no slot of ours");
+    uint32_t s = own_slot(f);
     if (forced) __atomic_fetch_or(&f->slots[s].forced, 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&f->slots[s].dev[0].charged, bytes, __ATOMIC_SEQ_CST);
     printf("ready %d\n", (int)getpid());

@@ -309,7 +309,7 @@ def test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit
     assert r.int("end_free") == limit - CONTEXT  # the graphs' memory went with them
 
 
-@pytest.mark.parametrize("how", ["upload", "params"])
+@pytest.mark.parametrize("how", ["upload", "params", "upload_ptsz", "params_ptsz"])
 def test_graph_memory_given_before_a_launch_is_charged_before_the_driver_gives_it(
     shim: Shim, how: str
 ) -> None:
@@ -328,7 +328,7 @@ def test_graph_memory_given_before_a_launch_is_charged_before_the_driver_gives_i
         assert int(out["give2"]) == OOM  # a second copy does not fit: refused before the driver
         assert int(out["gmem2"]) == GIB
         assert int(out["view_free2"]) == limit - CONTEXT - GIB
-        if how == "params":
+        if how.startswith("params"):
             assert int(out["result1"]) == 0  # CUDA_GRAPH_INSTANTIATE_SUCCESS
             assert int(out["result2"]) == 1  # CUDA_GRAPH_INSTANTIATE_ERROR: see the return value
         allocated = int(out["allocated"])

@@ -1,6 +1,6 @@
 /* Graph memory through the shim: an allocation node held by executable graphs.
  *
- *   shim_graph <mode> <ordinal> <node-bytes> <chunk-bytes> [launch|upload|params]
+ *   shim_graph <mode> <ordinal> <node-bytes> <chunk-bytes> [launch|upload|params][_ptsz]
  *
  * A graph with one allocation node of node-bytes on the device, and two executables of it.
  * Each is given its memory by the way the last argument names (default launch):
@@ -8,6 +8,7 @@
  *   upload  instantiated, then cuGraphUpload: give<i>=<rc>
  *   params  cuGraphInstantiateWithParams with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD:
  *           give<i>=<rc>, result<i>=<result_out>
+ * (upload and params: _ptsz calls the per-thread-stream entry point instead)
  * after which view_free<i> and gmem<i> (the device's graph memory, as the driver reports it).
  * With upload or params the first executable is then launched: launch1=<rc>, view_free1l,
  * gmem1l. The second is refused when the limit cannot take a second copy. Then cuMemAlloc
@@ -39,7 +40,10 @@ int main(int argc, char **argv) {
     }
     int ordinal = g_ordinal = atoi(argv[2]);
     const char *how = argc > 5 ? argv[5] : "launch";
-    int launch = strcmp(how, "launch") == 0, upload = strcmp(how, "upload") == 0, params = strcmp(how, "params") == 0;
+    int ptsz = strstr(how, "_ptsz") != NULL;
+    size_t len = strcspn(how, "_");
+    int launch = strcmp(how, "launch") == 0, upload = !strncmp(how, "upload", len) && len == 6,
+        params = !strncmp(how, "params", len) && len == 6;
     if (!launch && !upload && !params) {
         fprintf(stderr, "unknown way: %s\n", how);
         return 2;
@@ -48,9 +52,10 @@ int main(int argc, char **argv) {
     size_t node_bytes = strtoull(argv[3], NULL, 0), chunk = strtoull(argv[4], NULL, 0);
     __typeof__(cuGraphAddMemAllocNode) *add_alloc = (__typeof__(cuGraphAddMemAllocNode) *)dlsym(g_lib, "cuGraphAddMemAllocNode");
     __typeof__(cuGraphExecDestroy) *exec_destroy = (__typeof__(cuGraphExecDestroy) *)dlsym(g_lib, "cuGraphExecDestroy");
-    __typeof__(cuGraphUpload) *graph_upload = (__typeof__(cuGraphUpload) *)dlsym(g_lib, "cuGraphUpload");
-    __typeof__(cuGraphInstantiateWithParams) *inst_params =
-        (__typeof__(cuGraphInstantiateWithParams) *)dlsym(g_lib, "cuGraphInstantiateWithParams");
+    __typeof__(cuGraphUpload) *graph_upload =
+        (__typeof__(cuGraphUpload) *)dlsym(g_lib, ptsz ? "cuGraphUpload_ptsz" : "cuGraphUpload");
+    __typeof__(cuGraphInstantiateWithParams) *inst_params = (__typeof__(cuGraphInstantiateWithParams) *)dlsym(
+        g_lib, ptsz ? "cuGraphInstantiateWithParams_ptsz" : "cuGraphInstantiateWithParams");
     g_gmem_attr = (__typeof__(cuDeviceGetGraphMemAttribute) *)dlsym(g_lib, "cuDeviceGetGraphMemAttribute");
     if (!add_alloc || !exec_destroy || !graph_upload || !inst_params || !g_gmem_attr) return 3;
     CUstream s;

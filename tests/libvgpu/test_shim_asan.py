@@ -156,6 +156,13 @@ def test_graph_memory(asan: Shim) -> None:
     invariant.test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit(asan)
 
 
+@pytest.mark.parametrize("how", ["upload", "params"])
+def test_graph_memory_uploaded(asan: Shim, how: str) -> None:
+    invariant.test_graph_memory_given_before_a_launch_is_charged_before_the_driver_gives_it(
+        asan, how
+    )
+
+
 def test_nvml_process_lists(asan: Shim) -> None:
     invariant.test_nvml_process_lists_show_only_the_containers_processes(asan)
 

@@ -309,6 +309,39 @@ def test_graph_memory_nodes_are_charged_when_launched_and_refused_past_the_limit
     assert r.int("end_free") == limit - CONTEXT  # the graphs' memory went with them
 
 
+@pytest.mark.parametrize("how", ["upload", "params", "upload_ptsz", "params_ptsz"])
+def test_graph_memory_given_before_a_launch_is_charged_before_the_driver_gives_it(
+    shim: Shim, how: str
+) -> None:
+    """cuGraphUpload, and cuGraphInstantiateWithParams with the upload flag, give an executable
+    its memory before any launch: charged then, refused past the limit, never charged twice."""
+    limit = 2 * GIB
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)})
+    p = shim.start("shim_graph", "handle", 0, GIB, 64 * MIB, how, env=env)
+    try:
+        out = read_until(p, "hold")
+        assert int(out["give1"]) == 0 and int(out["gmem1"]) == GIB  # the driver gave it
+        assert int(out["view_free1"]) == limit - CONTEXT - GIB  # ... and it was charged
+        assert int(out["launch1"]) == 0
+        assert int(out["gmem1l"]) == GIB  # the launch took nothing more
+        assert int(out["view_free1l"]) == limit - CONTEXT - GIB  # ... and was charged nothing
+        assert int(out["give2"]) == OOM  # a second copy does not fit: refused before the driver
+        assert int(out["gmem2"]) == GIB
+        assert int(out["view_free2"]) == limit - CONTEXT - GIB
+        if how.startswith("params"):
+            assert int(out["result1"]) == 0  # CUDA_GRAPH_INSTANTIATE_SUCCESS
+            assert int(out["result2"]) == 1  # CUDA_GRAPH_INSTANTIATE_ERROR: see the return value
+        allocated = int(out["allocated"])
+        assert allocated == (limit - CONTEXT - GIB) // (64 * MIB) * 64 * MIB
+        # The GPU holds the context, one copy and the chunks: the refused one left nothing.
+        assert physical(shim) == CONTEXT + GIB + allocated <= limit
+    finally:
+        r = finish(p)
+    assert r.rc == 0, r.stderr
+    assert r.int("end_free") == limit - CONTEXT  # the graph's memory went with it
+    assert r.int("end_gmem") == 0
+
+
 def test_a_contexts_growth_is_charged_and_refused_past_the_limit(shim: Shim) -> None:
     limit = 2 * GIB
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": str(limit)})

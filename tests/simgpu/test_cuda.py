@@ -357,6 +357,41 @@ def test_graphs_run_their_kernels_in_order(simgpu_node: Node, native_bin: Path) 
     assert int(out["capture_legacy"]) == CAPTURE_UNSUPPORTED
 
 
+@pytest.mark.parametrize("how", ["upload", "params"])
+def test_an_upload_gives_a_graph_its_memory_and_a_later_launch_takes_none(
+    simgpu_node: Node, native_bin: Path, how: str
+) -> None:
+    """cuGraphUpload, or cuGraphInstantiateWithParams with the upload flag, without the shim
+    (shim_graph: two executables of a graph with a 1 GiB allocation node, each uploaded)."""
+    args = ("handle", "0", str(GIB), str(GIB), how)
+    out = run(native_bin, simgpu_node.env(), "shim_graph", *args, stdin="\n")
+    assert int(out["give1"]) == SUCCESS
+    assert int(out["gmem1"]) == GIB  # resident before any launch
+    assert int(out["view_free1"]) == CAPACITY - OVERHEAD - GIB  # on the GPU
+    assert int(out["launch1"]) == SUCCESS
+    assert int(out["gmem1l"]) == GIB  # the launch found it there
+    assert int(out["view_free1l"]) == CAPACITY - OVERHEAD - GIB
+    assert int(out["give2"]) == SUCCESS and int(out["gmem2"]) == 2 * GIB
+    if how == "params":
+        assert int(out["result1"]) == int(out["result2"]) == 0  # CUDA_GRAPH_INSTANTIATE_SUCCESS
+    assert int(out["end_gmem"]) == 0  # given back with the executables
+    assert int(out["end_free"]) == CAPACITY - OVERHEAD
+
+
+@pytest.mark.parametrize("how", ["upload", "params"])
+def test_an_upload_the_gpu_cannot_hold_is_refused_as_a_launch_is(
+    simgpu_node: Node, native_bin: Path, how: str
+) -> None:
+    args = ("handle", "0", str(CAPACITY), str(GIB), how)
+    out = run(native_bin, simgpu_node.env(), "shim_graph", *args, stdin="\n")
+    assert int(out["give1"]) == OUT_OF_MEMORY
+    assert int(out["gmem1"]) == 0 and int(out["view_free1"]) == CAPACITY - OVERHEAD  # nothing held
+    if how == "params":
+        assert int(out["result1"]) == 1  # CUDA_GRAPH_INSTANTIATE_ERROR: see the return value
+    else:
+        assert int(out["launch1"]) == OUT_OF_MEMORY  # the launch cannot either
+
+
 def test_launch_queue_is_bounded(simgpu_node: Node, native_bin: Path) -> None:
     out = {
         k: float(v) for k, v in run(native_bin, simgpu_node.env(), "cuda_streams", "bound").items()
@@ -423,6 +458,13 @@ def test_get_proc_address_versions_and_per_thread_variants(
             (SUCCESS, 0, "cuStreamSynchronize_ptsz"),
         ),
         (("v2", "cuGraphLaunch", 12000, PER_THREAD), (SUCCESS, 0, "cuGraphLaunch_ptsz")),
+        (("v2", "cuGraphUpload", 12000, PER_THREAD), (SUCCESS, 0, "cuGraphUpload_ptsz")),
+        (("v2", "cuGraphUpload", 11010, DEFAULT), (SUCCESS, 0, "cuGraphUpload")),
+        (
+            ("v2", "cuGraphInstantiateWithParams", 12000, PER_THREAD),
+            (SUCCESS, 0, "cuGraphInstantiateWithParams_ptsz"),
+        ),
+        (("v2", "cuGraphInstantiateWithParams", 11080, DEFAULT), (NOT_FOUND, 2, "-")),
         (("v2", "cuEventElapsedTime", 12080, DEFAULT), (SUCCESS, 0, "cuEventElapsedTime_v2")),
         (("v2", "cuGraphInstantiate", 12000, DEFAULT), (SUCCESS, 0, "cuGraphInstantiateWithFlags")),
         (

@@ -4,9 +4,11 @@
  * per process (cuDeviceGetGraphMemAttribute, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT). So the
  * device's graph memory is charged like a pool's reservation:
  * - an explicit allocation node's size is remembered with its graph, and with each executable
- *   graph instantiated from it; the first launch of that executable reserves it in the region
- *   first (refused over the limit, after trimming the container's pools and graph memory:
- *   the launch then fails with CUDA_ERROR_OUT_OF_MEMORY and nothing runs);
+ *   graph instantiated from it; whatever first makes the driver give that executable its
+ *   memory (its first launch, cuGraphUpload, or cuGraphInstantiateWithParams with
+ *   CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) reserves it in the region first (refused over the
+ *   limit, after trimming the container's pools and graph memory: the call then fails with
+ *   CUDA_ERROR_OUT_OF_MEMORY and the driver is not called);
  * - after every launch the device's graph memory is read and the charge follows it: growth
  *   the shim could not know beforehand (allocations captured from a stream, on a real driver)
  *   is charged after the fact (if the limit cannot take it, the container goes over by that
@@ -113,6 +115,85 @@ VGPU_API CUresult cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph
                         phGraphExec, hGraph);
 }
 
+/* Reserve `bytes` of graph memory on d before the driver gives them; trims what the graphs
+ * and pools of this process no longer use before refusing. */
+static CUresult reserve(struct vgpu_dev *d, uint64_t bytes) {
+    if (vgpu_charge(d, bytes) == CUDA_SUCCESS) return CUDA_SUCCESS;
+    if (vgpu.real.cuDeviceGraphMemTrim) vgpu.real.cuDeviceGraphMemTrim(d->ordinal);
+    vgpu_graphs_settle();
+    return vgpu_charge(d, bytes);
+}
+
+static void settle(struct vgpu_dev *d, uint64_t pre) {
+    pthread_mutex_lock(&g_gm.mu);
+    settle_locked(d, pre);
+    pthread_mutex_unlock(&g_gm.mu);
+}
+
+/* Instantiated with its memory given (uploaded): the executable's record says so (refs 1),
+ * so that its first launch does not reserve it again. */
+static CUresult instantiate_uploaded(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p, int ptsz,
+                                     __typeof__(cuGraphInstantiateWithParams) *real) {
+    struct vgpu_rec r;
+    CUcontext ctx;
+    uint64_t pre = 0;
+    int known = vgpu_tab_get(VGPU_OBJ_GRAPH, (uint64_t)(uintptr_t)g, &r) && r.bytes;
+    /* Without known allocations, the upload stream's device: what it gives is charged after. */
+    struct vgpu_dev *d = known ? vgpu_dev(r.ordinal) : vgpu_stream_dev(p->hUploadStream, ptsz, &ctx);
+    if (!d) return instantiated(real(ph, g, p), ph, g);
+    if (known) {
+        if (reserve(d, r.bytes) != CUDA_SUCCESS) {
+            p->hErrNode_out = NULL;
+            p->result_out = CUDA_GRAPH_INSTANTIATE_ERROR; /* the reason is the return value */
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        pre = r.bytes;
+    }
+    CUresult rc = instantiated(real(ph, g, p), ph, g);
+    struct vgpu_rec x;
+    if (rc == CUDA_SUCCESS && vgpu_tab_take(VGPU_OBJ_EXEC, (uint64_t)(uintptr_t)*ph, &x)) {
+        x.refs = 1;
+        vgpu_tab_restore(&x);
+    }
+    settle(d, pre);
+    return rc;
+}
+
+static CUresult instantiate_params(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p, int ptsz,
+                                   __typeof__(cuGraphInstantiateWithParams) *real) {
+    if (p && (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) && ph &&
+        __atomic_load_n(&vgpu.graph_mem, __ATOMIC_ACQUIRE))
+        return instantiate_uploaded(ph, g, p, ptsz, real);
+    return instantiated(real(ph, g, p), ph, g);
+}
+
+VGPU_API CUresult cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                               CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
+    NEED(cuGraphInstantiateWithParams);
+    return instantiate_params(phGraphExec, hGraph, instantiateParams, 0, vgpu.real.cuGraphInstantiateWithParams);
+}
+
+VGPU_API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                    CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
+    NEED(cuGraphInstantiateWithParams_ptsz);
+    return instantiate_params(phGraphExec, hGraph, instantiateParams, 1,
+                              vgpu.real.cuGraphInstantiateWithParams_ptsz);
+}
+
+/* An upload gives the executable its memory as a first launch does, and runs nothing. */
+VGPU_API CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) {
+    NEED(cuGraphUpload);
+    if (!__atomic_load_n(&vgpu.graph_mem, __ATOMIC_ACQUIRE)) return vgpu.real.cuGraphUpload(hGraphExec, hStream);
+    return vgpu_graph_launch(hGraphExec, hStream, 0, vgpu.real.cuGraphUpload);
+}
+
+VGPU_API CUresult cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    NEED(cuGraphUpload_ptsz);
+    if (!__atomic_load_n(&vgpu.graph_mem, __ATOMIC_ACQUIRE))
+        return vgpu.real.cuGraphUpload_ptsz(hGraphExec, hStream);
+    return vgpu_graph_launch(hGraphExec, hStream, 1, vgpu.real.cuGraphUpload_ptsz);
+}
+
 VGPU_API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     NEED(cuGraphExecDestroy);
     CUresult rc = vgpu.real.cuGraphExecDestroy(hGraphExec);
@@ -124,6 +205,7 @@ VGPU_API CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     return rc;
 }
 
+/* A launch, or an upload (`launch` is then the driver's cuGraphUpload): the same charge. */
 CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz, CUresult (*launch)(CUgraphExec, CUstream)) {
     struct vgpu_rec r;
     CUcontext ctx;
@@ -132,21 +214,14 @@ CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz, CUresult (*launc
     struct vgpu_dev *d = first ? vgpu_dev(r.ordinal) : vgpu_stream_dev(s, ptsz, &ctx);
     if (!d) return launch(x, s);
     if (first) {
-        if (vgpu_charge(d, r.bytes) != CUDA_SUCCESS) {
-            /* What the graphs of this process no longer use, then once more. */
-            if (vgpu.real.cuDeviceGraphMemTrim) vgpu.real.cuDeviceGraphMemTrim(d->ordinal);
-            vgpu_graphs_settle();
-            if (vgpu_charge(d, r.bytes) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
-        }
+        if (reserve(d, r.bytes) != CUDA_SUCCESS) return CUDA_ERROR_OUT_OF_MEMORY;
         pre = r.bytes;
     }
     CUresult rc = launch(x, s);
     if (rc == CUDA_SUCCESS && first && vgpu_tab_take(VGPU_OBJ_EXEC, key, &r)) {
-        r.refs = 1; /* launched: its memory is the device's graph memory now */
+        r.refs = 1; /* its memory is the device's graph memory now */
         vgpu_tab_restore(&r);
     }
-    pthread_mutex_lock(&g_gm.mu);
-    settle_locked(d, pre);
-    pthread_mutex_unlock(&g_gm.mu);
+    settle(d, pre);
     return rc;
 }

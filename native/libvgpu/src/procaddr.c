@@ -16,7 +16,7 @@ struct variant {
     char base[32];
     int version;
     int ptds;
-    char name[32]; /* the hooked entry point the driver returns for that query */
+    char name[40]; /* the hooked entry point the driver returns for that query */
 };
 
 /* From cudaTypedefs.h; tests/integration/test_shim_loading.py checks them against it. */
@@ -62,6 +62,10 @@ static const struct variant k_variants[] = {
     {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate"},
     {"cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2"},
     {"cuGraphInstantiateWithFlags", 11040, 0, "cuGraphInstantiateWithFlags"},
+    {"cuGraphInstantiateWithParams", 12000, 0, "cuGraphInstantiateWithParams"},
+    {"cuGraphInstantiateWithParams", 12000, 1, "cuGraphInstantiateWithParams_ptsz"},
+    {"cuGraphUpload", 11010, 0, "cuGraphUpload"},
+    {"cuGraphUpload", 11010, 1, "cuGraphUpload_ptsz"},
     {"cuGraphExecDestroy", 10000, 0, "cuGraphExecDestroy"},
     {"cuStreamSynchronize", 2000, 0, "cuStreamSynchronize"},
     {"cuStreamSynchronize", 7000, 1, "cuStreamSynchronize_ptsz"},

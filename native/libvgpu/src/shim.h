@@ -51,7 +51,9 @@
     H(cuLaunchKernel) H(cuLaunchKernel_ptsz) H(cuLaunchKernelEx) H(cuLaunchKernelEx_ptsz)      \
     H(cuLaunchCooperativeKernel) H(cuLaunchCooperativeKernel_ptsz) H(cuGraphLaunch)            \
     H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode) H(cuGraphInstantiate)                      \
-    H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphExecDestroy)
+    H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphInstantiateWithParams)    \
+    H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
+    H(cuGraphExecDestroy)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \

@@ -28,7 +28,7 @@ struct CUgraphExec_st {
     uint32_t magic;
     size_t n;
     uint64_t *dur_ns; /* the kernels, in order */
-    struct sim_graph_alloc mem; /* its allocation nodes' memory, held from its first launch */
+    struct sim_graph_alloc mem; /* its allocation nodes' memory, held from its first launch or upload */
 };
 
 static CUresult graph_valid(const struct CUgraph_st *g) {
@@ -294,6 +294,57 @@ CUresult cuGraphExecDestroy(CUgraphExec hGraphExec) {
     return CUDA_SUCCESS;
 }
 
+/* An upload makes the executable's allocations resident as its first launch would, and runs
+ * nothing: a later launch finds them there. A stream being captured is refused (simgpu's
+ * choice: an upload is not a capturable operation). */
+static CUresult upload_locked(CUgraphExec x, CUstream h, int ptds) {
+    struct CUctx_st *c;
+    struct CUstream_st *s;
+    CUresult rc = sim_stream_get(h, ptds, &c, &s);
+    if (rc == CUDA_SUCCESS && s->capture) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (rc == CUDA_SUCCESS) rc = sim_graph_alloc_map_locked(&x->mem);
+    return rc;
+}
+
+static CUresult graph_upload(CUgraphExec x, CUstream h, int ptds) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!x || x->magic != SIM_EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    sim_lock();
+    rc = upload_locked(x, h, ptds);
+    sim_unlock();
+    return rc;
+}
+
+CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) { return graph_upload(hGraphExec, hStream, 0); }
+CUresult cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream) { return graph_upload(hGraphExec, hStream, 1); }
+
+/* With CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD the new executable is uploaded into hUploadStream;
+ * when that fails (out of memory, like a launch) nothing is instantiated and result_out says
+ * CUDA_GRAPH_INSTANTIATE_ERROR: the reason is the return value. */
+static CUresult instantiate_params(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p, int ptds) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    p->hErrNode_out = NULL;
+    CUgraphExec x = NULL;
+    CUresult rc = instantiate(&x, g, p->flags);
+    if (rc == CUDA_SUCCESS && (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)) {
+        sim_lock();
+        rc = upload_locked(x, p->hUploadStream, ptds);
+        sim_unlock();
+        if (rc != CUDA_SUCCESS) cuGraphExecDestroy(x);
+    }
+    p->result_out = rc == CUDA_SUCCESS ? CUDA_GRAPH_INSTANTIATE_SUCCESS : CUDA_GRAPH_INSTANTIATE_ERROR;
+    if (rc == CUDA_SUCCESS) *ph = x;
+    return rc;
+}
+
+CUresult cuGraphInstantiateWithParams(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
+    return instantiate_params(ph, g, p, 0);
+}
+CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p) {
+    return instantiate_params(ph, g, p, 1);
+}
+
 static CUresult graph_launch(CUgraphExec x, CUstream h, int ptds) {
     struct CUctx_st *c;
     struct CUstream_st *s;
@@ -322,9 +373,13 @@ SIM_SELF(cuGraphExecDestroy)
 SIM_SELF(cuGraphGetNodes)
 SIM_SELF(cuGraphInstantiate)
 SIM_SELF(cuGraphInstantiateWithFlags)
+SIM_SELF(cuGraphInstantiateWithParams)
+SIM_SELF(cuGraphInstantiateWithParams_ptsz)
 SIM_SELF(cuGraphInstantiate_v2)
 SIM_SELF(cuGraphLaunch)
 SIM_SELF(cuGraphLaunch_ptsz)
+SIM_SELF(cuGraphUpload)
+SIM_SELF(cuGraphUpload_ptsz)
 SIM_SELF(cuStreamBeginCapture)
 SIM_SELF(cuStreamBeginCapture_ptsz)
 SIM_SELF(cuStreamBeginCapture_v2)

@@ -158,7 +158,9 @@
     V("cuGraphInstantiate", 11000, cuGraphInstantiate_v2) \
     V("cuGraphInstantiate", 12000, cuGraphInstantiateWithFlags) \
     V("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags) \
+    P("cuGraphInstantiateWithParams", 12000, cuGraphInstantiateWithParams, 12000, cuGraphInstantiateWithParams_ptsz) \
     P("cuGraphLaunch", 10000, cuGraphLaunch, 10000, cuGraphLaunch_ptsz) \
+    P("cuGraphUpload", 11010, cuGraphUpload, 11010, cuGraphUpload_ptsz) \
     V("cuInit", 2000, cuInit) \
     V("cuKernelGetFunction", 12000, cuKernelGetFunction) \
     P("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel, 9000, cuLaunchCooperativeKernel_ptsz) \

@@ -80,6 +80,8 @@ def cudart(path: str, scenario: str, args: list[str]) -> None:
         fill_cudart(rt, int(args[0]))
     elif scenario == "roundtrip":
         roundtrip_cudart(rt, int(args[0]))
+    elif scenario == "graphs":
+        graphs_cudart(rt, int(args[0]))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 
@@ -110,6 +112,76 @@ def roundtrip_cudart(rt: Runtime, size: int) -> None:
     rt.check("D2H", rt.rt.cudaMemcpy(dst, ctypes.c_void_p(p), ctypes.c_size_t(size), D2H))
     rt.free(p)
     out("roundtrip_exact", int(dst.raw == data))
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _PoolProps(ctypes.Structure):  # cudaMemPoolProps: 88 bytes in 12.x and 13.x
+    _fields_ = [
+        ("allocType", ctypes.c_int),
+        ("handleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32SecurityAttributes", ctypes.c_void_p),
+        ("reserved", ctypes.c_ubyte * 64),
+    ]
+
+
+class _AllocNodeParams(ctypes.Structure):  # cudaMemAllocNodeParams
+    _fields_ = [
+        ("poolProps", _PoolProps),
+        ("accessDescs", ctypes.c_void_p),
+        ("accessDescCount", ctypes.c_size_t),
+        ("bytesize", ctypes.c_size_t),
+        ("dptr", ctypes.c_void_p),
+    ]
+
+
+class _InstantiateParams(ctypes.Structure):  # cudaGraphInstantiateParams
+    _fields_ = [
+        ("flags", ctypes.c_ulonglong),
+        ("uploadStream", ctypes.c_void_p),
+        ("errNode_out", ctypes.c_void_p),
+        ("result_out", ctypes.c_int),
+    ]
+
+
+def graphs_cudart(rt: Runtime, size: int) -> None:
+    """A graph holding one allocation node of `size` bytes (never freed in the graph, so its
+    memory stays with each executable): uploaded with cudaGraphUpload and launched, then a
+    second executable uploaded by cudaGraphInstantiateWithParams, then a third by
+    cudaGraphUpload. Each call's result and what cudaMemGetInfo says after it."""
+    stream = ctypes.c_void_p()
+    rt.check("cudaStreamCreate", rt.rt.cudaStreamCreate(ctypes.byref(stream)))
+    graph, node = ctypes.c_void_p(), ctypes.c_void_p()
+    rt.check("cudaGraphCreate", rt.rt.cudaGraphCreate(ctypes.byref(graph), 0))
+    params = _AllocNodeParams(bytesize=size)
+    params.poolProps.allocType = 1  # cudaMemAllocationTypePinned
+    params.poolProps.location.type = 1  # cudaMemLocationTypeDevice, device 0
+    rc = rt.rt.cudaGraphAddMemAllocNode(
+        ctypes.byref(node), graph, None, ctypes.c_size_t(0), ctypes.byref(params)
+    )
+    rt.check("cudaGraphAddMemAllocNode", rc)
+    first = ctypes.c_void_p()
+    rc = rt.rt.cudaGraphInstantiateWithFlags(ctypes.byref(first), graph, ctypes.c_ulonglong(0))
+    rt.check("cudaGraphInstantiateWithFlags", rc)
+    out("upload", rt.rt.cudaGraphUpload(first, stream))
+    out("upload_free", rt.mem_info()[0])
+    out("launch", rt.rt.cudaGraphLaunch(first, stream))
+    rt.check("cudaStreamSynchronize", rt.rt.cudaStreamSynchronize(stream))
+    out("launch_free", rt.mem_info()[0])
+    second = ctypes.c_void_p()
+    inst = _InstantiateParams(flags=2, uploadStream=stream)  # cudaGraphInstantiateFlagUpload
+    rc = rt.rt.cudaGraphInstantiateWithParams(ctypes.byref(second), graph, ctypes.byref(inst))
+    out("with_params", rc)
+    out("with_params_result", inst.result_out)
+    out("with_params_free", rt.mem_info()[0])
+    third = ctypes.c_void_p()
+    rc = rt.rt.cudaGraphInstantiateWithFlags(ctypes.byref(third), graph, ctypes.c_ulonglong(0))
+    rt.check("cudaGraphInstantiateWithFlags", rc)
+    out("upload3", rt.rt.cudaGraphUpload(third, stream))
+    out("upload3_free", rt.mem_info()[0])
 
 
 # --- CuPy -------------------------------------------------------------------------------------

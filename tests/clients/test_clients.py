@@ -98,6 +98,30 @@ def test_cudart_host_device_host_round_trip_is_exact(
     assert r.int("roundtrip_exact") == 1
 
 
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize("major", MAJORS)
+def test_cudart_graph_uploads_are_charged_before_the_driver_gives_the_memory(
+    shim: Shim, major: int, with_shim: bool
+) -> None:
+    """Graph memory given at an upload (cudaGraphUpload, or cudaGraphInstantiateWithParams with
+    the upload flag) is charged before the driver gives it: with a 1 GiB limit, one 512 MiB
+    executable fits beside the context and a second is refused, whichever path uploads it."""
+    size = 512 * MIB
+    r = run(cudart_args(major, "graphs", size), client_env(shim, with_shim))
+    free = r.int("free")
+    assert r.int("upload") == 0
+    assert r.int("upload_free") == free - size
+    assert (r.int("launch"), r.int("launch_free")) == (0, free - size)  # not charged again
+    if with_shim:
+        assert r.int("with_params") == ALLOC_ERROR
+        assert r.int("with_params_result") == 1  # cudaGraphInstantiateError
+        assert r.int("upload3") == ALLOC_ERROR
+        assert r.int("upload3_free") == free - size  # nothing held beyond the first
+    else:
+        assert (r.int("with_params"), r.int("with_params_result")) == (0, 0)
+        assert (r.int("upload3"), r.int("upload3_free")) == (0, free - 3 * size)
+
+
 def hold_and_measure(
     shim: Shim, args: list[str], env: Mapping[str, str]
 ) -> tuple[dict[str, str], int]:

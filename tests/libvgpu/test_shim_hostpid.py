@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -47,14 +48,18 @@ def start_in_pid_namespace(
     )
 
 
-GAP = pytest.mark.xfail(
-    strict=True,
-    reason="issue 13: NVML lists the process by its node pid, which the shim does not know, "
-    "so a context the runtime made is charged nothing",
-)
+def child_of(pid: int, timeout: float = 10.0) -> int:
+    """The one child of pid (unshare's forked child), by its pid in the node's namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} has no child")
 
 
-@pytest.mark.parametrize("how", [pytest.param("runtime", marks=GAP), "create", "retain"])
+@pytest.mark.parametrize("how", ["runtime", "create", "retain"])
 def test_a_container_in_its_own_pid_namespace_holds_no_more_than_its_limit(
     shim: Shim, tmp_path: Path, how: str
 ) -> None:
@@ -67,15 +72,20 @@ def test_a_container_in_its_own_pid_namespace_holds_no_more_than_its_limit(
         "handle",
         how,
         chunk,
-        limits={"CUDA_DEVICE_MEMORY_LIMIT": str(limit)},
+        limits={"CUDA_DEVICE_MEMORY_LIMIT": str(limit), "LIBVGPU_LOG_LEVEL": "debug"},
     )
     try:
+        node_pid = child_of(p.pid)
         out = read_until(p, "holding")
         assert int(out["refusal"]) == OOM
         # What the simulated GPU holds for the process, its context included.
         assert shim.node.gpu(0).used_memory <= limit
         # And the context was charged what it takes, no more: the rest of the limit was usable.
         assert int(out["allocated"]) == (limit - CONTEXT) // chunk * chunk
+        # Nothing else is charged: the probe that found the process in NVML's list was not.
+        assert int(out["view_free"]) == limit - CONTEXT - int(out["allocated"])
     finally:
         r = finish(p)
     assert r.rc == 0, r.stderr
+    # The shim found itself in NVML's list by its pid on the node, not the pid it sees (1).
+    assert f"NVML lists this process (pid 1 here) as pid {node_pid}" in r.stderr

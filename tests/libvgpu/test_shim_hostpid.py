@@ -36,7 +36,13 @@ def start_in_pid_namespace(
     host_proc.mkdir(exist_ok=True)
     env = shim.env(limits)
     env["SIMGPU_HOST_PROC"] = str(host_proc)
-    script = 'mount --bind /proc "$0" && mount -t proc proc /proc && exec "$@"'
+    # The shim goes into the program only: unshare and sh are not the container's CUDA process
+    # (and the sanitizer build's leak checker cannot run in unshare's parent).
+    env["TEST_PRELOAD"] = env.pop("LD_PRELOAD")
+    script = (
+        'mount --bind /proc "$0" && mount -t proc proc /proc && '
+        'LD_PRELOAD="$TEST_PRELOAD" exec "$@"'
+    )
     argv = ["unshare", "--mount", "--pid", "--fork", "sh", "-c", script, str(host_proc)]
     return subprocess.Popen(
         [*argv, str(shim.prog(prog)), *map(str, args)],

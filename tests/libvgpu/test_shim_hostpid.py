@@ -33,7 +33,7 @@ def start_in_pid_namespace(
         pytest.skip("needs unshare (util-linux) for a pid namespace")
     require_root()
     host_proc = tmp / "host-proc"
-    host_proc.mkdir(exist_ok=True)
+    host_proc.mkdir(parents=True, exist_ok=True)
     env = shim.env(limits)
     env["SIMGPU_HOST_PROC"] = str(host_proc)
     # The shim goes into the program only: unshare and sh are not the container's CUDA process
@@ -95,3 +95,31 @@ def test_a_container_in_its_own_pid_namespace_holds_no_more_than_its_limit(
     assert r.rc == 0, r.stderr
     # The shim found itself in NVML's list by its pid on the node, not the pid it sees (1).
     assert f"NVML lists this process (pid 1 here) as pid {node_pid}" in r.stderr
+
+
+def test_two_containers_pid_1s_starting_together_are_each_charged_their_context(
+    shim: Shim, tmp_path: Path
+) -> None:
+    """Two containers whose CUDA processes are both pid 1 and probe at about the same time:
+    each finds its own entry (a neighbour's probe is another size, or is ambiguity and tried
+    again), so each holds its limit, its context included."""
+    limit = 2 * GIB
+    chunk = 64 * MIB
+    other = Shim(shim.tree, shim.node, tmp_path / "other")
+    limits = {"CUDA_DEVICE_MEMORY_LIMIT": str(limit), "LIBVGPU_LOG_LEVEL": "debug"}
+    procs = [
+        start_in_pid_namespace(s, s.tmp, "shim_ctx_fill", "handle", "runtime", chunk, limits=limits)
+        for s in (shim, other)
+    ]
+    try:
+        node_pids = [child_of(p.pid) for p in procs]
+        outs = [read_until(p, "holding") for p in procs]
+        assert shim.node.gpu(0).used_memory <= 2 * limit
+        for out in outs:
+            assert int(out["allocated"]) == (limit - CONTEXT) // chunk * chunk
+            assert int(out["view_free"]) == limit - CONTEXT - int(out["allocated"])
+    finally:
+        results = [finish(p) for p in procs]
+    for r, node_pid in zip(results, node_pids, strict=True):
+        assert r.rc == 0, r.stderr
+        assert f"NVML lists this process (pid 1 here) as pid {node_pid}" in r.stderr

@@ -12,16 +12,18 @@
  * container with its own does not find its getpid() there. It then learns its entry by a probe
  * (probe_node_pid) with one of its contexts in hand: the one entry of NVML's list that grows by
  * exactly P bytes while the process allocates P with the driver, and falls back by P when it
- * frees them, is this process. Sound because usedGpuMemory is the driver's own per-process
- * accounting; a neighbour growing by exactly P at that instant makes two candidates, which is
- * ambiguity (tried again with other sizes), never a wrong pid. The probe goes to the driver, not
- * through the region, and is freed before any measure: nothing of it is charged.
+ * frees them, for two sizes in a row, is this process. Sound because usedGpuMemory is the
+ * driver's own per-process accounting: a neighbour growing by exactly P at that instant makes
+ * two candidates, which is ambiguity (tried again with another size), and a neighbour matching
+ * once while our own threads' allocations hide our entry cannot match the next size too. The
+ * probe goes to the driver, not through the region, and is freed before any measure: nothing of
+ * it is charged.
  *
- * Where the probe cannot tell either (ambiguous three times, usedGpuMemory not available, no
- * NVML), the device's free-memory drop is measured instead, under the GPU's node-wide flock
- * (<lock dir>/<GPU-UUID>.lock) so that creations on the GPU do not overlap: the first creation
- * of a process on a device takes the lock and learns which measure works; a context made out of
- * the shim's sight is then charged nothing.
+ * Where the probe cannot tell either (no two sizes in a row agree within four, usedGpuMemory not
+ * available, no NVML), the device's free-memory drop is measured instead, under the GPU's
+ * node-wide flock (<lock dir>/<GPU-UUID>.lock) so that creations on the GPU do not overlap: the
+ * first creation of a process on a device takes the lock and learns which measure works; a
+ * context made out of the shim's sight is then charged nothing.
  *
  * Each context is charged once, whatever created it: cuCtxCreate*, the retain that activates a
  * primary context, or, for a context the shim did not see created (the runtime's private path),
@@ -231,11 +233,12 @@ static uint64_t gpu_free(const struct vgpu_dev *d, int *ok) {
  * this process's entry is told by a probe: with one of its contexts current, list the device's
  * processes, allocate P bytes with the driver (not through the shim: never charged), list them
  * again, free, list a third time. The one entry that grew by exactly P and fell back by exactly
- * P is this process; two entries that grew by P (a neighbour allocating P at that instant) is
- * ambiguity, tried again with another P (three sizes), then given up: the device's free-memory
- * drop is measured instead, as without the probe. All under g_ctx.measure_mu. */
+ * P is this process, once two sizes in a row name it; two entries that grew by P (a neighbour
+ * allocating P at that instant) is ambiguity, tried again with another P (four sizes in all),
+ * then given up: the device's free-memory drop is measured instead, as without the probe. All
+ * under g_ctx.measure_mu. */
 
-enum { MAX_LISTED = 256, PROBE_TRIES = 3 };
+enum { MAX_LISTED = 256, PROBE_TRIES = 4 }; /* sizes tried; two in a row must agree */
 
 static struct {
     pid_t self;            /* getpid() the fields below belong to: a forked child starts over */
@@ -325,7 +328,7 @@ static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CU
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     unsigned int base = ((unsigned int)ts.tv_nsec ^ (unsigned int)g_pid.self * 2654435761u) >> 7;
-    unsigned int pid = 0;
+    unsigned int pid = 0, seen = 0;
     for (int k = 0; k < PROBE_TRIES && !pid; k++) {
         uint64_t p = (uint64_t)((base + 5u * (unsigned int)k) % 16u + 1u) << 21; /* 2..32 MiB */
         unsigned int nb = MAX_LISTED, ng = MAX_LISTED, na = MAX_LISTED;
@@ -335,7 +338,11 @@ static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CU
         int listed = list_procs(d, grown, &ng) == 0;
         vgpu.real.cuMemFree_v2(ptr);
         if (!listed || list_procs(d, after, &na) != 0) break;
-        pid = probed_pid(before, nb, grown, ng, after, na, p);
+        /* Two sizes in a row must name the same entry: our own entry spoilt by another of our
+         * threads while a neighbour happened to move by exactly p once cannot name it twice. */
+        unsigned int got = probed_pid(before, nb, grown, ng, after, na, p);
+        if (got && got == seen) pid = got;
+        seen = got;
     }
     if (pushed) vgpu.real.cuCtxPopCurrent_v2(&popped);
     if (!pid) {

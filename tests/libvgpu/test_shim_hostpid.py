@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import require_root
-from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, read_until
+from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, parse, read_until
 
 from vgpu_plugin.sim.simgpu import Node
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "clients"))
+from client_helpers import cudart_path
+
+CLIENT = Path(__file__).resolve().parent.parent / "clients" / "client_prog.py"
 
 
 @pytest.fixture
@@ -25,7 +31,7 @@ def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
 
 
 def start_in_pid_namespace(
-    shim: Shim, tmp: Path, prog: str, *args: str | int, limits: dict[str, str]
+    shim: Shim, tmp: Path, prog: str | Path, *args: str | int, limits: dict[str, str]
 ) -> subprocess.Popen[str]:
     """prog as pid 1 of a new pid namespace, the node's /proc bound where SIMGPU_HOST_PROC
     says, as a container runtime with the node's /proc mounted into the container leaves it."""
@@ -45,7 +51,7 @@ def start_in_pid_namespace(
     )
     argv = ["unshare", "--mount", "--pid", "--fork", "sh", "-c", script, str(host_proc)]
     return subprocess.Popen(
-        [*argv, str(shim.prog(prog)), *map(str, args)],
+        [*argv, str(shim.prog(prog) if isinstance(prog, str) else prog), *map(str, args)],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -123,3 +129,24 @@ def test_two_containers_pid_1s_starting_together_are_each_charged_their_context(
     for r, node_pid in zip(results, node_pids, strict=True):
         assert r.rc == 0, r.stderr
         assert f"NVML lists this process (pid 1 here) as pid {node_pid}" in r.stderr
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_nvidias_runtime_in_its_own_pid_namespace_fills_its_limit_context_included(
+    shim: Shim, tmp_path: Path, major: int
+) -> None:
+    """NVIDIA's libcudart (tests/clients/client_prog.py), which makes its primary context
+    through the driver's private table, out of the shim's sight."""
+    limit = GIB
+    chunk = 64 * MIB
+    p = start_in_pid_namespace(
+        shim, tmp_path, Path(sys.executable), CLIENT, "cudart", cudart_path(major), "fill", chunk,
+        limits={"CUDA_DEVICE_MEMORY_LIMIT": str(limit)},
+    )  # fmt: skip
+    r = finish(p, timeout=120)
+    assert r.rc == 0, r.stderr
+    out = parse(r.stdout)
+    assert int(out["total"]) == limit
+    assert int(out["refusal"]) == 2  # cudaErrorMemoryAllocation
+    # The context counted: what the GPU held at the refusal stayed within the limit.
+    assert int(out["allocated"]) == (limit - CONTEXT) // chunk * chunk

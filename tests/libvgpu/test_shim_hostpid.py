@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 from conftest import require_root
-from test_shim_helpers import CONTEXT, GIB, MIB, OOM, Shim, finish, parse, read_until
+from test_shim_helpers import (
+    CONTEXT,
+    GIB,
+    MIB,
+    OOM,
+    Shim,
+    finish,
+    parse,
+    read_until,
+    start_together,
+)
 
 from vgpu_plugin.sim.simgpu import Node
 
@@ -150,3 +160,33 @@ def test_nvidias_runtime_in_its_own_pid_namespace_fills_its_limit_context_includ
     assert int(out["refusal"]) == 2  # cudaErrorMemoryAllocation
     # The context counted: what the GPU held at the refusal stayed within the limit.
     assert int(out["allocated"]) == (limit - CONTEXT) // chunk * chunk
+
+
+def test_the_probe_finds_the_process_while_a_neighbour_allocates_and_frees(
+    shim: Shim, tmp_path: Path
+) -> None:
+    """Another container's processes (no shim) churning allocations of 8 to 64 MiB on the GPU
+    while the probe runs: its entry is still told apart, and the context charged exactly."""
+    neighbours = [
+        shim.start("shim_stress", "default", 0, 4, 4, 8 * MIB, 64 * MIB, env=shim.env(shim=False))
+        for _ in range(2)
+    ]
+    try:
+        start_together(neighbours)
+        limit = 2 * GIB
+        chunk = 64 * MIB
+        limits = {"CUDA_DEVICE_MEMORY_LIMIT": str(limit), "LIBVGPU_LOG_LEVEL": "debug"}
+        p = start_in_pid_namespace(
+            shim, tmp_path, "shim_ctx_fill", "handle", "runtime", chunk, limits=limits
+        )
+        node_pid = child_of(p.pid)
+        out = read_until(p, "holding")
+        r = finish(p)
+        assert r.rc == 0, r.stderr
+        assert f"NVML lists this process (pid 1 here) as pid {node_pid}" in r.stderr
+        assert int(out["allocated"]) == (limit - CONTEXT) // chunk * chunk
+        assert int(out["view_free"]) == limit - CONTEXT - int(out["allocated"])
+    finally:
+        for n in neighbours:
+            n.kill()
+            n.communicate()  # and its pipes closed

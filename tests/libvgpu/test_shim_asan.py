@@ -10,6 +10,7 @@ from pathlib import Path
 import native_build
 import pytest
 import test_shim_compute as compute
+import test_shim_hostpid as hostpid
 import test_shim_invariant as invariant
 import test_shim_loading as loading
 import test_shim_memory as memory
@@ -177,3 +178,10 @@ def test_leased_lock_file(asan: Shim, tmp_path: Path) -> None:
 
 def test_context_growth(asan: Shim) -> None:
     invariant.test_a_contexts_growth_is_charged_and_refused_past_the_limit(asan)
+
+
+@pytest.mark.parametrize("how", ["runtime", "create"])
+def test_own_pid_namespace(asan: Shim, tmp_path: Path, how: str) -> None:
+    hostpid.test_a_container_in_its_own_pid_namespace_holds_no_more_than_its_limit(
+        asan, tmp_path, how
+    )

@@ -8,10 +8,22 @@
  * or another, cannot move the measure. Creations and measures of one process are serialised by
  * a process-private mutex (g_ctx.measure_mu); nothing node-wide is taken.
  *
- * Where NVML does not list this process (its pid is another namespace's, as a real driver reports
- * host pids to a container), the device's free-memory drop is measured instead, under the GPU's
+ * A real driver lists processes by their pids in the node's pid namespace, so a process in a
+ * container with its own does not find its getpid() there. It then learns its entry by a probe
+ * (probe_node_pid) with one of its contexts in hand: the one entry of NVML's list that grows by
+ * exactly P bytes while the process allocates P with the driver, and falls back by P when it
+ * frees them, for two sizes in a row, is this process. Sound because usedGpuMemory is the
+ * driver's own per-process accounting: a neighbour growing by exactly P at that instant makes
+ * two candidates, which is ambiguity (tried again with another size), and a neighbour matching
+ * once while our own threads' allocations hide our entry cannot match the next size too. The
+ * probe goes to the driver, not through the region, and is freed before any measure: nothing of
+ * it is charged.
+ *
+ * Where the probe cannot tell either (no two sizes in a row agree within four, usedGpuMemory not
+ * available, no NVML), the device's free-memory drop is measured instead, under the GPU's
  * node-wide flock (<lock dir>/<GPU-UUID>.lock) so that creations on the GPU do not overlap: the
- * first creation of a process on a device takes the lock and learns which measure works.
+ * first creation of a process on a device takes the lock and learns which measure works; a
+ * context made out of the shim's sight is then charged nothing.
  *
  * Each context is charged once, whatever created it: cuCtxCreate*, the retain that activates a
  * primary context, or, for a context the shim did not see created (the runtime's private path),
@@ -215,38 +227,141 @@ static uint64_t gpu_free(const struct vgpu_dev *d, int *ok) {
     return *ok ? m.free : 0;
 }
 
-/* This process's used memory on d as the driver accounts it: 1 (in *out), 0 when NVML lists
- * no such process (none yet, or its pid is another namespace's), -1 when NVML cannot say. */
-static int proc_used(const struct vgpu_dev *d, uint64_t *out) {
-    enum { MAX_LISTED = 256 };
+/* --- this process's pid as NVML lists it ----------------------------------------------------
+ * A real driver lists processes by their pids in the node's initial pid namespace; a container
+ * with its own sees other pids, so getpid() is not found there (or names someone else). Then
+ * this process's entry is told by a probe: with one of its contexts current, list the device's
+ * processes, allocate P bytes with the driver (not through the shim: never charged), list them
+ * again, free, list a third time. The one entry that grew by exactly P and fell back by exactly
+ * P is this process, once two sizes in a row name it; two entries that grew by P (a neighbour
+ * allocating P at that instant) is ambiguity, tried again with another P (four sizes in all),
+ * then given up: the device's free-memory drop is measured instead, as without the probe. All
+ * under g_ctx.measure_mu. */
+
+enum { MAX_LISTED = 256, PROBE_TRIES = 4 }; /* sizes tried; two in a row must agree */
+
+static struct {
+    pid_t self;            /* getpid() the fields below belong to: a forked child starts over */
+    unsigned int node_pid; /* learned by a probe; 0: not known, getpid() is asked for */
+    int told;              /* the probe's failure was logged */
+} g_pid;
+
+/* Per device: does NVML list this process (1), not (-1), unknown yet (0). measure_mu held. */
+static int g_listed[VGPU_MAX_ORDINALS];
+
+/* measure_mu held: what a forked child inherited about its parent's pid is dropped. */
+static void pid_check_fork(void) {
+    pid_t self = getpid();
+    if (g_pid.self == self) return;
+    g_pid.self = self;
+    g_pid.node_pid = 0;
+    memset(g_listed, 0, sizeof g_listed);
+}
+
+static int list_procs(const struct vgpu_dev *d, nvmlProcessInfo_v2_t *infos, unsigned int *n) {
     nvmlDevice_t h;
-    nvmlProcessInfo_v2_t infos[MAX_LISTED];
-    unsigned int n = MAX_LISTED;
     nvmlReturn_t rc = NVML_ERROR_FUNCTION_NOT_FOUND;
     if (!vgpu_nvml_ready() || vgpu.real.nvmlDeviceGetHandleByUUID(d->uuid, &h) != NVML_SUCCESS) return -1;
     if (vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3)
-        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3(h, &n, (nvmlProcessInfo_t *)infos);
+        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v3(h, n, (nvmlProcessInfo_t *)infos);
     else if (vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2)
-        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2(h, &n, infos);
+        rc = vgpu.real.nvmlDeviceGetComputeRunningProcesses_v2(h, n, infos);
     if (rc != NVML_SUCCESS) return -1;
+    if (*n > MAX_LISTED) *n = MAX_LISTED;
+    return 0;
+}
+
+/* pid's used memory in a list: 1 (in *out), 0 not listed, -1 listed twice or not available. */
+static int used_of(const nvmlProcessInfo_v2_t *infos, unsigned int n, unsigned int pid, uint64_t *out) {
+    int found = 0, unknown = 0;
+    for (unsigned int i = 0; i < n; i++) {
+        if (infos[i].pid != pid) continue;
+        if (infos[i].usedGpuMemory == (unsigned long long)NVML_VALUE_NOT_AVAILABLE) unknown = 1;
+        *out = infos[i].usedGpuMemory;
+        found++;
+    }
+    return found > 1 || unknown ? -1 : found;
+}
+
+/* This process's used memory on d as the driver accounts it: 1 (in *out), 0 when NVML lists
+ * no such process (none yet, or its pid is another namespace's), -1 when NVML cannot say.
+ * measure_mu held. */
+static int proc_used(const struct vgpu_dev *d, uint64_t *out) {
+    static nvmlProcessInfo_v2_t infos[MAX_LISTED]; /* measure_mu serialises its users */
+    unsigned int n = MAX_LISTED;
+    pid_check_fork();
+    if (list_procs(d, infos, &n) != 0) return -1;
     /* Our pid twice: processes of other pid namespaces (containers' pid 1s, say) listed by
      * theirs; which one is us cannot be told, so neither is used. */
-    unsigned int pid = (unsigned int)getpid(), found = 0;
-    for (unsigned int i = 0; i < n && i < MAX_LISTED; i++) {
-        if (infos[i].pid == pid && infos[i].usedGpuMemory != (unsigned long long)NVML_VALUE_NOT_AVAILABLE) {
-            *out = infos[i].usedGpuMemory;
-            found++;
-        }
+    return used_of(infos, n, g_pid.node_pid ? g_pid.node_pid : (unsigned int)getpid(), out);
+}
+
+/* The one pid that grew by exactly p and fell back by exactly p across the probe, else 0. */
+static unsigned int probed_pid(const nvmlProcessInfo_v2_t *before, unsigned int nb,
+                               const nvmlProcessInfo_v2_t *grown, unsigned int ng,
+                               const nvmlProcessInfo_v2_t *after, unsigned int na, uint64_t p) {
+    unsigned int pid = 0, grew = 0;
+    for (unsigned int i = 0; i < ng; i++) {
+        uint64_t b = 0, a = 0, g = grown[i].usedGpuMemory;
+        if (g == (uint64_t)NVML_VALUE_NOT_AVAILABLE || used_of(before, nb, grown[i].pid, &b) < 0 ||
+            g - b != p)
+            continue;
+        grew++; /* a neighbour that grew by p too makes it ambiguous */
+        if (used_of(after, na, grown[i].pid, &a) == 1 && a + p == g) pid = grown[i].pid;
     }
-    return found > 1 ? -1 : (int)found;
+    return grew == 1 ? pid : 0;
+}
+
+/* Learn this process's pid in NVML's lists with ctx (a context of d, made current for the
+ * probe if it is not): 0 learned, -1 not (logged once). measure_mu held. */
+static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CUcontext ctx) {
+    static nvmlProcessInfo_v2_t before[MAX_LISTED], grown[MAX_LISTED], after[MAX_LISTED];
+    pid_check_fork();
+    if (g_pid.node_pid) return 0;
+    CUcontext cur = NULL, popped;
+    if (!ctx || !vgpu.real.cuMemAlloc_v2 || !vgpu.real.cuMemFree_v2 || !vgpu.real.cuCtxGetCurrent ||
+        vgpu.real.cuCtxGetCurrent(&cur) != CUDA_SUCCESS)
+        return -1;
+    int pushed = cur != ctx;
+    if (pushed && vgpu.real.cuCtxPushCurrent_v2(ctx) != CUDA_SUCCESS) return -1;
+    /* Sizes differ per try and per process, so two processes probing at once part ways. */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    unsigned int base = ((unsigned int)ts.tv_nsec ^ (unsigned int)g_pid.self * 2654435761u) >> 7;
+    unsigned int pid = 0, seen = 0;
+    for (int k = 0; k < PROBE_TRIES && !pid; k++) {
+        uint64_t p = (uint64_t)((base + 5u * (unsigned int)k) % 16u + 1u) << 21; /* 2..32 MiB */
+        unsigned int nb = MAX_LISTED, ng = MAX_LISTED, na = MAX_LISTED;
+        CUdeviceptr ptr;
+        if (list_procs(d, before, &nb) != 0) break;
+        if (vgpu.real.cuMemAlloc_v2(&ptr, (size_t)p) != CUDA_SUCCESS) continue;
+        int listed = list_procs(d, grown, &ng) == 0;
+        vgpu.real.cuMemFree_v2(ptr);
+        if (!listed || list_procs(d, after, &na) != 0) break;
+        /* Two sizes in a row must name the same entry: our own entry spoilt by another of our
+         * threads while a neighbour happened to move by exactly p once cannot name it twice. */
+        unsigned int got = probed_pid(before, nb, grown, ng, after, na, p);
+        if (got && got == seen) pid = got;
+        seen = got;
+    }
+    if (pushed) vgpu.real.cuCtxPopCurrent_v2(&popped);
+    if (!pid) {
+        if (!g_pid.told)
+            VLOG(VGPU_LOG_INFO, "NVML does not list this process by its pid %d and a probe on GPU %s "
+                 "could not tell its entry: contexts are measured by the GPU's free memory",
+                 (int)g_pid.self, d->uuid);
+        g_pid.told = 1;
+        return -1;
+    }
+    g_pid.node_pid = pid;
+    memset(g_listed, 0, sizeof g_listed); /* learned anew under the right pid */
+    VLOG(VGPU_LOG_DEBUG, "NVML lists this process (pid %d here) as pid %u", (int)g_pid.self, pid);
+    return 0;
 }
 
 static int64_t own_committed(const struct vgpu_dev *d) {
     return d->accounted ? (int64_t)vgpu_region_own_committed(vgpu.region, d->rdev) : 0;
 }
-
-/* Per device: does NVML list this process (1), not (-1), unknown yet (0). measure_mu held. */
-static int g_listed[VGPU_MAX_ORDINALS];
 
 enum { BY_NONE, BY_PROCESS, BY_DEVICE };
 
@@ -261,7 +376,7 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
     int listed = g_listed[d->ordinal];
     uint64_t before = 0;
     int st = listed >= 0 ? proc_used(d, &before) : -1;
-    if (listed == 0 && st == 1 && before > 0 && own_committed(d) == 0) {
+    if (listed == 0 && st == 1 && before > 0 && own_committed(d) == 0 && !g_pid.node_pid) {
         /* Listed as holding memory before this process's first context here, when the shim
          * has charged it nothing: another namespace's process under our pid. */
         g_listed[d->ordinal] = -1;
@@ -276,14 +391,21 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
     }
 }
 
-/* What the measured call took on d (0 when it cannot be told). Drops the GPU lock. */
-static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d) {
+/* What the measured call took on d (0 when it cannot be told). Drops the GPU lock. ctx: the
+ * context measured (NULL: the call failed), with which this process's pid can be probed. */
+static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUcontext ctx) {
     uint64_t after = 0, delta = 0;
     int st = m->how == BY_PROCESS ? proc_used(d, &after) : -1;
     if (st == 1) {
         g_listed[d->ordinal] = 1;
         int64_t grew = (int64_t)(after - m->proc_before) - (own_committed(d) - m->own_before);
         delta = grew > 0 ? (uint64_t)grew : 0;
+    } else if (ctx && !g_pid.node_pid && probe_node_pid(d, ctx) == 0 && proc_used(d, &after) == 1) {
+        /* Not listed under getpid(), now found by the probe: what we had before this call is not
+         * known, so the charge is what the driver says we hold beyond what the shim charged. */
+        g_listed[d->ordinal] = 1;
+        int64_t extra = (int64_t)after - own_committed(d);
+        delta = extra > 0 ? (uint64_t)extra : 0;
     } else {
         if (st == 0) g_listed[d->ordinal] = -1; /* a new context, yet not listed: another pid */
         int ok = 0;
@@ -330,6 +452,7 @@ static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev
     uint64_t used = 0;
     if (!ctx_charged(ctx)) {
         int st = proc_used(d, &used);
+        if (st != 1 && !g_pid.node_pid && probe_node_pid(d, ctx) == 0) st = proc_used(d, &used);
         int64_t extra = st == 1 ? (int64_t)used - own_committed(d) : 0;
         if (st != 1)
             VLOG(VGPU_LOG_INFO, "context %p on GPU %s was made out of the shim's sight and NVML does "
@@ -381,7 +504,7 @@ static CUresult create_ctx(CUcontext *pctx, const struct create_args *a) {
     pthread_mutex_lock(&g_ctx.measure_mu);
     measure_begin(&m, d);
     CUresult rc = real_create(pctx, a);
-    uint64_t bytes = measure_end(&m, d);
+    uint64_t bytes = measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
     if (rc == CUDA_SUCCESS) {
         remember(*pctx, d->ordinal);
         if (charge_ctx(d, *pctx, bytes, "a new context") != 0) {
@@ -459,7 +582,7 @@ VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     int was_active = primary_active(dev) == 1;
     if (!was_active) measure_begin(&m, d);
     CUresult rc = vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
-    uint64_t bytes = was_active ? 0 : measure_end(&m, d);
+    uint64_t bytes = was_active ? 0 : measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
     if (rc == CUDA_SUCCESS) {
         CUcontext ctx = *pctx;
         g_ctx.primary[d->ordinal] = ctx;
@@ -510,7 +633,7 @@ VGPU_API CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     pthread_mutex_lock(&g_ctx.measure_mu);
     measure_begin(&m, d);
     CUresult rc = vgpu.real.cuCtxSetLimit(limit, value);
-    uint64_t grew = measure_end(&m, d);
+    uint64_t grew = measure_end(&m, d, ctx);
     if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, "a context's new limit") != 0) {
         if (have_old) vgpu.real.cuCtxSetLimit(limit, old);
         rc = CUDA_ERROR_OUT_OF_MEMORY;

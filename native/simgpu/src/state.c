@@ -81,6 +81,28 @@ static uint64_t proc_start_time(void) {
     return v;
 }
 
+/* The pid NVML reports for this process. A real driver reports pids of the node's initial pid
+ * namespace, whatever namespace the process runs in; SIMGPU_HOST_PROC names a procfs of that
+ * namespace (the node's /proc bound into the container), where "self" reads as the reader's
+ * pid there. Unset or unreadable: the pid as this process sees it. */
+static int32_t reported_pid(void) {
+    const char *dir = getenv("SIMGPU_HOST_PROC");
+    char path[4096], link[32];
+    if (dir && *dir && snprintf(path, sizeof path, "%s/self", dir) < (int)sizeof path) {
+        ssize_t n = readlink(path, link, sizeof link - 1);
+        if (n > 0) {
+            link[n] = 0;
+            char *end = NULL;
+            long v = strtol(link, &end, 10);
+            if (end && *end == 0 && v > 0 && v <= INT32_MAX) return (int32_t)v;
+        }
+        if (getenv("SIMGPU_QUIET") == NULL)
+            fprintf(stderr, "[simgpu] SIMGPU_HOST_PROC=%s: cannot read its self link; reporting pid %d\n",
+                    dir, (int)getpid());
+    }
+    return (int32_t)getpid();
+}
+
 /* Map and validate the node file. Returns the mapping or NULL (error set). */
 struct simgpu_node *simgpu_map(const char *dir, int *fd_out) {
     char path[4096];
@@ -181,7 +203,7 @@ static int register_self(struct simgpu_node *node, int fd) {
     struct simgpu_proc_shared *p = &node->procs[slot];
     memset(p->used, 0, sizeof p->used);
     memset(p->contexts, 0, sizeof p->contexts);
-    p->pid = (int32_t)getpid();
+    p->pid = reported_pid();
     p->start_time = proc_start_time();
     p->cgroup_ndirs = simgpu_cgroup_self(p->cgroup, p->cgroup_dirs);
     atomic_store(&p->state, SIMGPU_SLOT_LIVE);
@@ -332,7 +354,7 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns,
     }
     g->timeline_end_ns = end;
     if (duration_ns > 0) {
-        int32_t pid = (int32_t)getpid();
+        int32_t pid = node->procs[g_att.slot].pid; /* as NVML reports it */
         struct simgpu_busy_span *last =
             g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
         if (last && last->end_ns == start && last->pid == pid) {

@@ -32,7 +32,7 @@ enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
 struct simgpu_busy_span {
     uint64_t start_ns;
     uint64_t end_ns;
-    int32_t pid; /* the process whose work ran (as it sees its pid), for per-process NVML */
+    int32_t pid; /* the process whose work ran (the pid NVML reports for it), for per-process NVML */
     uint32_t reserved;
 };
 

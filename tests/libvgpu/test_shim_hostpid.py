@@ -7,6 +7,7 @@ probe). Program: tests/native/shim_ctx_fill.c. The node's contexts take 300 MiB 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -190,3 +191,36 @@ def test_the_probe_finds_the_process_while_a_neighbour_allocates_and_frees(
         for n in neighbours:
             n.kill()
             n.communicate()  # and its pipes closed
+
+
+def test_nvml_process_lists_in_the_container_show_its_processes_by_their_node_pids(
+    shim: Shim, tmp_path: Path
+) -> None:
+    """nvidia-smi in a container: the driver lists processes by their node pids, which the
+    region's slots (container pids) never name; the slot records the node pid the probe
+    learned, so the container's own process is listed, and a neighbour is not."""
+    # A neighbour (another container: no shim) holding memory on the same GPU.
+    neighbour = shim.start(
+        "shim_mem", "handle", 0, "alloc", 512 * MIB, 1, "hold", env=shim.env(shim=False)
+    )
+    try:
+        read_until(neighbour, "holding")
+        p = start_in_pid_namespace(
+            shim,
+            tmp_path,
+            "shim_nvml_procs",
+            "handle",
+            limits={"CUDA_DEVICE_MEMORY_LIMIT": str(2 * GIB), "LIBVGPU_LOG_LEVEL": "debug"},
+        )
+        r = finish(p)
+    finally:
+        finish(neighbour)
+    assert r.rc == 0, r.stderr
+    assert r.out["self"] == "1"
+    learned = re.search(r"NVML lists this process \(pid 1 here\) as pid (\d+)", r.stderr)
+    assert learned, r.stderr
+    node_pid = int(learned.group(1))
+    assert node_pid not in (1, neighbour.pid)
+    for key in ("v1", "v2", "v3"):
+        listed = dict(e.split(":") for e in r.out[key].split(",") if e)
+        assert listed == {str(node_pid): str(CONTEXT + 256 * MIB)}, (key, listed)

@@ -354,6 +354,8 @@ static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CU
         return -1;
     }
     g_pid.node_pid = pid;
+    /* In the slot too: NVML's process lists in the container (views.c) show it by this pid. */
+    vgpu_region_set_node_pid(vgpu.region, (int32_t)pid);
     memset(g_listed, 0, sizeof g_listed); /* learned anew under the right pid */
     VLOG(VGPU_LOG_DEBUG, "NVML lists this process (pid %d here) as pid %u", (int)g_pid.self, pid);
     return 0;

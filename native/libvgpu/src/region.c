@@ -73,6 +73,7 @@ static void reclaim_locked(struct vgpu_region_file *f, int s) {
         ST(&sl->dev[d].pending, (uint64_t)0);
     }
     ST(&sl->forced, (uint64_t)0);
+    ST(&sl->node_pid, 0);
     ST(&sl->pid, 0);
     ST(&sl->start_time, (uint64_t)0);
     ST(&sl->state, (uint32_t)VGPU_SLOT_FREE);
@@ -188,6 +189,7 @@ static int register_slot(struct vgpu_region *r, char *err, size_t errlen) {
             ST(&sl->dev[d].pending, (uint64_t)0);
         }
         ST(&sl->forced, (uint64_t)0);
+        ST(&sl->node_pid, 0);
         ST(&sl->pid, pid);
         ST(&sl->start_time, start);
         ST(&sl->state, (uint32_t)VGPU_SLOT_LIVE);
@@ -393,9 +395,19 @@ int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid) {
     if (!r) return 0;
     const struct vgpu_region_file *f = r->file;
     uint32_t hwm = LD_RELAXED(&f->slot_hwm);
-    for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++)
-        if (LD_RELAXED(&f->slots[s].state) == VGPU_SLOT_LIVE && LD_RELAXED(&f->slots[s].pid) == pid) return 1;
+    for (uint32_t s = 0; s < hwm && s < VGPU_MAX_SLOTS; s++) {
+        if (LD_RELAXED(&f->slots[s].state) != VGPU_SLOT_LIVE) continue;
+        /* A slot whose node pid is known is matched by it alone: its pid here may be another
+         * container's process's pid on the node. */
+        int32_t node = LD_RELAXED(&f->slots[s].node_pid);
+        if ((node ? node : LD_RELAXED(&f->slots[s].pid)) == pid) return 1;
+    }
     return 0;
+}
+
+void vgpu_region_set_node_pid(struct vgpu_region *r, int32_t pid) {
+    int s = r ? __atomic_load_n(&r->slot, __ATOMIC_ACQUIRE) : -1;
+    if (s >= 0) ST(&r->file->slots[s].node_pid, pid);
 }
 
 /* --- reserve, commit, rollback, release ---------------------------------------------------- */

@@ -12,8 +12,11 @@
 
 /* This process's committed charge on dev (charged, less what is between reserve and commit). */
 VGPU_REGION_HIDDEN uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev);
-/* 1 if a live slot of the region records `pid` (the container's processes, in its pid namespace). */
+/* 1 if a live slot of the region is the process NVML lists as `pid`: its node pid where its
+ * shim learned one, else its pid in the container's namespace. */
 VGPU_REGION_HIDDEN int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid);
+/* Record in this process's slot the pid NVML lists it by (learned by ctx.c's probe). */
+VGPU_REGION_HIDDEN void vgpu_region_set_node_pid(struct vgpu_region *r, int32_t pid);
 
 enum vgpu_region_counter { VGPU_COUNT_REFUSED, VGPU_COUNT_FALLBACK, VGPU_COUNT_GPU_NS };
 /* Add n to one of device dev's counters (atomic, no lock). */

@@ -118,8 +118,9 @@ VGPU_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory
  * Inside a container, nvidia-smi and monitoring agents list the GPU's processes: only the
  * container's own are shown (those with a live slot in its region), each with the memory the
  * driver says it holds. The driver's count of a too-small buffer is kept (an upper bound: the
- * caller's second call gets fewer). The pids are the container's: a driver that reports another
- * namespace's pids shows none. */
+ * caller's second call gets fewer). A driver lists processes by their pids on the node: a
+ * process whose shim learned its node pid (ctx.c's probe) is matched by it, others by their pid
+ * in the container. */
 
 static nvmlReturn_t only_ours(nvmlDevice_t device, nvmlReturn_t rc, unsigned int *count, void *infos,
                               size_t stride) {

@@ -135,7 +135,10 @@ struct vgpu_region_slot {
     struct vgpu_slot_device dev[16];
     uint64_t forced;         /* bit d: this process charged memory on device d past the limit
                                 (vgpu_region_force); the host then shows the sum as it is */
-    uint64_t reserved[5];
+    int32_t node_pid;        /* the pid the driver's NVML lists this process by (the node's pid
+                                namespace), once its shim learned it (ctx.c); 0: not known */
+    uint32_t reserved_pid;
+    uint64_t reserved[4];
 };
 
 struct vgpu_region_file {

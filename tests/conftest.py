@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,17 @@ def simgpu_node(native_tree: Path, tmp_path: Path) -> Iterator[Node]:
 def make_node(tmp_path: Path, gpus: list[GpuSpec]) -> Node:
     """A node of the given GPUs, for tests that need another shape."""
     return Node.create(tmp_path / "simgpu", gpus, seed=tmp_path.name)
+
+
+def child_of(pid: int, timeout: float = 10.0) -> int:
+    """The one child of pid (unshare's forked child), by its pid in the node's namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.01)
+    raise AssertionError(f"{pid} has no child")
 
 
 def require_root() -> None:

@@ -11,11 +11,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import require_root
+from conftest import child_of, require_root
 from test_shim_helpers import (
     CONTEXT,
     GIB,
@@ -69,17 +68,6 @@ def start_in_pid_namespace(
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def child_of(pid: int, timeout: float = 10.0) -> int:
-    """The one child of pid (unshare's forked child), by its pid in the node's namespace."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        if kids:
-            return int(kids[0])
-        time.sleep(0.01)
-    raise AssertionError(f"{pid} has no child")
 
 
 @pytest.mark.parametrize("how", ["runtime", "create", "retain"])

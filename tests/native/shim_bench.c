@@ -22,13 +22,6 @@ static double clock_ns(clockid_t id) {
 static double now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
 static double cpu_ns(void) { return clock_ns(CLOCK_PROCESS_CPUTIME_ID); }
 
-/* The driver's own entry point: libc's dlsym, asked by version, skips the shim's override. */
-static void *real_sym(const char *name) {
-    void *(*libc_dlsym)(void *, const char *) = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
-    if (!libc_dlsym) libc_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
-    return libc_dlsym ? libc_dlsym(g_lib, name) : NULL;
-}
-
 enum { BLOCK = 2000 };
 
 static double best_block(double cur, double t0, long n) {

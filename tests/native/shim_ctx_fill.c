@@ -15,18 +15,6 @@
 
 #include "shim_test.h"
 
-/* The driver's own entry point: libc's dlsym, asked by version, skips the shim's override. */
-static void *real_sym(const char *name) {
-    void *(*libc_dlsym)(void *, const char *) = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
-    if (!libc_dlsym) libc_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
-    void *p = libc_dlsym ? libc_dlsym(g_lib, name) : NULL;
-    if (!p) {
-        fprintf(stderr, "no %s\n", name);
-        exit(3);
-    }
-    return p;
-}
-
 int main(int argc, char **argv) {
     if (argc < 4) {
         fprintf(stderr, "usage: %s <mode> runtime|create|retain <chunk-bytes>\n", argv[0]);

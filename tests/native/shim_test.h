@@ -85,6 +85,18 @@ static struct {
 } api_raw;
 static void *g_lib;
 
+/* The driver's own entry point: libc's dlsym, asked by version, skips the shim's override. */
+static inline void *real_sym(const char *name) {
+    void *(*libc_dlsym)(void *, const char *) = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.34");
+    if (!libc_dlsym) libc_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_DEFAULT, "dlsym", "GLIBC_2.2.5");
+    void *p = libc_dlsym ? libc_dlsym(g_lib, name) : NULL;
+    if (!p) {
+        fprintf(stderr, "no %s\n", name);
+        exit(3);
+    }
+    return p;
+}
+
 typedef CUresult (*shim_getproc_t)(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 
 /* Resolve every entry point the chosen way. Missing ones stay NULL. */

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import require_root
+from conftest import child_of, require_root
 from test_nvml import USAGE, env_with, process_util, pynvml_on
 
 from vgpu_plugin.sim.simgpu import Node
@@ -29,17 +29,6 @@ def in_pid_namespace(argv: list[str], host_proc: Path) -> list[str]:
     require_root()
     script = 'mount --bind /proc "$0" && mount -t proc proc /proc && exec "$@"'
     return ["unshare", "--mount", "--pid", "--fork", "sh", "-c", script, str(host_proc), *argv]
-
-
-def child_of(pid: int, timeout: float = 10.0) -> int:
-    """The one child of pid (unshare's forked child), by its pid in our namespace."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        if kids:
-            return int(kids[0])
-        time.sleep(0.01)
-    raise AssertionError(f"{pid} has no child")
 
 
 @pytest.mark.parametrize("knob", [True, False])

@@ -34,6 +34,9 @@ MIB = 1 << 20
 NAMESPACE = "demo"
 
 
+NODE_PROC = "/run/simgpu/node-proc"  # where containers see the node's /proc (simulation only)
+
+
 @dataclass
 class Admitted:
     """A pod's container as the kubelet admitted it."""
@@ -231,6 +234,11 @@ class EmulatedNode:
         ]  # fmt: skip
         # The simulated GPUs' device state, as /dev/nvidia* would be for a real GPU.
         mounts.append(Mount(str(self.node.state_dir), str(self.node.state_dir), False))
+        # A real driver's NVML lists a container's processes by their pids on the node: simgpu
+        # learns those through the node's /proc (SIMGPU_HOST_PROC, simgpu's NVML.md), so the
+        # containers here see what they would on a cluster (the shim finds itself by a probe).
+        mounts.append(Mount(NODE_PROC, "/proc", True))
+        all_envs["SIMGPU_HOST_PROC"] = NODE_PROC
         config = ContainerConfig(name=name, args=list(args), envs=all_envs, mounts=mounts)
         return apply_toolkit(
             config,

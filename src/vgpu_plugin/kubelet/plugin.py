@@ -260,20 +260,14 @@ class VgpuBackend:
                         resource_name=plan.resource_name,
                         created=now,
                         limits=tuple(x.limit for x in g.gpus),
-                        extra=_record_extra(g, spec),
+                        extra=_record_extra(spec.driver_limit, g.oversubscribed),
                     )
                     for g, spec in prepared
                 ),
                 sync=deferred is None or cdi.uses_cdi(snapshot.config.device_list_strategy),
             )
             if deferred is not None:
-                files: list[Path] = []
-                dirs: set[Path] = set()
-                for g, spec in prepared:
-                    f, d = allocation_paths(spec, g.allocation_id, self._cdi_spec_dir)
-                    files += f
-                    dirs.update(d)
-                deferred.note(files, dirs)
+                deferred.note(*self._written_paths(prepared))
         except OSError as exc:
             for g, spec in written:
                 self._unmaterialise(g, spec)
@@ -321,15 +315,21 @@ class VgpuBackend:
         ``durable``, by the syncer) and the record written by the caller, before we answer."""
         write_allocation(spec, g.allocation_id, self._cdi_spec_dir, False, durable)
 
-    def _sync_dirs(self, prepared: Sequence[tuple[Grant, ContainerSpec]]) -> None:
-        """One fsync per directory the allocations' files were created in."""
+    def _written_paths(
+        self, prepared: Sequence[tuple[Grant, ContainerSpec]]
+    ) -> tuple[list[Path], set[Path]]:
+        """The files the allocations' host files are and the dirs that name them."""
+        files: list[Path] = []
         dirs: set[Path] = set()
         for g, spec in prepared:
-            dirs.add(Path(spec.limits_path).parent)
-            dirs.add(Path(spec.allocation_dir).parent)
-            if spec.cdi_spec is not None:
-                dirs.add(cdi_files.spec_path(self._cdi_spec_dir, g.allocation_id).parent)
-        for d in sorted(dirs):
+            f, d = allocation_paths(spec, g.allocation_id, self._cdi_spec_dir)
+            files += f
+            dirs.update(d)
+        return files, dirs
+
+    def _sync_dirs(self, prepared: Sequence[tuple[Grant, ContainerSpec]]) -> None:
+        """One fsync per directory the allocations' files were created in."""
+        for d in sorted(self._written_paths(prepared)[1]):
             fsync_dir(d)
 
     # --- after a power loss ----------------------------------------------------------------
@@ -377,9 +377,12 @@ class VgpuBackend:
 OVERSUBSCRIBED_KEY = "oversubscribed"  # in a record's extra, only when true
 
 
-def _record_extra(g: Grant, spec: ContainerSpec) -> dict[str, object]:
-    extra: dict[str, object] = {DRIVER_LIMIT_KEY: spec.driver_limit}
-    if g.oversubscribed:  # the CDI strategies' rebuild needs it: their response lacks it
+def _record_extra(driver_limit: str | None, oversubscribed: bool) -> dict[str, object]:
+    """A record's extra: the driver limit Allocate requested (None: the key is left out), and
+    whether the grant is oversubscribed (the CDI strategies' rebuild needs it: their response
+    lacks it)."""
+    extra: dict[str, object] = {} if driver_limit is None else {DRIVER_LIMIT_KEY: driver_limit}
+    if oversubscribed:
         extra[OVERSUBSCRIBED_KEY] = True
     return extra
 
@@ -486,24 +489,16 @@ def _rebuild(backend: VgpuBackend, entries: Sequence[CheckpointEntry]) -> Rebuil
         who = f"pod {e.pod_uid} container {e.container!r}"
         try:
             done = _rebuild_one(backend, e, aid, config)
-        except NotRebuildable as exc:
+        except (NotRebuildable, OSError) as exc:
             report.refused[aid] = str(exc)
             log.error(
-                "cannot rebuild allocation %s (%s) from the kubelet's checkpoint: %s; the "
-                "container's limits are missing until its pod is recreated",
+                "cannot rebuild allocation %s (%s) from the kubelet's checkpoint: %s%s",
                 aid,
                 who,
                 exc,
-                extra={"allocation_id": aid, "pod_uid": e.pod_uid},
-            )
-            continue
-        except OSError as exc:
-            report.refused[aid] = str(exc)
-            log.error(
-                "cannot rebuild allocation %s (%s) from the kubelet's checkpoint: %s",
-                aid,
-                who,
-                exc,
+                "; the container's limits are missing until its pod is recreated"
+                if isinstance(exc, NotRebuildable)
+                else "",
                 extra={"allocation_id": aid, "pod_uid": e.pod_uid},
             )
             continue
@@ -568,7 +563,7 @@ def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Con
             cdi_files.write_spec(backend._cdi_spec_dir, aid, backend._cdi_spec(e, wanted, config))
             done.append("CDI spec")
     if record is None:
-        driver = {DRIVER_LIMIT_KEY: "requested"} if MEMORY_LIMIT_ENV in response.envs else {}
+        driver = "requested" if MEMORY_LIMIT_ENV in response.envs else None
         backend._store.add(
             AllocationRecord(
                 allocation_id=aid,
@@ -576,10 +571,7 @@ def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Con
                 resource_name=e.resource_name,
                 created=backend._clock(),
                 limits=wanted.limits.gpus,
-                extra={
-                    **driver,
-                    **({OVERSUBSCRIBED_KEY: True} if wanted.limits.oversubscribe else {}),
-                },
+                extra=_record_extra(driver, wanted.limits.oversubscribe),
             )
         )
         done.append("record")

@@ -142,14 +142,9 @@ class DeferredSync:
         the thread running the pass runs here."""
         with self._cond:
             target = self._noted
-            if self._thread is None:
-                running = False
-            else:
-                running = True
-                self._cond.wait_for(lambda: self._synced >= target, timeout)
-                return self._synced >= target
-        if not running:
-            self._pass()
+            if self._thread is not None:
+                return self._cond.wait_for(lambda: self._synced >= target, timeout)
+        self._pass()
         return True
 
     def _run(self) -> None:

@@ -130,8 +130,17 @@ static void settle(struct vgpu_dev *d, uint64_t pre) {
     pthread_mutex_unlock(&g_gm.mu);
 }
 
-/* Instantiated with its memory given (uploaded): the executable's record says so (refs 1),
- * so that its first launch does not reserve it again. */
+/* The driver gave executable x its memory (launched or uploaded): its record says so (refs 1),
+ * so that nothing reserves it again; the memory is the device's graph memory now. */
+static void given(CUgraphExec x) {
+    struct vgpu_rec r;
+    if (vgpu_tab_take(VGPU_OBJ_EXEC, (uint64_t)(uintptr_t)x, &r)) {
+        r.refs = 1;
+        vgpu_tab_restore(&r);
+    }
+}
+
+/* Instantiated with its memory given (uploaded), marked so at once. */
 static CUresult instantiate_uploaded(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *p, int ptsz,
                                      __typeof__(cuGraphInstantiateWithParams) *real) {
     struct vgpu_rec r;
@@ -150,11 +159,7 @@ static CUresult instantiate_uploaded(CUgraphExec *ph, CUgraph g, CUDA_GRAPH_INST
         pre = r.bytes;
     }
     CUresult rc = instantiated(real(ph, g, p), ph, g);
-    struct vgpu_rec x;
-    if (rc == CUDA_SUCCESS && vgpu_tab_take(VGPU_OBJ_EXEC, (uint64_t)(uintptr_t)*ph, &x)) {
-        x.refs = 1;
-        vgpu_tab_restore(&x);
-    }
+    if (rc == CUDA_SUCCESS) given(*ph);
     settle(d, pre);
     return rc;
 }
@@ -218,10 +223,7 @@ CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz, CUresult (*launc
         pre = r.bytes;
     }
     CUresult rc = launch(x, s);
-    if (rc == CUDA_SUCCESS && first && vgpu_tab_take(VGPU_OBJ_EXEC, key, &r)) {
-        r.refs = 1; /* its memory is the device's graph memory now */
-        vgpu_tab_restore(&r);
-    }
+    if (rc == CUDA_SUCCESS && first) given(x);
     settle(d, pre);
     return rc;
 }

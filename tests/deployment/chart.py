@@ -1,26 +1,27 @@
-"""The chart as the tests see it: values merged as Helm merges them, checked against
-``values.schema.json``, every template rendered with ``gotemplate`` and parsed into objects.
+"""The chart as the tests see it: rendered by real helm (``helm template``, helm 4 or 3) and
+parsed into objects, by template file.
 
-``render()`` mirrors ``helm template <release> deploy/helm/vgpu-plugin -n <namespace>
-[--set ...]``; where a ``helm`` binary is on PATH, ``test_chart.py`` checks that it agrees.
+``render()`` is ``helm template <release> deploy/helm/vgpu-plugin -n <namespace>
+--kube-version <v> -f <overrides>``; a refusal (schema or a template's ``fail``) raises
+``HelmError`` with helm's message.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonschema  # type: ignore[import-untyped]
+import pytest
 import yaml
 
-from deployment.gotemplate import Template
+from deployment import helm as helm_cli
+from deployment.helm import CHART, KUBE_VERSION, ROOT, Helm, HelmError
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "vgpu-plugin"
+__all__ = ["CHART", "ROOT", "Helm", "HelmError"]
+
 MANIFESTS = ROOT / "deploy" / "manifests"
 RELEASE = "vgpu-plugin"
 NAMESPACE = "vgpu-system"
@@ -42,36 +43,10 @@ def default_values() -> dict[str, Any]:
     return values
 
 
-def coalesce(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """Helm's merge of user values over the chart's: maps merge key by key, anything else
-    (lists included) is replaced, and null deletes the chart's key."""
-    out = copy.deepcopy(dict(base))
-    for key, value in override.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = coalesce(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def validate_values(values: Mapping[str, Any]) -> None:
-    """Raises jsonschema.ValidationError as ``helm install`` refuses values."""
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    jsonschema.Draft7Validator(schema).validate(values)
-
-
-def _capitalised(meta: Mapping[str, Any]) -> dict[str, Any]:
-    # Helm exposes Chart.yaml's fields under Go names: appVersion -> .Chart.AppVersion.
-    return {k[:1].upper() + k[1:]: v for k, v in meta.items()}
-
-
 @dataclass(frozen=True)
 class Rendered:
     files: dict[str, str]  # template path (templates/x.yaml) -> rendered text
     objects: list[Obj]
-    notes: str
 
     def kinds(self) -> list[str]:
         return [o["kind"] for o in self.objects]
@@ -91,59 +66,67 @@ class Rendered:
         return found[0] if found else None
 
 
-def template_files() -> list[Path]:
-    return sorted((CHART / "templates").iterdir())
+def helms() -> list[Any]:
+    """pytest params of every helm major, each skipped (saying why) where it is missing."""
+    out = []
+    for major in helm_cli.MAJORS:
+        found = helm_cli.find(major)
+        marks = [] if found else [pytest.mark.skip(reason=helm_cli.missing_reason(major))]
+        out.append(pytest.param(found, id=f"helm{major}", marks=marks))
+    return out
+
+
+def any_helm() -> Helm:
+    """The first helm there is (for checks that do not compare majors); skips where none."""
+    for major in helm_cli.MAJORS:
+        found = helm_cli.find(major)
+        if found:
+            return found
+    pytest.skip(" and ".join(helm_cli.missing_reason(m) for m in helm_cli.MAJORS))
+
+
+def _yaml(overrides: Mapping[str, Any] | None) -> str:
+    return yaml.safe_dump(dict(overrides or {}), sort_keys=True)
+
+
+@cache
+def _render(
+    helm: Helm, values: str, release: str, namespace: str, kube_version: str, sets: tuple[str, ...]
+) -> Rendered:
+    out = helm_cli.template(
+        helm,
+        values,
+        release=release,
+        namespace=namespace,
+        kube_version=kube_version,
+        sets=sets,
+    )
+    files = helm_cli.split_sources(out)
+    return Rendered(files, list(parse_documents(files.values())))
 
 
 def render(
     overrides: Mapping[str, Any] | None = None,
+    helm: Helm | None = None,
     release: str = RELEASE,
     namespace: str = NAMESPACE,
-    service: str = "Helm",
+    kube_version: str = KUBE_VERSION,
+    sets: tuple[str, ...] = (),
 ) -> Rendered:
-    values = coalesce(default_values(), overrides or {})
-    validate_values(values)
-    meta = chart_meta()
-    tpl = Template()
-    paths = template_files()
-    for path in paths:
-        tpl.add(f"templates/{path.name}", path.read_text())
-    files: dict[str, str] = {}
-    notes = ""
-    for path in paths:
-        name = f"templates/{path.name}"
-        if path.name.startswith("_"):
-            continue
-        data = {
-            "Values": values,
-            "Release": {
-                "Name": release,
-                "Namespace": namespace,
-                "Service": service,
-                "IsInstall": True,
-                "IsUpgrade": False,
-                "Revision": 1,
-            },
-            "Chart": _capitalised(meta),
-            "Template": {"Name": f"{meta['name']}/{name}", "BasePath": f"{meta['name']}/templates"},
-            "Capabilities": {},
-        }
-        text = tpl.render(name, data)
-        if path.name == "NOTES.txt":
-            notes = text
-        else:
-            files[name] = text
-    return Rendered(files, list(parse_documents(files.values())), notes)
+    """The chart rendered by ``helm`` (default: the first there is) with ``overrides`` as a
+    values file. Callers must not change what it returns (renders are cached)."""
+    return _render(
+        helm or any_helm(), _yaml(overrides), release, namespace, kube_version, tuple(sets)
+    )
+
+
+def template_files() -> list[Path]:
+    return sorted((CHART / "templates").iterdir())
 
 
 def parse_documents(texts: Iterable[str]) -> Iterable[Obj]:
     for text in texts:
-        for doc in yaml.safe_load_all(text):
-            if doc is None:
-                continue
-            if not isinstance(doc, dict):
-                raise AssertionError(f"a manifest document is not a map: {doc!r}")
-            yield doc
+        yield from helm_cli.documents(text)
 
 
 def manifest_objects(directory: Path = MANIFESTS) -> dict[str, list[Obj]]:

@@ -4,8 +4,6 @@ plugin with the paths, ports, envs and args the plugin's own defaults expect."""
 from __future__ import annotations
 
 import posixpath
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,19 +11,20 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from deployment import helm as helm_cli
 from deployment import k8s
 from deployment.chart import (
     CHART,
     NAMESPACE,
     RELEASE,
+    Helm,
+    HelmError,
     Obj,
     Rendered,
     diff,
     key,
-    parse_documents,
     render,
 )
-from deployment.gotemplate import ChartFail
 from vgpu_plugin import __version__
 from vgpu_plugin.commands import cli
 from vgpu_plugin.commands.settings import FLAGS
@@ -103,9 +102,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def defaults() -> Rendered:
-    return render()
+@pytest.fixture
+def defaults(helm: Helm) -> Rendered:
+    return render(helm=helm)
 
 
 def daemonset(r: Rendered) -> Obj:
@@ -139,15 +138,14 @@ def backing(r: Rendered, c: Obj, path: str) -> tuple[Obj, Obj, str]:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_variant_renders_valid_kubernetes_objects(variant: str) -> None:
-    rendered = render(VARIANTS[variant])
+def test_every_variant_renders_valid_kubernetes_objects(variant: str, helm: Helm) -> None:
+    rendered = render(VARIANTS[variant], helm)
     assert rendered.objects
     for obj in rendered.objects:
         k8s.validate(obj)
         assert k8s.semantic_problems(obj) == [], obj["kind"]
         if obj["kind"] != "ResourceClaimTemplate":  # examples may go where the pods are
             assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE
-    assert rendered.notes.strip()
 
 
 def test_validation_catches_a_broken_object(defaults: Rendered) -> None:
@@ -192,8 +190,8 @@ def test_the_plugin_gets_every_serve_flag_by_its_env_with_the_plugins_defaults(
 
 
 @pytest.mark.parametrize("variant", ["defaults", "elsewhere"])
-def test_every_path_the_plugin_uses_is_the_right_host_mount(variant: str) -> None:
-    r = render(VARIANTS[variant])
+def test_every_path_the_plugin_uses_is_the_right_host_mount(variant: str, helm: Helm) -> None:
+    r = render(VARIANTS[variant], helm)
     values = {"hostRoot": "/usr/local/vgpu", "kubeletDir": "/var/lib/kubelet"}
     values |= {k: v for k, v in VARIANTS[variant].items() if isinstance(v, str)}
     c = container(r, "vgpu-plugin")
@@ -223,9 +221,9 @@ def test_every_path_the_plugin_uses_is_the_right_host_mount(variant: str) -> Non
     assert inner in cm["data"]
 
 
-def test_metrics_port_service_and_address_agree() -> None:
+def test_metrics_port_service_and_address_agree(helm: Helm) -> None:
     for variant in ("defaults", "elsewhere"):
-        r = render(VARIANTS[variant])
+        r = render(VARIANTS[variant], helm)
         c = container(r, "vgpu-plugin")
         port = parse_address(envs(c)["VGPU_METRICS_ADDRESS"])[1]
         assert c["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
@@ -234,13 +232,15 @@ def test_metrics_port_service_and_address_agree() -> None:
         assert service["ports"][0]["port"] == port
         assert service["ports"][0]["targetPort"] == "metrics"
         assert service["selector"] == daemonset(r)["spec"]["selector"]["matchLabels"]
-    assert parse_address(envs(container(render(), "vgpu-plugin"))["VGPU_METRICS_ADDRESS"]) == (
+    assert parse_address(
+        envs(container(render(helm=helm), "vgpu-plugin"))["VGPU_METRICS_ADDRESS"]
+    ) == (
         "0.0.0.0",
         9400,
     )
 
 
-def test_commands_are_the_clis(defaults: Rendered) -> None:
+def test_commands_are_the_clis(defaults: Rendered, helm: Helm) -> None:
     parser = cli.build_parser()
     main = container(defaults, "vgpu-plugin")
     init = container(defaults, "install-shim", init=True)
@@ -253,13 +253,13 @@ def test_commands_are_the_clis(defaults: Rendered) -> None:
     assert backing(defaults, init, envs(init)["VGPU_HOST_ROOT"])[0]["name"] == "host-root"
     state = backing(defaults, init, envs(init)["VGPU_STATE_DIR"])
     assert state[0]["name"] == "state" and state[1]["readOnly"] is True
-    keep_all = render({"shim": {"keepVersions": 0}})
+    keep_all = render({"shim": {"keepVersions": 0}}, helm)
     assert container(keep_all, "install-shim", init=True)["args"] == ["install-shim"]
 
 
-def test_nothing_runs_more_privileged_than_it_needs() -> None:
+def test_nothing_runs_more_privileged_than_it_needs(helm: Helm) -> None:
     for overrides in VARIANTS.values():
-        r = render(overrides)
+        r = render(overrides, helm)
         pod = daemonset(r)["spec"]["template"]["spec"]
         assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
         for c in pod.get("initContainers", []) + pod["containers"]:
@@ -330,8 +330,8 @@ def test_scheduling_and_rollout(defaults: Rendered) -> None:
 @pytest.mark.parametrize(
     "variant", ["defaults", "elsewhere", "nvidia time-slicing config", "dra", DRA_ELSEWHERE]
 )
-def test_the_configmap_passes_check_config(variant: str, tmp_path: Path) -> None:
-    r = render(VARIANTS[variant])
+def test_the_configmap_passes_check_config(variant: str, tmp_path: Path, helm: Helm) -> None:
+    r = render(VARIANTS[variant], helm)
     text = r.one("ConfigMap")["data"]["config.yaml"]
     path = tmp_path / "config.yaml"
     path.write_text(text)
@@ -351,28 +351,135 @@ def test_the_configmap_passes_check_config(variant: str, tmp_path: Path) -> None
         assert config.sharing == Sharing()  # the plugin's own defaults
 
 
-def test_the_chart_refuses_what_would_silently_misbehave() -> None:
-    refused: list[dict[str, Any]] = [
-        {"config": {"version": "v1", "resourceName": "x.com/y"}},  # the chart value is the one
-        {"config": {"version": "v1", "hostRoot": "/x"}},  # VGPU_HOST_ROOT would win silently
-        {"nodeLabels": {"fromAPI": True, "hostFile": "/etc/labels"}},
+# Values helm must refuse (its schema check or a template's fail), with a word of the message
+# that names what is wrong.
+REFUSED: list[tuple[dict[str, Any], str]] = [
+    ({"config": {"version": "v1", "resourceName": "x.com/y"}}, "config.resourceName"),
+    ({"config": {"version": "v1", "hostRoot": "/x"}}, "config.hostRoot"),  # env would win
+    ({"nodeLabels": {"fromAPI": True, "hostFile": "/etc/labels"}}, "fromAPI or hostFile"),
+    (
         {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
-        {"metrics": {"port": "9400"}},
-        {"log": {"level": "verbose"}},
-        {"hostRoot": "relative/path"},
-        {"unknownTopLevelKey": 1},
-        {"config": {"version": "v1", "dra": {"enabled": True}}},  # the chart's dra values
-        {"dra": {"enabled": True, "driverName": "Not_A_Name"}},
-        {"dra": {"enabled": True, "claimTemplates": [{"name": "x", "compute": 0}]}},
+        "metrics.service.enabled",
+    ),
+    ({"metrics": {"port": "9400"}}, "port"),
+    ({"log": {"level": "verbose"}}, "level"),
+    ({"hostRoot": "relative/path"}, "hostRoot"),
+    ({"hostRoot": "/usr//local"}, "hostRoot"),
+    ({"unknownTopLevelKey": 1}, "unknownTopLevelKey"),
+    ({"config": {"version": "v1", "dra": {"enabled": True}}}, "config.dra"),  # chart's dra
+    ({"dra": {"enabled": True, "driverName": "Not_A_Name"}}, "driverName"),
+    ({"dra": {"enabled": True, "driverName": "nodomain"}}, "driverName"),  # the plugin's rule
+    ({"dra": {"enabled": True, "claimTemplates": [{"name": "x", "compute": 0}]}}, "compute"),
+    (
         {"dra": {"enabled": True, "deviceClass": {"name": "c", "extendedResourceName": "gpu"}}},
-    ]
-    for overrides in refused:
-        with pytest.raises((ChartFail, jsonschema.ValidationError)):
-            render(overrides)
+        "extendedResourceName",
+    ),
+    ({"dra": {"enabled": True, "memory": {"minimum": "1G"}}}, "minimum"),  # plugin reads Gi
+    ({"dra": {"enabled": True, "gpus": [True]}}, "gpus"),
+    ({"dra": {"enabled": True, "gpus": []}}, "gpus"),
+    # The plugin's config is checked at install, not by a crash-looping pod.
+    ({"config": {"version": "v1", "sharing": {"splitCount": 0}}}, "splitCount"),
+    ({"config": {"version": "v1", "sharing": {"splitCount": -1}}}, "splitCount"),
+    ({"config": {"version": "v1", "sharing": {"splitCount": 257}}}, "splitCount"),
+    ({"config": {"version": "v1", "sharing": {"memoryScaling": 0}}}, "memoryScaling"),
+    ({"config": {"version": "v1", "sharing": {"compute": "half"}}}, "compute"),
+    ({"config": {"version": "v1", "sharing": {"splitCont": 4}}}, "splitCont"),
+    ({"config": {"version": "v2"}}, "version"),
+    ({"config": {"version": None}}, "version"),  # null deletes the chart's key
+    (
+        {"config": {"version": "v1", "overrides": [{"match": {"gpuModels": ["*A100*"]}}]}},
+        "sharing",
+    ),
+    ({"config": {"version": "v1", "deviceListStrategy": "envvar,volume-mounts"}}, "deviceList"),
+]
 
 
-def test_node_labels_from_the_api_reach_the_plugin_and_only_the_helpers_get_a_token() -> None:
-    r = render(VARIANTS["labels from the API"])
+@pytest.mark.parametrize(
+    ("overrides", "word"),
+    REFUSED,
+    ids=[yaml.safe_dump(o, default_flow_style=True).strip() for o, _ in REFUSED],
+)
+def test_the_chart_refuses_what_would_silently_misbehave(
+    overrides: dict[str, Any], word: str, helm: Helm, tmp_path: Path
+) -> None:
+    with pytest.raises(HelmError, match=word):
+        render(overrides, helm)
+    # Where the plugin's own check sees the same config, it refuses it too: the chart's
+    # schema is never stricter or looser than the plugin on these.
+    config = overrides.get("config")
+    if config is not None and not {"resourceName", "hostRoot", "dra"} & set(config):
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        assert cli.main(["check-config", str(path), "--no-nvml"]) != 0
+
+
+def test_the_refusals_are_of_the_value_not_of_the_chart(helm: Helm) -> None:
+    # Each refused value differs from one the chart takes in that value only.
+    for accepted in (
+        {"config": {"version": "v1", "sharing": {"splitCount": 1}}},
+        {"config": {"version": "v1", "sharing": {"splitCount": 256, "compute": "30%"}}},
+        {"config": {"version": "v1", "deviceListStrategy": "cdi-cri, volume-mounts"}},
+        {"hostRoot": "/var/lib/vgpu"},
+        {"dra": {"enabled": True, "memory": {"minimum": "1Gi"}, "gpus": [2, "GPU-a*"]}},
+        {"dra": {"enabled": True, "driverName": "gpu.example.com"}},
+    ):
+        assert render(accepted, helm).one("ConfigMap")
+
+
+def test_dra_needs_kubernetes_1_34(helm: Helm) -> None:
+    with pytest.raises(HelmError, match=r"Kubernetes 1\.34 or later.*v1\.33\.0"):
+        render({"dra": {"enabled": True}}, helm, kube_version="1.33.0")
+    # Without DRA the chart installs where the device plugin does; with it from 1.34 on.
+    assert "DeviceClass" not in render(None, helm, kube_version="1.33.0").kinds()
+    assert "DeviceClass" in render({"dra": {"enabled": True}}, helm, kube_version="1.34.0").kinds()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_helm_lint_passes(variant: str, helm: Helm) -> None:
+    out = helm_cli.lint(helm, yaml.safe_dump(VARIANTS[variant]))
+    assert "0 chart(s) failed" in out
+
+
+def test_helm_lint_fails_on_a_refused_value(helm: Helm) -> None:
+    with pytest.raises(HelmError, match="splitCount"):
+        helm_cli.lint(
+            helm, yaml.safe_dump({"config": {"version": "v1", "sharing": {"splitCount": 0}}})
+        )
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [("dra.enabled=true", "dra.gpus={2,3}"), ("dra.enabled=true", "dra.gpus={0,GPU-709f*}")],
+    ids=["numbers", "number and glob"],
+)
+def test_set_gpus_as_the_docs_write_it(sets: tuple[str, ...], helm: Helm, tmp_path: Path) -> None:
+    """--set 'dra.gpus={2,3}' gives helm numbers: the schema takes them and the config lists
+    them as the strings the plugin reads."""
+    r = render(None, helm, sets=sets)
+    text = r.one("ConfigMap")["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert cli.main(["check-config", str(path), "--no-nvml"]) == 0
+    want = tuple(sets[1].split("=", 1)[1].strip("{}").split(","))
+    assert load_config(path).dra.gpus == want
+
+
+def test_notes_tell_what_was_installed() -> None:
+    # helm 4 only: helm 3.17's install --dry-run=client still asks an API server its version.
+    helm4 = helm_cli.find(4)
+    if helm4 is None:
+        pytest.skip(helm_cli.missing_reason(4))
+    for overrides in VARIANTS.values():
+        text = helm_cli.notes(
+            helm4, yaml.safe_dump(overrides), release=RELEASE, namespace=NAMESPACE
+        )
+        assert f"{NAMESPACE}/{RELEASE}" in text
+
+
+def test_node_labels_from_the_api_reach_the_plugin_and_only_the_helpers_get_a_token(
+    helm: Helm,
+) -> None:
+    r = render(VARIANTS["labels from the API"], helm)
     role = r.one("ClusterRole")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
     binding = r.one("ClusterRoleBinding")
@@ -398,14 +505,14 @@ def test_node_labels_from_the_api_reach_the_plugin_and_only_the_helpers_get_a_to
     pod = daemonset(r)["spec"]["template"]["spec"]
     init_names = [c["name"] for c in pod["initContainers"]]
     assert init_names == ["install-shim", "node-labels"]  # the file exists before serve starts
-    once = render(VARIANTS["labels from the API, no sidecar"])
+    once = render(VARIANTS["labels from the API, no sidecar"], helm)
     assert [c["name"] for c in daemonset(once)["spec"]["template"]["spec"]["containers"]] == [
         "vgpu-plugin"
     ]
 
 
-def test_node_labels_from_a_host_file_mount_its_directory() -> None:
-    r = render(VARIANTS["labels from a host file"])
+def test_node_labels_from_a_host_file_mount_its_directory(helm: Helm) -> None:
+    r = render(VARIANTS["labels from a host file"], helm)
     plugin = container(r, "vgpu-plugin")
     labels_file = envs(plugin)["VGPU_NODE_LABELS_FILE"]
     volume, mount, inner = backing(r, plugin, labels_file)
@@ -415,30 +522,25 @@ def test_node_labels_from_a_host_file_mount_its_directory() -> None:
     assert r.maybe("ClusterRole") is None
 
 
-def test_chart_version_follows_the_plugin(defaults: Rendered) -> None:
+def test_chart_version_follows_the_plugin(defaults: Rendered, helm: Helm) -> None:
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert meta["appVersion"] == __version__
     assert container(defaults, "vgpu-plugin")["image"] == f"vgpu-plugin:{__version__}"
-    pinned = render(VARIANTS["pinned image, own account, extras"])
+    pinned = render(VARIANTS["pinned image, own account, extras"], helm)
     assert container(pinned, "vgpu-plugin")["image"] == "registry.example/vgpu@sha256:" + "ab" * 32
     assert daemonset(pinned)["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-agents"
     assert pinned.maybe("ServiceAccount") is None
 
 
-def test_a_helm_binary_agrees_with_the_test_renderer() -> None:
-    helm = shutil.which("helm")
-    if helm is None:
-        pytest.skip(
-            "no helm binary on PATH: the chart is rendered by tests/deployment/gotemplate.py"
-        )
+def test_helm_4_and_helm_3_render_the_same_objects() -> None:
+    found = [helm_cli.find(m) for m in helm_cli.MAJORS]
+    if None in found:
+        pytest.skip(" and ".join(helm_cli.missing_reason(m) for m in helm_cli.MAJORS))
+    h4, h3 = found
+    assert h4 is not None and h3 is not None
     for overrides in VARIANTS.values():
-        args = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
-        values = yaml.safe_dump(overrides)
-        out = subprocess.run(
-            [*args, "--values", "-"], input=values, capture_output=True, text=True, check=True
-        ).stdout
-        theirs = sorted(parse_documents([out]), key=key)
-        ours = sorted(render(overrides).objects, key=key)
+        theirs = sorted(render(overrides, h3).objects, key=key)
+        ours = sorted(render(overrides, h4).objects, key=key)
         assert [key(o) for o in theirs] == [key(o) for o in ours]
         assert [diff(a, b) for a, b in zip(theirs, ours, strict=True)] == [[] for _ in ours]
 
@@ -462,8 +564,10 @@ def test_dra_is_off_by_default_and_adds_nothing(defaults: Rendered) -> None:
 
 
 @pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
-def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(variant: str) -> None:
-    r = render(VARIANTS[variant])
+def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(
+    variant: str, helm: Helm
+) -> None:
+    r = render(VARIANTS[variant], helm)
     kubelet = VARIANTS[variant].get("kubeletDir", "/var/lib/kubelet")
     plugin = container(r, "vgpu-plugin")
     env = envs(plugin)
@@ -483,8 +587,8 @@ def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(variant: s
 
 
 @pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
-def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str) -> None:
-    r = render(VARIANTS[variant])
+def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str, helm: Helm) -> None:
+    r = render(VARIANTS[variant], helm)
     role = r.one("ClusterRole", "vgpu-plugin-dra")
     # node/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; no list, no watch.
     assert role["rules"] == [
@@ -523,9 +627,9 @@ def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ["dra", DRA_ELSEWHERE])
 def test_the_device_class_selects_the_slice_the_driver_publishes(
-    variant: str, tmp_path: Path
+    variant: str, tmp_path: Path, helm: Helm
 ) -> None:
-    r = render(VARIANTS[variant])
+    r = render(VARIANTS[variant], helm)
     values = VARIANTS[variant]["dra"]
     (cls,) = [o for o in r.objects if o["kind"] == "DeviceClass"]
     (selector,) = cls["spec"]["selectors"]

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from deployment import k8s
-from deployment.chart import MANIFESTS, NAMESPACE, Obj, diff, key, manifest_objects, render
+from deployment.chart import (
+    MANIFESTS,
+    NAMESPACE,
+    Helm,
+    Obj,
+    diff,
+    key,
+    manifest_objects,
+    render,
+)
 from deployment.generate_manifests import MANAGED_BY, SERVICE_MONITOR, stale
 
 
@@ -17,29 +28,41 @@ def _without_managed_by(obj: Obj) -> Obj:
     return out
 
 
-def test_the_manifests_are_up_to_date() -> None:
-    assert stale() == [], "run: python tests/deployment/generate_manifests.py"
+def test_the_manifests_are_up_to_date(helm: Helm) -> None:
+    assert stale(helm) == [], "run: python tests/deployment/generate_manifests.py"
 
 
-def test_the_manifests_are_the_charts_defaults_field_by_field() -> None:
+def test_staleness_is_seen(helm: Helm, tmp_path: Path) -> None:
+    for path in MANIFESTS.rglob("*.yaml"):
+        target = tmp_path / path.relative_to(MANIFESTS)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    assert stale(helm, tmp_path) == []
+    daemonset = tmp_path / "30-daemonset.yaml"
+    daemonset.write_text(daemonset.read_text().replace("9400", "9401"))
+    (tmp_path / "99-extra.yaml").write_text("{}\n")
+    assert stale(helm, tmp_path) == ["30-daemonset.yaml", "99-extra.yaml"]
+
+
+def test_the_manifests_are_the_charts_defaults_field_by_field(helm: Helm) -> None:
     files = manifest_objects()
     applied = {
         key(o): o for name, objs in files.items() if not name.startswith("extras/") for o in objs
     }
     namespace = applied.pop(("Namespace", "", NAMESPACE))
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
-    chart = {key(o): o for o in render().objects}
+    chart = {key(o): o for o in render(helm=helm).objects}
     assert sorted(applied) == sorted(chart)
     for k, obj in chart.items():
         assert diff(_without_managed_by(applied[k]), _without_managed_by(obj)) == [], k
-    monitor = render({"metrics": {"serviceMonitor": {"enabled": True}}}).one("ServiceMonitor")
+    monitor = render({"metrics": {"serviceMonitor": {"enabled": True}}}, helm).one("ServiceMonitor")
     (extra,) = files[SERVICE_MONITOR]
     assert diff(_without_managed_by(extra), _without_managed_by(monitor)) == []
 
 
-def test_the_comparison_sees_a_changed_field() -> None:
-    daemonset = render().one("DaemonSet")
-    changed = render({"metrics": {"port": 9401}}).one("DaemonSet")
+def test_the_comparison_sees_a_changed_field(helm: Helm) -> None:
+    daemonset = render(helm=helm).one("DaemonSet")
+    changed = render({"metrics": {"port": 9401}}, helm).one("DaemonSet")
     assert diff(daemonset, changed) != []
 
 

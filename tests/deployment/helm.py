@@ -2,7 +2,8 @@
 ``helm lint``, returning parsed YAML documents.
 
 The binaries come from ``VGPU_HELM4`` / ``VGPU_HELM3`` (paths; ``.ci/install-helm.sh``
-installs them and ``.ci/run`` exports both), else from a ``helm`` on PATH for the major it is.
+installs them and ``.ci/run`` exports both), else where that script installs them by default
+(``.ci/tools/bin``), else from a ``helm`` on PATH for the major it is.
 A variable that names a missing file is an error, not a skip: CI must never skip the chart.
 """
 
@@ -99,6 +100,9 @@ def find(major: int) -> Helm | None:
         if got != major:
             raise RuntimeError(f"{ENV[major]}={named} is helm {got}, not helm {major}")
         return Helm(major, named)
+    installed = ROOT / ".ci" / "tools" / "bin" / f"helm{major}"  # .ci/install-helm.sh's
+    if os.access(installed, os.X_OK) and _major_of(str(installed)) == major:
+        return Helm(major, str(installed))
     on_path = shutil.which("helm")
     if on_path and _major_of(on_path) == major:
         return Helm(major, on_path)
@@ -107,8 +111,8 @@ def find(major: int) -> Helm | None:
 
 def missing_reason(major: int) -> str:
     return (
-        f"no helm {major}: set {ENV[major]} to its path (.ci/install-helm.sh installs helm 4 and"
-        f" 3 into .ci/tools/bin) or put a helm {major} on PATH"
+        f"no helm {major}: run .ci/install-helm.sh (helm 4 and 3 into .ci/tools/bin), or set"
+        f" {ENV[major]} to its path, or put a helm {major} on PATH"
     )
 
 

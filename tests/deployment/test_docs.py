@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from deployment import k8s
-from deployment.chart import ROOT, default_values, render
+from deployment.chart import ROOT, Helm, default_values, render
 from deployment.generate_docs import DOCS, _sample_view, current, stale
 from vgpu_plugin.commands import cli, serve
 from vgpu_plugin.commands.settings import FLAGS
@@ -143,6 +143,35 @@ def _set_flags() -> list[tuple[str, str]]:
         for m in re.finditer(r"--set ([\w.]+)=(\S+)", path.read_text()):
             out.append((m.group(1), m.group(2).strip("`)")))
     return out
+
+
+def _set_commands() -> list[tuple[str, tuple[str, ...]]]:
+    """Each documented helm command line (continuations joined, its comment included) or
+    inline mention with its --set flags, quoted forms too (--set 'dra.gpus={2,3}')."""
+    out = []
+    for path in DOC_FILES:
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            sets = tuple(m.group(1) for m in re.finditer(r"--set '?([\w.]+=[^\s'`)]+)'?", line))
+            if sets and not any(s.startswith("devicePlugin.") for s in sets):  # not our chart
+                out.append((f"{path.name}: {' '.join(sets)}", sets))
+    return out
+
+
+def test_there_are_documented_set_commands() -> None:
+    found = [sets for _, sets in _set_commands()]
+    assert ("dra.enabled=true", "dra.gpus={2,3}") in found  # docs/dra.md's, numbers to helm
+    assert len(found) >= 6
+
+
+@pytest.mark.parametrize(("where", "sets"), _set_commands(), ids=lambda x: str(x))
+def test_documented_set_commands_render_with_real_helm(
+    where: str, sets: tuple[str, ...], helm: Helm, tmp_path: Path
+) -> None:
+    rendered = render(None, helm, sets=sets)
+    path = tmp_path / "config.yaml"
+    path.write_text(rendered.one("ConfigMap")["data"]["config.yaml"])
+    assert cli.main(["check-config", str(path), "--no-nvml"]) == 0, where
 
 
 def test_helm_set_examples_name_real_values() -> None:

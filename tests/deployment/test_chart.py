@@ -474,6 +474,13 @@ def test_notes_tell_what_was_installed() -> None:
             helm4, yaml.safe_dump(overrides), release=RELEASE, namespace=NAMESPACE
         )
         assert f"{NAMESPACE}/{RELEASE}" in text
+        sharing = overrides.get("config", {}).get("sharing", {})
+        if "timeSlicing" in sharing:  # the split is NVIDIA's replicas, not splitCount's default
+            assert "timeSlicing" in text and "slices of" not in text
+        else:
+            split = sharing.get("splitCount", 10)
+            resource = overrides.get("resourceName", "nvidia.com/gpu")
+            assert f"advertised as {split} slices of {resource} " in text
 
 
 def test_node_labels_from_the_api_reach_the_plugin_and_only_the_helpers_get_a_token(

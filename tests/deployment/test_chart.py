@@ -34,6 +34,7 @@ from vgpu_plugin.core.config import Config, Sharing, load_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.schema import spec_for
 from vgpu_plugin.node.metrics import parse_address
+from vgpu_plugin.sim import demo
 from vgpu_plugin.sim.runc import ContainerConfig
 from vgpu_plugin.sim.toolkit import UNSAFE_DEFAULTS, ToolkitSettings
 from vgpu_plugin.sim.toolkit import apply as toolkit_apply
@@ -676,3 +677,15 @@ def test_the_device_class_selects_the_slice_the_driver_publishes(
             valid = capacity[name]["requestPolicy"]["validRange"]
             lo, step = dra.parse_quantity(valid["min"]), dra.parse_quantity(valid["step"])
             assert (dra.parse_quantity(amount) - lo) % step == 0, (t["metadata"]["name"], name)
+
+
+def test_the_smallest_claim_the_chart_admits_holds_a_cuda_context_and_more(
+    helm: Helm, tmp_path: Path
+) -> None:
+    """A claim no bigger than one CUDA context can never run a kernel; the simulated GPUs
+    model a context as CONTEXT_MIB (real ones take a few hundred MiB too)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(render(VARIANTS["dra"], helm).one("ConfigMap")["data"]["config.yaml"])
+    default, minimum, _ = load_config(path).dra.memory
+    assert minimum > demo.CONTEXT_MIB << 20
+    assert default >= minimum

@@ -239,7 +239,7 @@ def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -
     limit = sample(text, "vgpu_container_memory_limit_bytes", allocation_id=aid, gpu_uuid=a)
     assert limit == 2 * (16384 // 4) * 2**20
     assert sample(text, "vgpu_container_memory_used_bytes", allocation_id=aid) == 0
-    assert sample(text, "vgpu_container_compute_limit_percent", allocation_id=aid) == 50
+    assert sample(text, "vgpu_container_compute_limit_ratio", allocation_id=aid) == 0.5
     assert sample(text, "vgpu_gpu_slices", gpu_uuid=a) == 4
     assert sample(text, "vgpu_registrations_total") == 1
     assert sample(text, "vgpu_allocate_seconds_count") == 1

@@ -25,7 +25,7 @@ from deployment.chart import ROOT
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core.schema import SCHEMA
 from vgpu_plugin.kubelet.podresources import PodRef
-from vgpu_plugin.node.metrics import new_registry
+from vgpu_plugin.node.metrics import PluginMetrics, new_registry
 from vgpu_plugin.node.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
 
 DOCS = ROOT / "docs"
@@ -69,10 +69,18 @@ def _sample_view() -> NodeView:
     return NodeView((gpu,), (allocation,))
 
 
+def sample_metrics() -> PluginMetrics:
+    """The plugin's registry over ``_sample_view``, every figure known (NVML's utilisation
+    too, which this machine may not have), so every series shows."""
+    return new_registry(
+        _sample_view, hostname="node", utilization=lambda: {"GPU-x": 0.5}, build=("v", "v-id")
+    )
+
+
 def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     """(name as exposed, type, labels, help) of every metric the plugin serves."""
     out = []
-    for family in new_registry(_sample_view).registry.collect():
+    for family in sample_metrics().registry.collect():
         labels = sorted({k for s in family.samples for k in s.labels if k != "le"})
         name = family.name + ("_total" if family.type == "counter" else "")
         out.append((name, family.type, tuple(labels), family.documentation))

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import re
 import shlex
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deployment import k8s
 from deployment.chart import ROOT, Helm, default_values, render
-from deployment.generate_docs import DOCS, _sample_view, current, stale
+from deployment.generate_docs import DOCS, current, sample_metrics, stale
 from vgpu_plugin.commands import cli, serve
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core import allocation
@@ -23,7 +25,7 @@ from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import MIB, PhysicalGpu, plan_node
 from vgpu_plugin.core.grant import Grant, grant
 from vgpu_plugin.core.schema import SCHEMA
-from vgpu_plugin.node.metrics import new_registry
+from vgpu_plugin.node.metrics import serve_metrics
 
 DOC_FILES = [*sorted(DOCS.glob("*.md")), ROOT / "deploy" / "README.md"]
 
@@ -80,12 +82,8 @@ def test_every_serve_flag_is_documented_with_its_env_and_default() -> None:
 
 
 def test_every_metric_is_documented_and_exists() -> None:
-    text = generate_latest(new_registry(_sample_view).registry).decode()
-    served = {
-        m.group(1)
-        for m in re.finditer(r"^# TYPE (\S+) (\w+)$", text, re.M)
-        if not m.group(1).endswith("_created")
-    }
+    text = generate_latest(sample_metrics().registry).decode()
+    served = {m.group(1) for m in re.finditer(r"^# TYPE (\S+) (\w+)$", text, re.M)}
     table = current("metrics")
     assert table is not None
     documented = {r[0].strip("`") for r in rows(table)}
@@ -93,6 +91,27 @@ def test_every_metric_is_documented_and_exists() -> None:
     prose = (DOCS / "metrics.md").read_text()
     for name in served:  # each one is also explained below the table
         assert prose.count(f"`{name}") >= 2, name
+
+
+def test_the_metrics_table_is_what_a_scrape_returns() -> None:
+    """Each name, type and label set in docs/metrics.md's table, against the series an HTTP
+    scrape of the plugin's endpoint returns (the cached, hand-rendered path serve uses)."""
+    server, port = serve_metrics("127.0.0.1:0", sample_metrics().registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        server.shutdown()
+    scraped = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = sorted({k for s in family.samples for k in s.labels if k != "le"})
+        scraped[name] = (family.type, ", ".join(f"`{k}`" for k in labels) or "—")
+    table = current("metrics")
+    assert table is not None
+    documented = {r[0].strip("`"): (r[1], r[2]) for r in rows(table)}
+    assert documented == scraped
+    assert not [n for n in scraped if n.endswith("_created")]
 
 
 def _config_examples() -> list[tuple[str, str]]:

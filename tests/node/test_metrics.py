@@ -35,6 +35,7 @@ from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+BUILD = ("1.2.3", "1.2.3-0123456789ab")
 
 
 class Regions:
@@ -112,7 +113,9 @@ def node(tmp_path: Path) -> Iterator[Node]:
         GpuFacts(GPU_B, 1, "NVIDIA A100-SXM4-80GB", 80 << 30, 4, None, False),
     ]
     provider = view_provider(root, store.all, lambda: gpus, read_region=regions)
-    pm = metrics.new_registry(provider)
+    pm = metrics.new_registry(
+        provider, hostname="node-a", utilization=lambda: {GPU_A: 0.37}, build=BUILD
+    )
     server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
     try:
         yield Node(root, store, regions, gpus, pm, port)
@@ -165,11 +168,12 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
     assert samples(got, "vgpu_container_memory_limit_bytes", gpu_uuid=GPU_A, **a1)[0][0] == {
         **a1,
         "gpu_uuid": GPU_A,
+        "UUID": GPU_A,  # dcgm-exporter's name, for a plain on(UUID) join
     }
     assert value(got, "vgpu_container_memory_limit_bytes", gpu_uuid=GPU_B, **a1) == 40778 * MIB
     assert value(got, "vgpu_container_memory_used_bytes", gpu_uuid=GPU_A, **a1) == 3 * MIB
     assert value(got, "vgpu_container_memory_used_bytes", gpu_uuid=GPU_B, **a1) == 5 * MIB
-    assert value(got, "vgpu_container_compute_limit_percent", gpu_uuid=GPU_B, **a1) == 50
+    assert value(got, "vgpu_container_compute_limit_ratio", gpu_uuid=GPU_B, **a1) == 0.5
     assert value(got, "vgpu_container_processes", gpu_uuid=GPU_A, **a1) == 2
     assert value(got, "vgpu_container_processes", gpu_uuid=GPU_B, **a1) == 1
     # The region's counters: refusals, managed fallbacks, peak, measured GPU time.
@@ -183,11 +187,19 @@ def test_allocations_and_gpus_are_exported_with_their_labels(node: Node) -> None
     a2 = {"namespace": "", "pod": "", "container": "", "allocation_id": "a2", "gpu_uuid": GPU_A}
     assert value(got, "vgpu_container_memory_limit_bytes", **a2) == 20389 * MIB
     assert value(got, "vgpu_container_memory_used_bytes", **a2) == 0
-    assert value(got, "vgpu_container_compute_limit_percent", **a2) == 25
+    assert value(got, "vgpu_container_compute_limit_ratio", **a2) == 0.25
     assert value(got, "vgpu_container_processes", **a2) == 0
 
     gpu_a = {"gpu_uuid": GPU_A, "gpu_index": "0", "model": "NVIDIA A100-SXM4-80GB"}
     gpu_b = {**gpu_a, "gpu_uuid": GPU_B, "gpu_index": "1"}
+    # dcgm-exporter's labels beside ours, the same values.
+    dcgm_a = {"UUID": GPU_A, "gpu": "0", "modelName": "NVIDIA A100-SXM4-80GB", "Hostname": "node-a"}
+    assert samples(got, "vgpu_gpu_slices", gpu_uuid=GPU_A)[0][0] == gpu_a | dcgm_a
+    assert value(got, "vgpu_gpu_memory_total_bytes", **gpu_a) == 80 << 30
+    assert value(got, "vgpu_gpu_utilization_ratio", **dcgm_a) == 0.37
+    assert samples(got, "vgpu_gpu_utilization_ratio", gpu_uuid=GPU_B) == []  # NVML unknown
+    assert got["vgpu_build_info"] == [({"version": BUILD[0], "shim_build_id": BUILD[1]}, 1)]
+    assert not [name for name in got if name.endswith("_created")]
     assert value(got, "vgpu_gpu_slices", **gpu_a) == 4
     assert value(got, "vgpu_gpu_slices_allocated", **gpu_a) == 2
     assert value(got, "vgpu_gpu_slices_allocated", **gpu_b) == 1
@@ -405,7 +417,7 @@ def test_dra_claims_are_exported_beside_the_device_plugins_allocations(tmp_path:
     dra |= {"allocation_id": "dra-u-1", "gpu_uuid": GPU_A}
     assert value(got, "vgpu_container_memory_limit_bytes", **dra) == 6 << 30
     assert value(got, "vgpu_container_memory_used_bytes", **dra) == 2 * MIB
-    assert value(got, "vgpu_container_compute_limit_percent", **dra) == 30
+    assert value(got, "vgpu_container_compute_limit_ratio", **dra) == 0.3
     assert value(got, "vgpu_container_processes", **dra) == 1
     plugin = {"allocation_id": "a1", "frontend": "device-plugin", "claim": ""}
     assert value(got, "vgpu_container_memory_limit_bytes", **plugin) == 10 * MIB
@@ -502,8 +514,9 @@ def test_the_body_is_rebuilt_only_when_older_than_its_interval(tmp_path: Path) -
     second = text()
     assert exposition.builds == 2
     assert 'allocation_id="new"' in second and 'allocation_id="new"' not in first
-    used = 'vgpu_container_memory_used_bytes{allocation_id="a1"'
-    assert next(line for line in second.splitlines() if line.startswith(used)).endswith(" 0.0")
+    used = "vgpu_container_memory_used_bytes{"
+    line = next(x for x in second.splitlines() if x.startswith(used) and 'id="a1"' in x)
+    assert line.endswith(" 0.0")
     # A record dropped goes at the next build too.
     store.remove("new")
     clock.now += 30
@@ -574,3 +587,18 @@ def test_a_fork_that_fails_says_the_view_is_down(monkeypatch: pytest.MonkeyPatch
     view = NodeView((), ())
     exposition = metrics.NodeViewExposition(lambda: view, forked=lambda: lambda: view)
     assert gzip.decompress(exposition.gzipped()).decode().endswith("vgpu_node_view_up 0.0\n")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "identity"])
+def test_the_content_type_is_the_text_format_the_docs_name(node: Node, encoding: str) -> None:
+    node.store.add(record("ct", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    url = f"http://127.0.0.1:{node.port}/metrics"
+    req = urllib.request.Request(url, headers={"Accept-Encoding": encoding})
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        content_type = resp.headers["Content-Type"]
+        body = resp.read()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    text = (gzip.decompress(body) if encoding == "gzip" else body).decode()
+    assert "vgpu_container_memory_limit_bytes{" in text
+    docs = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+    assert f"`Content-Type: {content_type}`" in docs.read_text()

@@ -20,17 +20,19 @@ import signal
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
+    CONTENT_TYPE_PLAIN_0_0_4,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     make_wsgi_app,
 )
@@ -50,10 +52,14 @@ log = logging.getLogger(__name__)
 
 # frontend: device-plugin or dra; claim: a DRA allocation's claim (its namespace is in
 # namespace; pod and container are empty: a claim's containers share it).
+# UUID, gpu, modelName and Hostname are dcgm-exporter's names for the GPU's UUID, index, model
+# and node, beside our own: a join with its series is then a plain ``on(UUID)``.
 ALLOCATION_LABELS = (
-    "namespace", "pod", "container", "gpu_uuid", "allocation_id", "frontend", "claim",
+    "namespace", "pod", "container", "gpu_uuid", "allocation_id", "frontend", "claim", "UUID",
 )  # fmt: skip
-GPU_LABELS = ("gpu_uuid", "gpu_index", "model")
+GPU_LABELS = ("gpu_uuid", "gpu_index", "model", "UUID", "gpu", "modelName", "Hostname")
+# The body's format: what prometheus_client writes and Prometheus parses as text 0.0.4.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 # Allocate is sub-millisecond when healthy; seconds means a stalled disk.
 ALLOCATE_BUCKETS = (
     0.0001,
@@ -92,10 +98,10 @@ ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
         lambda a, g: g.memory_limit,
     ),
     (
-        "vgpu_container_compute_limit_percent",
-        "compute share of the container on this GPU in percent, 0 = not limited",
+        "vgpu_container_compute_limit_ratio",
+        "compute share of the container on this GPU, 0-1; 0 = not limited",
         "gauge",
-        lambda a, g: g.compute_limit,
+        lambda a, g: g.compute_limit / 100,
     ),
     (
         "vgpu_container_processes",
@@ -162,6 +168,12 @@ GpuValue = Callable[[GpuView], "float | int | None"]
 GPU_FAMILIES: tuple[tuple[str, str, str, GpuValue], ...] = (
     ("vgpu_gpu_slices", "slices advertised for this GPU", "gauge", lambda g: g.slices_total),
     (
+        "vgpu_gpu_memory_total_bytes",
+        "GPU memory in all, as NVML reports it",
+        "gauge",
+        lambda g: g.memory_total,
+    ),
+    (
         "vgpu_gpu_slices_allocated",
         "slices allocated to containers",
         "gauge",
@@ -192,6 +204,12 @@ GPU_FAMILIES: tuple[tuple[str, str, str, GpuValue], ...] = (
         lambda g: None if g.healthy is None else (1 if g.healthy else 0),
     ),
 )
+# Not in the node view: NVML's busy time per GPU UUID, gathered beside it at each build.
+UTILIZATION_NAME = "vgpu_gpu_utilization_ratio"
+UTILIZATION_HELP = (
+    "share of the last sample period in which a kernel ran on this GPU, 0-1, as NVML reports it"
+)
+Utilization = Callable[[], Mapping[str, float]]
 UP_NAME = "vgpu_node_view_up"
 UP_HELP = "1 if the node view (records, regions, NVML) could be built"
 
@@ -202,11 +220,32 @@ def _labels_of(a: AllocationView, g: AllocationGpuView) -> list[str]:
     claim = ""
     if a.claim is not None:
         ns, _, claim = a.claim.partition("/")
-    return [ns, pod, ctr, g.uuid, a.id, a.frontend, claim]
+    return [ns, pod, ctr, g.uuid, a.id, a.frontend, claim, g.uuid]
 
 
-def _gpu_labels_of(g: GpuView) -> list[str]:
-    return [g.uuid, "" if g.index is None else str(g.index), g.name or ""]
+def _gpu_labels_of(g: GpuView, hostname: str) -> list[str]:
+    index, name = "" if g.index is None else str(g.index), g.name or ""
+    return [g.uuid, index, name, g.uuid, index, name, hostname]
+
+
+def node_hostname() -> str:
+    """The node's name as dcgm-exporter's ``Hostname`` has it: NODE_NAME (the chart sets it
+    from the pod's node), else the host name."""
+    import socket
+
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def no_utilization() -> Mapping[str, float]:
+    return {}
+
+
+def _utilization_of(source: Utilization) -> Mapping[str, float]:
+    try:
+        return source()
+    except Exception:  # a figure missing, not a failed scrape
+        log.exception("cannot read the GPUs' utilisation for metrics")
+        return {}
 
 
 def _family(name: str, doc: str, kind: str, labels: tuple[str, ...]) -> Any:
@@ -218,8 +257,15 @@ def _family(name: str, doc: str, kind: str, labels: tuple[str, ...]) -> Any:
 class NodeViewCollector(Collector):
     """Exports the per-allocation and per-GPU figures of ``view_provider()`` at each scrape."""
 
-    def __init__(self, view_provider: Callable[[], NodeView]) -> None:
+    def __init__(
+        self,
+        view_provider: Callable[[], NodeView],
+        hostname: str = "",
+        utilization: Utilization = no_utilization,
+    ) -> None:
         self._view_provider = view_provider
+        self._hostname = hostname
+        self._utilization = utilization
 
     def describe(self) -> Iterator[Any]:
         # Nothing up front: the registry must not call view_provider when this is registered.
@@ -237,7 +283,7 @@ class NodeViewCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from _allocation_families(view)
-        yield from _gpu_families(view)
+        yield from _gpu_families(view, self._hostname, _utilization_of(self._utilization))
 
 
 def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -254,15 +300,21 @@ def _allocation_families(view: NodeView) -> Iterator[GaugeMetricFamily | Counter
     yield from (family for family, _ in families)
 
 
-def _gpu_families(view: NodeView) -> Iterator[GaugeMetricFamily]:
+def _gpu_families(
+    view: NodeView, hostname: str, utilization: Mapping[str, float]
+) -> Iterator[GaugeMetricFamily]:
     families = [(_family(n, d, k, GPU_LABELS), f) for n, d, k, f in GPU_FAMILIES]
+    busy = GaugeMetricFamily(UTILIZATION_NAME, UTILIZATION_HELP, labels=list(GPU_LABELS))
     for g in view.gpus:
-        labels = _gpu_labels_of(g)
+        labels = _gpu_labels_of(g, hostname)
         for family, value in families:
             v = value(g)
             if v is not None:
                 family.add_metric(labels, v)
+        if g.uuid in utilization:
+            busy.add_metric(labels, utilization[g.uuid])
     yield from (family for family, _ in families)
+    yield busy
 
 
 # --- the scrape's path: the node view as text, cached -----------------------------------------
@@ -317,8 +369,12 @@ class NodeViewExposition:
         clock: Callable[[], float] = time.monotonic,
         forked: Callable[[], Callable[[], NodeView]] | None = None,
         fork_timeout: float = 60.0,
+        hostname: str = "",
+        utilization: Utilization = no_utilization,
     ) -> None:
         self._view_provider = view_provider
+        self._hostname = hostname
+        self._utilization = utilization
         self._forked = forked
         self.fork_timeout = fork_timeout
         self.min_interval = min_interval
@@ -361,19 +417,21 @@ class NodeViewExposition:
             yield tail
 
     def _build(self) -> bytes:
+        # NVML is asked here, beside the inputs the forked build needs, not in the child.
+        busy = _utilization_of(self._utilization)
         if self._forked is None:
-            return self._build_here(self._view_provider)
+            return self._build_here(self._view_provider, busy)
         try:
             build = self._forked()
         except Exception:  # the plugin's own metrics must still be served
             log.exception("cannot gather the node view's inputs for metrics")
             return self._failed()
-        return self._build_in_child(build)
+        return self._build_in_child(build, busy)
 
-    def _build_here(self, provider: Callable[[], NodeView]) -> bytes:
+    def _build_here(self, provider: Callable[[], NodeView], busy: Mapping[str, float]) -> bytes:
         deflate = zlib.compressobj(1, zlib.DEFLATED, 31)
         out: list[bytes] = []
-        for chunk in self._render(provider):
+        for chunk in self._render(provider, busy):
             out.append(deflate.compress(chunk.encode()))
         out.append(deflate.flush())
         return b"".join(out)
@@ -382,7 +440,7 @@ class NodeViewExposition:
         up = _header(UP_NAME, UP_HELP, "gauge") + f"{UP_NAME} 0.0\n"
         return gzip.compress(up.encode(), 1)
 
-    def _build_in_child(self, build: Callable[[], NodeView]) -> bytes:
+    def _build_in_child(self, build: Callable[[], NodeView], busy: Mapping[str, float]) -> bytes:
         try:
             r, w = os.pipe()
         except OSError:
@@ -399,7 +457,7 @@ class NodeViewExposition:
             code = 1
             try:
                 os.close(r)
-                body = memoryview(self._build_here(build))
+                body = memoryview(self._build_here(build, busy))
                 while body:
                     body = body[os.write(w, body) :]
                 code = 0
@@ -435,7 +493,7 @@ class NodeViewExposition:
                 self._values[v] = text
         return text
 
-    def _render(self, provider: Callable[[], NodeView]) -> Iterator[str]:
+    def _render(self, provider: Callable[[], NodeView], busy: Mapping[str, float]) -> Iterator[str]:
         up = _header(UP_NAME, UP_HELP, "gauge")
         try:
             view = provider()
@@ -469,7 +527,7 @@ class NodeViewExposition:
         gpu_rows: list[tuple[GpuView, str]] = []
         gpu_labels: dict[tuple[str, ...], str] = {}
         for gpu in view.gpus:
-            key = tuple(_gpu_labels_of(gpu))
+            key = tuple(_gpu_labels_of(gpu, self._hostname))
             text = self._gpu_labels.get(key) or _label_text(GPU_LABELS, list(key))
             gpu_labels[key] = text
             gpu_rows.append((gpu, text))
@@ -481,6 +539,11 @@ class NodeViewExposition:
                 if v is not None:
                     lines.append(f"{name}{text} {value(v)}\n")
             yield "".join(lines)
+        lines = [_header(UTILIZATION_NAME, UTILIZATION_HELP, "gauge")]
+        for gpu, text in gpu_rows:
+            if gpu.uuid in busy:
+                lines.append(f"{UTILIZATION_NAME}{text} {value(busy[gpu.uuid])}\n")
+        yield "".join(lines)
 
 
 class PluginRegistry(CollectorRegistry):
@@ -493,13 +556,19 @@ class PluginRegistry(CollectorRegistry):
         node_view: Callable[[], NodeView] | None = None,
         min_interval: float = 0.0,
         forked: Callable[[], Callable[[], NodeView]] | None = None,
+        hostname: str = "",
+        utilization: Utilization = no_utilization,
     ) -> None:
         super().__init__(auto_describe=True)
-        self.node_view_collector = None if node_view is None else NodeViewCollector(node_view)
+        self.node_view_collector = (
+            None if node_view is None else NodeViewCollector(node_view, hostname, utilization)
+        )
         self.node_view = (
             None
             if node_view is None
-            else NodeViewExposition(node_view, min_interval, forked=forked)
+            else NodeViewExposition(
+                node_view, min_interval, forked=forked, hostname=hostname, utilization=utilization
+            )
         )
 
     def collect(self) -> Iterator[Any]:
@@ -540,11 +609,36 @@ def new_registry(
     view_provider: Callable[[], NodeView] | None = None,
     min_interval: float = 0.0,
     forked: Callable[[], Callable[[], NodeView]] | None = None,
+    hostname: str | None = None,
+    utilization: Utilization | None = None,
+    build: tuple[str, str] | None = None,
 ) -> PluginMetrics:
     """A fresh registry with the plugin's instruments and, given a provider, the node view
     (rebuilt for a scrape at most once per ``min_interval`` seconds, in a forked child given
-    ``forked``: NodeViewExposition)."""
-    registry = PluginRegistry(view_provider, min_interval, forked)
+    ``forked``: NodeViewExposition). ``hostname`` (default ``node_hostname()``) fills the GPU
+    series' ``Hostname``; ``utilization`` (default NVML's, when there is a node view) their
+    ``vgpu_gpu_utilization_ratio``; ``build`` (default ``build_ids()``) is ``vgpu_build_info``'s
+    (version, shim build id)."""
+    # Counters without their _created series: no dashboard or rule uses them, and five extra
+    # families only cost the scrape (process-wide, as prometheus_client has it).
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    if utilization is None:
+        utilization = nvml_utilization if view_provider is not None else no_utilization
+    registry = PluginRegistry(
+        view_provider,
+        min_interval,
+        forked,
+        node_hostname() if hostname is None else hostname,
+        utilization,
+    )
+    version, shim = build_ids() if build is None else build
+    Gauge(
+        "vgpu_build_info",
+        "1, labelled with the plugin's version and the build id of the shim it ships"
+        " (the version Allocate mounts; none: no shim in this package)",
+        labelnames=["version", "shim_build_id"],
+        registry=registry,
+    ).labels(version=version, shim_build_id=shim).set(1)
     metrics = PluginMetrics(
         registry=registry,
         allocate_seconds=Histogram(
@@ -578,6 +672,25 @@ def new_registry(
     for state in ("true", "false"):
         metrics.health_changes.labels(healthy=state)
     return metrics
+
+
+def build_ids() -> tuple[str, str]:
+    """(plugin version, shim build id): the id is the name install-shim gives this package's
+    shim (``<version>-<hash>``), ``none`` where the package carries no shim."""
+    from vgpu_plugin import __version__
+    from vgpu_plugin.node import native
+    from vgpu_plugin.node.install import content_version
+
+    try:
+        return __version__, content_version(native.shim_library().read_bytes())
+    except (native.NativeArtifactMissing, OSError):
+        return __version__, "none"
+
+
+def nvml_utilization() -> Mapping[str, float]:
+    from vgpu_plugin.node.nvml import nvml_utilization as read
+
+    return read()
 
 
 # --- the HTTP edge --------------------------------------------------------------------------
@@ -695,7 +808,7 @@ def metrics_app(registry: CollectorRegistry, pace: float = 0.0) -> Callable[...,
     def body(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         assert node_view is not None
         head = generate_latest(own)
-        headers = [("Content-Type", CONTENT_TYPE_LATEST)]
+        headers = [("Content-Type", CONTENT_TYPE)]
         if "gzip" in environ.get("HTTP_ACCEPT_ENCODING", ""):
             parts = [gzip.compress(head, 1), node_view.gzipped()]
             headers += [

@@ -233,6 +233,24 @@ def nvml_memory_used() -> dict[str, int]:
     return {f.uuid: f.memory_used_nvml for f in facts if f.memory_used_nvml is not None}
 
 
+def nvml_utilization() -> dict[str, float]:
+    """NVML's GPU utilisation per GPU UUID as a ratio (0-1), for the plugin's metrics at each
+    scrape; a GPU that does not answer is left out, and all are when NVML does not."""
+    out: dict[str, float] = {}
+    try:
+        with nvml_session():
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+                    out[uuid] = int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
+                except pynvml.NVMLError:
+                    continue
+    except (NvmlUnavailable, pynvml.NVMLError) as exc:
+        log.debug("NVML utilisation unavailable: %s", exc)
+    return out
+
+
 def memory_info(index: int = 0) -> tuple[int, int]:
     """(total, used) bytes of the GPU NVML numbers ``index``, in a session of its own."""
     with nvml_session():

@@ -2,8 +2,9 @@
 
 Built-in kinds are validated with ``kubernetes-validate`` against the OpenAPI schemas of the
 oldest Kubernetes the chart supports and of the newest the package knows, in strict mode
-(an unknown field is an error). The ServiceMonitor, a CRD the package has no schema for, is
-checked against ``SERVICE_MONITOR_SCHEMA`` below, which covers the fields the chart writes.
+(an unknown field is an error). The ServiceMonitor and PrometheusRule, CRDs the package has no
+schema for, are checked against ``SERVICE_MONITOR_SCHEMA`` and ``PROMETHEUS_RULE_SCHEMA``
+below, which cover the fields the chart writes.
 ``semantic_problems`` adds what the API server checks beyond its schema and the chart relies
 on (names resolve, selectors select, lists do not repeat names).
 """
@@ -108,10 +109,64 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
 }
 
 
+_DURATION = {"type": "string", "pattern": r"^(\d+(ms|s|m|h|d|w|y))+$"}
+_STRING_MAP = {"type": "object", "additionalProperties": _STR}
+# The PrometheusRule fields the chart writes (the operator's CRD, monitoring.coreos.com/v1).
+PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": SERVICE_MONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": _STR,
+                            "interval": _DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["expr"],
+                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                    "properties": {
+                                        "alert": _STR,
+                                        "record": _STR,
+                                        "expr": _STR,
+                                        "for": _DURATION,
+                                        "labels": _STRING_MAP,
+                                        "annotations": _STRING_MAP,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
+
+
 def validate(obj: Obj) -> None:
     """Raises (jsonschema.ValidationError or kubernetes_validate's errors) when invalid."""
-    if obj.get("kind") == "ServiceMonitor":
-        jsonschema.Draft7Validator(SERVICE_MONITOR_SCHEMA).validate(obj)
+    crd = CRD_SCHEMAS.get(str(obj.get("kind")))
+    if crd is not None:
+        jsonschema.Draft7Validator(crd).validate(obj)
         return
     oldest, newest = versions()
     dra = str(obj.get("apiVersion", "")).startswith("resource.k8s.io/")

@@ -53,6 +53,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}
     },
     "no service": {"metrics": {"service": {"enabled": False}}},
+    "alerts and dashboard": {
+        "metrics": {
+            "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+            "grafanaDashboard": {"enabled": True, "namespace": "monitoring"},
+        }
+    },
     "elsewhere": {
         "hostRoot": "/var/lib/vgpu",
         "kubeletDir": "/var/lib/k0s/kubelet",
@@ -145,7 +151,10 @@ def test_every_variant_renders_valid_kubernetes_objects(variant: str, helm: Helm
     for obj in rendered.objects:
         k8s.validate(obj)
         assert k8s.semantic_problems(obj) == [], obj["kind"]
-        if obj["kind"] != "ResourceClaimTemplate":  # examples may go where the pods are
+        # Examples may go where the pods are; the dashboard where Grafana's sidecar looks.
+        if obj["kind"] != "ResourceClaimTemplate" and not obj["metadata"]["name"].endswith(
+            "-dashboard"
+        ):
             assert obj["metadata"].get("namespace", NAMESPACE) == NAMESPACE
 
 

@@ -189,7 +189,7 @@ def test_documented_set_commands_render_with_real_helm(
 ) -> None:
     rendered = render(None, helm, sets=sets)
     path = tmp_path / "config.yaml"
-    path.write_text(rendered.one("ConfigMap")["data"]["config.yaml"])
+    path.write_text(rendered.one("ConfigMap", "vgpu-plugin-config")["data"]["config.yaml"])
     assert cli.main(["check-config", str(path), "--no-nvml"]) == 0, where
 
 

@@ -115,6 +115,16 @@ PATTERN_CASES: list[tuple[str, dict[str, Any], bool]] = [
         {"dra": {"claimTemplates": [{"name": "a", "namespace": "ML"}]}},
         False,
     ),
+    (
+        f"{P}/metrics/properties/grafanaDashboard/properties/namespace",
+        {"metrics": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}}},
+        True,
+    ),
+    (
+        f"{P}/metrics/properties/grafanaDashboard/properties/namespace",
+        {"metrics": {"grafanaDashboard": {"enabled": True, "namespace": "Monitoring"}}},
+        False,
+    ),
 ]
 
 

@@ -187,3 +187,100 @@ def test_serve_refuses_a_state_dir_that_is_a_file(tmp_path: Path) -> None:
         serve._open_store(state)
     assert caught.value.code == serve.EXIT_NODE
     assert str(caught.value).startswith(f"state dir {state}: ")
+
+
+def test_version_names_the_shim_build_that_allocate_mounts(
+    native_tree: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vgpu_plugin import __version__
+    from vgpu_plugin.node.install import content_version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    shim = content_version((native_tree / "lib" / "libvgpu.so").read_bytes())
+    assert capsys.readouterr().out == f"vgpu-plugin {__version__} (shim {shim})\n"
+
+
+def test_version_says_none_without_a_shim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vgpu_plugin.node import native
+
+    monkeypatch.setenv(native.NATIVE_DIR_ENV, str(tmp_path))  # a tree with no shim built
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.endswith(" (shim none)\n")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from vgpu_plugin.commands.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("command", ["serve", "check-config", "status", "install-shim", "demo"])
+def test_each_commands_help_has_a_description_and_its_defaults(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vgpu_plugin.commands.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    description = next(d for name, _, d in COMMANDS if name == command)
+    assert " ".join(description.split()) in text
+    for action in _subparsers()[command]._actions:
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS):
+            continue
+        if isinstance(default, list):
+            continue
+        assert f"default: {default}" in text or f"{default})" in text, (
+            command,
+            action.option_strings,
+        )
+
+
+@pytest.mark.parametrize("seconds", ["-5", "0", "nan", "inf", "soon"])
+def test_demo_refuses_a_time_that_is_not_above_zero(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--seconds", seconds])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --seconds: {seconds!r}" in err
+
+
+@pytest.mark.parametrize("flag", ["--state-dir", "--host-root"])
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_status_with_a_wrong_dir_is_an_error_not_an_empty_node(
+    flag: str, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dirs = {"--state-dir": tmp_path / "state", "--host-root": tmp_path / "host"}
+    for path in dirs.values():
+        path.mkdir()
+    wrong = tmp_path / "wrong"
+    if kind == "a file":
+        wrong.write_text("x")
+    dirs[flag] = wrong
+    argv = ["status", "--no-nvml", "--pod-resources-socket", str(tmp_path / "none.sock")]
+    for name, path in dirs.items():
+        argv += [name, str(path)]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    why = "does not exist" if kind == "missing" else "is not a directory"
+    assert err.splitlines() == [
+        f"vgpu-plugin status: {flag} {wrong} {why}: not a plugin's "
+        f"{'state dir' if flag == '--state-dir' else 'host root'} (give the plugin's own, "
+        "as its DaemonSet sets it)"
+    ]
+    # The right dirs, even empty, are a node with nothing on it: rc 0.
+    dirs[flag] = tmp_path / ("state" if flag == "--state-dir" else "host")
+    argv = argv[:4] + [x for name, path in dirs.items() for x in (name, str(path))]
+    assert main(argv) == 0

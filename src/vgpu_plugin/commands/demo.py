@@ -21,8 +21,24 @@ HOW = {
 }
 
 
+def positive_seconds(text: str) -> float:
+    """``--seconds``: a finite number above 0 (argparse turns the error into a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: the workloads need a time above 0 s")
+    return value
+
+
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seconds", type=float, default=4.0, help="how long workloads run")
+    p.add_argument(
+        "--seconds",
+        type=positive_seconds,
+        default=4.0,
+        help="how long each workload runs, above 0 (default: %(default)s)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, state)")
     p.add_argument(
         "--runtime",

@@ -297,7 +297,30 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+EXIT_NOT_FOUND = 1
+
+
+def missing_dir(flag: str, path: Path, what: str) -> str | None:
+    """One line when ``path`` (given by ``flag``) is not a directory, else None."""
+    if path.is_dir():
+        return None
+    why = "is not a directory" if path.exists() else "does not exist"
+    return (
+        f"vgpu-plugin status: {flag} {path} {why}: not {what} (give the plugin's own, "
+        f"as its DaemonSet sets it)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    # A wrong path would read as a node with nothing on it: say so instead.
+    for flag, path, what in (
+        ("--state-dir", Path(args.state_dir), "a plugin's state dir"),
+        ("--host-root", Path(args.host_root), "a plugin's host root"),
+    ):
+        problem = missing_dir(flag, path, what)
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return EXIT_NOT_FOUND
     view = collect_view(
         Path(args.host_root),
         Path(args.state_dir),

@@ -48,6 +48,7 @@ def test_demo_shows_every_limit_holding(runtime: str) -> None:
     assert "on target" in lines["batch-50"] and "on target" in lines["batch-25"]
     assert "80GB" not in out  # 16 GiB simulated GPUs do not claim an 80 GB model's name
     if importlib.util.find_spec("cupy") is not None:  # a real client's pod, held the same way
+        assert "CuPy is installed here" in out  # said, not added silently
         assert "through CuPy" in lines["cupy"]
         assert "at its limit" in lines["cupy"] and "cuMemGetInfo shows a 4096 MiB" in lines["cupy"]
 

@@ -95,7 +95,59 @@ def metrics_table() -> str:
     return _table(("Metric", "Type", "Labels", "Meaning"), rows)
 
 
+# --- the quickstart's samples: what `status` and a scrape print for one pod on a slice ------
+
+QS_GPU = "GPU-709fac35-5f40-624b-90f7-b0a3db7a97a0"
+QS_MODEL = "NVIDIA A100-SXM4-80GB"
+MIB = 1 << 20
+
+
+def quickstart_view() -> NodeView:
+    """One A100 split in 10, one pod (default/cuda-slice/main) on one slice that has run its
+    allocation past the limit: the quickstart's step 5."""
+    gpu = GpuView(QS_GPU, 0, QS_MODEL, 10, 1, 81920 * MIB, 8192 * MIB, 2100 * MIB, 2650 * MIB, True)
+    share = AllocationGpuView(
+        QS_GPU,
+        8192 * MIB,
+        2100 * MIB,
+        0,
+        1,
+        refused=1,
+        memory_peak=2100 * MIB,
+        driver_limit="requested",
+    )
+    pod = PodRef("default", "cuda-slice", "main")
+    allocation = AllocationView("019a3f2b7c1d5e8f9a0b", pod, (share,), 1, "ok", 0.0)
+    return NodeView((gpu,), (allocation,))
+
+
+def quickstart_status() -> str:
+    from vgpu_plugin.commands.status import render_status
+
+    return "```\n" + render_status(quickstart_view()).rstrip("\n") + "\n```"
+
+
+def quickstart_metrics() -> str:
+    from prometheus_client import generate_latest
+
+    registry = new_registry(
+        quickstart_view,
+        hostname="gpu-node-1",
+        utilization=lambda: {QS_GPU: 0.41},
+        build=("0.1.0", "0.1.0-67b5e5ba3de6"),
+    ).registry
+    lines = [
+        line
+        for line in generate_latest(registry).decode().splitlines()
+        if line.startswith(("vgpu_container_memory_", "vgpu_gpu_memory_total"))
+    ]
+    cmd = "curl -s localhost:9400/metrics | grep -E 'vgpu_container_memory_|vgpu_gpu_memory_total'"
+    return "```sh\n" + cmd + "\n" + "\n".join(f"# {x}" for x in lines) + "\n```"
+
+
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
+    "quickstart-status": ("quickstart.md", quickstart_status),
+    "quickstart-metrics": ("quickstart.md", quickstart_metrics),
     "config-keys": ("configuration.md", config_table),
     "serve-flags": ("configuration.md", flags_table),
     "contract-serve-flags": ("contracts.md", flags_table),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -402,3 +403,51 @@ def test_the_contracts_live_in_the_repository() -> None:
         assert not outside.search(path.read_text()), (
             f"{path.relative_to(ROOT)}: use docs/contracts.md"
         )
+
+
+def _serve_exit_rows() -> list[tuple[int, str]]:
+    """(code, 'log line starts with' cell) of operations.md's serve exit-code table."""
+    text = (DOCS / "operations.md").read_text()
+    table = text.split("### Exit codes of `vgpu-plugin serve`", 1)[1].split("\n\n", 2)[1]
+    return [(int(r[0]), r[2]) for r in rows(table)]
+
+
+@pytest.mark.parametrize(
+    ("said", "argv"),
+    [
+        ("unknown log format", ["serve", "--log-format=xml"]),
+        ("unknown log level", ["serve", "--log-level=loud"]),
+        ("--cleanup-grace: expected", ["serve", "--cleanup-grace=soon"]),
+        ("usage: vgpu-plugin serve", ["serve", "--config"]),
+    ],
+)
+def test_serves_exit_codes_are_the_documented_ones(
+    said: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    documented = {code for code, cell in _serve_exit_rows() if said in cell}
+    assert len(documented) == 1, f"operations.md: {said!r} in {documented or 'no'} row"
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage error, or a message (Python exits 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        rc = exc.code if isinstance(exc.code, int) else 1
+    assert rc == documented.pop()
+    assert said in capsys.readouterr().err
+
+
+def test_install_shims_exit_codes_and_keep_0_are_as_documented(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], helm: Helm
+) -> None:
+    ops = " ".join((DOCS / "operations.md").read_text().split())
+    assert "2 for a bad `--keep`" in ops and "`--keep 0` itself is refused, exit 2" in ops
+    assert cli.main(["install-shim", "--keep", "0", "--host-root", str(tmp_path / "h")]) == 2
+    assert "--keep" in capsys.readouterr().err
+    # ... and the chart's keepVersions 0 ("keeps every version") passes no --keep at all.
+    rendered = render({"shim": {"keepVersions": 0}}, helm)
+    pod = rendered.one("DaemonSet")["spec"]["template"]["spec"]
+    init = next(c for c in pod["initContainers"] if "install-shim" in c.get("args", []))
+    assert "--keep" not in init["args"]
+    pod = render({"shim": {"keepVersions": 2}}, helm).one("DaemonSet")["spec"]["template"]["spec"]
+    init = next(c for c in pod["initContainers"] if "install-shim" in c.get("args", []))
+    assert init["args"][init["args"].index("--keep") + 1] == "2"

@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     say(f"vgpu-plugin demo: one simulated GPU node, the real plugin, {HOW[runtime]}")
     if runtime != "runc":
         say(f"      ({why})")
+    if any(p.name == "cupy" for p in demo.default_pods(args.seconds)):
+        say("      (CuPy is installed here: a 'cupy' pod allocates through NVIDIA's CUDA "
+            "runtime too)")  # fmt: skip
     rc = 0
     try:
         pods = demo.run_demo(work, args.seconds, say, runtime)

@@ -451,3 +451,16 @@ def test_install_shims_exit_codes_and_keep_0_are_as_documented(
     pod = render({"shim": {"keepVersions": 2}}, helm).one("DaemonSet")["spec"]["template"]["spec"]
     init = next(c for c in pod["initContainers"] if "install-shim" in c.get("args", []))
     assert init["args"][init["args"].index("--keep") + 1] == "2"
+
+
+def test_the_limits_file_takes_the_byte_amounts_the_docs_say() -> None:
+    from vgpu_plugin.core.devices import GpuLimit
+    from vgpu_plugin.core.limits import Limits, format_limits, parse_limits
+
+    doc = " ".join((DOCS / "limits-file.md").read_text().split())
+    assert "1,024,000 bytes" in doc and "need not be a MiB multiple" in doc
+    # A DRA grant of 1,000 KiB (a 1Ki step): not a MiB multiple, written and read as bytes.
+    limits = Limits("claim-a", False, (GpuLimit("GPU-1", 1_024_000, 0),))
+    text = format_limits(limits)
+    assert "gpu GPU-1 1024000 0\n" in text
+    assert parse_limits(text) == limits

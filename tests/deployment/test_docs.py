@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deployment import k8s
 from deployment.chart import ROOT, Helm, default_values, render
-from deployment.generate_docs import DOCS, current, sample_metrics, stale
+from deployment.generate_docs import DOCS, current, metric_families, sample_metrics, stale
 from vgpu_plugin.commands import cli, serve
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core import allocation
@@ -464,3 +464,24 @@ def test_the_limits_file_takes_the_byte_amounts_the_docs_say() -> None:
     text = format_limits(limits)
     assert "gpu GPU-1 1024000 0\n" in text
     assert parse_limits(text) == limits
+
+
+def test_the_license_file_is_the_license_the_package_names() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    for part in ("1. Definitions.", "9. Accepting Warranty", "END OF TERMS AND CONDITIONS"):
+        assert part in text  # the full text, not a stub
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in dockerfile
+
+
+def test_the_changelog_names_every_metric_it_says_was_replaced() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text()
+    served = {name for name, _, _, _ in metric_families()}
+    assert "vgpu_container_compute_limit_percent" not in served
+    assert "`vgpu_container_compute_limit_ratio`" in text
+    assert "vgpu_container_compute_limit_ratio" in served

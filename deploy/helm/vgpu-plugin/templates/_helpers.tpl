@@ -55,7 +55,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The restricted security context of every container: no privilege, no capability, a
 read-only root. The plugin runs as root only to use the kubelet's root-owned sockets and to
 write the host root; hostPath mounts are its only way out of the container. */}}
-{{- define "vgpu-plugin.securityContext" -}}
+{{- define "vgpu-plugin.restrictedSecurityContext" -}}
 privileged: false
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
@@ -66,4 +66,15 @@ capabilities:
     - ALL
 seccompProfile:
   type: RuntimeDefault
+{{- end }}
+
+{{/* What every container runs with: the restricted context above, with the chart's
+securityContext value merged over it (its keys win; e.g. seLinuxOptions, appArmorProfile). */}}
+{{- define "vgpu-plugin.securityContext" -}}
+{{- if .Values.securityContext }}
+{{- $restricted := include "vgpu-plugin.restrictedSecurityContext" . | fromYaml }}
+{{- toYaml (mustMergeOverwrite $restricted (deepCopy .Values.securityContext)) }}
+{{- else }}
+{{- include "vgpu-plugin.restrictedSecurityContext" . }}
+{{- end }}
 {{- end }}

@@ -182,8 +182,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="session")  # session: set up before the session's native build
+def prometheus_binary() -> str:
+    return tool("prometheus")
+
+
 @pytest.fixture
-def plugin(simgpu_node: Node, native_tree: Path, tmp_path: Path) -> Iterator[Plugin]:
+def plugin(
+    prometheus_binary: str, simgpu_node: Node, native_tree: Path, tmp_path: Path
+) -> Iterator[Plugin]:
+    """`serve` on a simulated node; first of all, skipped where there is no Prometheus."""
     from vgpu_plugin.node import install
 
     host_root = tmp_path / "host"
@@ -319,7 +327,6 @@ def _scrapes(prom: Prometheus) -> float:
 def test_prometheus_scrapes_serve_and_every_dashboard_query_returns_data(
     plugin: Plugin, tmp_path: Path
 ) -> None:
-    tool("prometheus")
     a, b = plugin.uuids
     plugin.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])
     prom = Prometheus(tmp_path, f"127.0.0.1:{plugin.port}")

@@ -19,7 +19,7 @@ from synthetic_regions import Dev, Proc, Snap, prepared_claim
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     SHIM_FOUND,
@@ -389,12 +389,14 @@ def test_dra_claims_are_exported_beside_the_device_plugins_allocations(tmp_path:
     root = tmp_path / "host"
     store = AllocationStore(tmp_path / "state")
     store.add(record("a1", 1.0, GpuLimit(GPU_A, 10 * MIB, 25), pod="infer-a"))
-    claims = PreparedClaims(tmp_path / "state")
-    claims.add(prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=2.0))
+    # One ledger: the claim is a record of the same store.
+    ClaimLedger(store).put(
+        prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=2.0), "prepared"
+    )
     regions = Regions()
     regions.put(root, "dra-u-1", Snap((Dev(GPU_A, 2 * MIB),), (Proc(True, (2 * MIB,)),)))
     gpus = [GpuFacts(GPU_A, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, None, None, True)]
-    provider = view_provider(root, store.all, lambda: gpus, read_region=regions, claims=claims.all)
+    provider = view_provider(root, store.all, lambda: gpus, read_region=regions)
     pm = metrics.new_registry(provider)
     server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
     try:

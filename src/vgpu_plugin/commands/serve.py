@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -24,16 +25,16 @@ from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.kubelet.backend import ListTooLargeError
-from vgpu_plugin.kubelet.checkpoint import CheckpointError, read_checkpoint
+from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
-from vgpu_plugin.kubelet.podresources import list_assignments
+from vgpu_plugin.kubelet.podresources import PodRef, list_assignments
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
 from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
 from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
-from vgpu_plugin.node.dra_claims import read_prepared_claims
+from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
 from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
@@ -154,7 +155,7 @@ class Plugin:
         if config.dra.enabled:
             try:
                 self._dra = DraRunner(
-                    config, dra_gpus, s.node_name, s.state_dir, version, s.lock_dir,
+                    config, dra_gpus, s.node_name, store, version, s.lock_dir,
                     s.cdi_spec_dir,
                 )  # fmt: skip
                 self._dra.start()
@@ -195,17 +196,13 @@ class Plugin:
         self._server = self._new_server(config.resource_name)
         self._server.start()
         self._watcher.start()
-        self._cleaner = Cleaner(
+        self._cleaner = new_cleaner(
+            store,
             Path(config.host_root),
-            store.all,
-            store.remove,
             lambda: list_assignments(s.pod_resources_socket, self._resource_name(), timeout=2.0),
-            relabel=store_relabeler(store),
-            still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
             grace=s.cleanup_grace,
             cdi_spec_dir=Path(s.cdi_spec_dir),
             checkpoint=lambda: read_checkpoint(s.device_plugin_dir),
-            mark_released=store_release_marker(store),
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 
@@ -419,14 +416,41 @@ def _make_shared_dir(path: Path) -> None:
         raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
 
 
+def new_cleaner(
+    store: AllocationStore,
+    host_root: Path,
+    assignments: Callable[[], Mapping[str, PodRef]],
+    grace: float,
+    cdi_spec_dir: Path,
+    checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Cleaner:
+    """The cleanup over the one ledger (both front ends' records), as ``serve`` runs it."""
+    return Cleaner(
+        host_root,
+        store.all,
+        store.remove,
+        assignments,
+        relabel=store_relabeler(store),
+        still_running=lambda aid: live_processes(host_root, aid) > 0,
+        grace=grace,
+        clock=clock,
+        cdi_spec_dir=cdi_spec_dir,
+        checkpoint=checkpoint,
+        mark_released=store_release_marker(store),
+    )
+
+
 def _open_store(state_dir: Path) -> AllocationStore:
     """The allocation records, in a dir that must be writable now: finding out at the first
-    Allocate would fail a pod instead of the plugin's start."""
+    Allocate would fail a pod instead of the plugin's start. The DRA claims file of a plugin
+    before the one ledger is imported into it here, before anything reads the ledger."""
     try:
         store = AllocationStore(state_dir)
         probe = state_dir / f".probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
+        migrate_claims_file(store)
     except OSError as exc:
         raise StartupError(
             f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",

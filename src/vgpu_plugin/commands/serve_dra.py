@@ -12,16 +12,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.kubeapi import ApiError, KubeApi
 from vgpu_plugin.node.nvml import NvmlUnavailable, device_facts
+from vgpu_plugin.node.state import AllocationStore
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
@@ -44,7 +44,7 @@ class DraRunner:
         config: Config,
         gpus: Sequence[PhysicalGpu],
         node_name: str,
-        state_dir: Path,
+        store: AllocationStore,
         shim_version: str,
         lock_dir: str,
         cdi_spec_dir: str,
@@ -59,7 +59,7 @@ class DraRunner:
             log.warning("no compute capability or driver version for the slice: %s", exc)
             facts = {}
         self.driver = DraDriver(
-            gpus, config, node_name, PreparedClaims(state_dir), api, api, shim_version,
+            gpus, config, node_name, ClaimLedger(store), api, api, shim_version,
             facts=facts, lock_dir=lock_dir, cdi_spec_dir=cdi_spec_dir,
         )  # fmt: skip
         self.server = DraServer(
@@ -70,6 +70,7 @@ class DraRunner:
         )
 
     def start(self) -> None:
+        self.driver.recover()
         for g in self.driver.gpus:
             log.info("GPU %d %s %s: DRA", g.index, g.uuid, g.name)
         self.driver.publish("started")

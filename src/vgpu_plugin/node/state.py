@@ -86,6 +86,16 @@ _FRAME = struct.Struct("<4sII")
 MAX_ENTRY = 1 << 20
 PUT, DELETE = "put", "del"
 
+# Which front end made an allocation: the device plugin's Allocate, or a DRA claim's prepare.
+DEVICE_PLUGIN = "device-plugin"
+DRA = "dra"
+FRONT_ENDS = (DEVICE_PLUGIN, DRA)
+# An allocation's lifecycle (docs/contracts.md#the-ledger): recorded ``preparing`` before its
+# files are written, ``prepared`` once they are, ``releasing`` before they are removed; the
+# record is dropped once they are gone. Device-plugin allocations are recorded ``prepared``.
+PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
+STATES = (PREPARING, PREPARED, RELEASING)
+
 
 class StateFileError(Exception):
     """A state file is corrupt, foreign or of an unknown version."""
@@ -98,7 +108,9 @@ class StateFileError(Exception):
 
 @dataclass(frozen=True, slots=True)  # slots, and shared strings: thousands stay in memory
 class AllocationRecord:
-    """One Allocate answer: the devices the kubelet gave one container and their limits."""
+    """One allocation of this node, from either front end: for the device plugin, the devices
+    the kubelet gave one container; for DRA, one prepared claim (``claim_*``, no device ids).
+    Limits in bytes."""
 
     allocation_id: str
     device_ids: tuple[str, ...]
@@ -112,6 +124,12 @@ class AllocationRecord:
     # When the cleaner first saw it held by nobody (None: held, or not known yet); an ended
     # allocation waits out the cleanup grace and is not counted as live meanwhile.
     released: float | None = None
+    front_end: str = DEVICE_PLUGIN
+    state: str = PREPARED
+    # A DRA allocation's claim (None for the device plugin's).
+    claim_uid: str | None = None
+    claim_namespace: str | None = None
+    claim_name: str | None = None
     # Kept so a newer writer's extra fields survive a round trip through this version.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -122,13 +140,23 @@ class AllocationRecord:
             device_ids=list(self.device_ids),
             resource_name=self.resource_name,
             created=self.created,
-            limits=[[g.uuid, g.memory_mib, g.compute_percent] for g in self.limits],
+            # Bytes are the unit (the 4th item); the whole MiB before it is for readers of
+            # plugins before the one ledger, which read [uuid, MiB, compute].
+            limits=[[g.uuid, g.memory_mib, g.compute_percent, g.memory_bytes] for g in self.limits],
             pod=self.pod,
             namespace=self.namespace,
             container=self.container,
+            front_end=self.front_end,
+            state=self.state,
         )
         if self.released is not None:
             out["released"] = self.released
+        if self.claim_uid is not None:
+            out.update(
+                claim_uid=self.claim_uid,
+                claim_namespace=self.claim_namespace,
+                claim_name=self.claim_name,
+            )
         return out
 
     @classmethod
@@ -146,6 +174,11 @@ class AllocationRecord:
             "namespace",
             "container",
             "released",
+            "front_end",
+            "state",
+            "claim_uid",
+            "claim_namespace",
+            "claim_name",
         }
         try:
             allocation_id = _typed(raw["allocation_id"], str, "allocation_id")
@@ -157,11 +190,17 @@ class AllocationRecord:
             limits = tuple(
                 GpuLimit(
                     sys.intern(_typed(lim[0], str, "limits[].uuid")),
-                    _typed(lim[1], int, "limits[].memory_mib") * MIB,
+                    _typed(lim[3], int, "limits[].memory_bytes")
+                    if len(lim) > 3
+                    else _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
                 )
                 for lim in raw.get("limits", [])
             )
+            # Any string: a newer writer's front end or state is kept, and owned by no one
+            # here but the ledger (the cleanup leaves what it does not know alone).
+            front_end = _typed(raw.get("front_end", DEVICE_PLUGIN), str, "front_end")
+            state = _typed(raw.get("state", PREPARED), str, "state")
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"malformed record: {err!r}") from err
         return cls(
@@ -174,6 +213,11 @@ class AllocationRecord:
             namespace=_optional_str(raw.get("namespace"), "namespace"),
             container=_optional_str(raw.get("container"), "container"),
             released=_optional_float(raw.get("released"), "released"),
+            front_end=sys.intern(front_end),
+            state=sys.intern(state),
+            claim_uid=_optional_str(raw.get("claim_uid"), "claim_uid"),
+            claim_namespace=_optional_str(raw.get("claim_namespace"), "claim_namespace"),
+            claim_name=_optional_str(raw.get("claim_name"), "claim_name"),
             extra={
                 sys.intern(k): sys.intern(v) if isinstance(v, str) and len(v) < 64 else v
                 for k, v in raw.items()

@@ -367,9 +367,17 @@ class VgpuBackend:
         return spec.cdi_spec
 
     def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
+        """Allocate's roll-back: the one remover, then the record. A host root that refused
+        the write refuses this too (read-only, full): logged, and the caller's one error
+        stands; what is left has no record, so the orphan sweep owns it."""
         aid = g.allocation_id
-        remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
-        self._store.remove(g.allocation_id)
+        try:
+            remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
+            self._store.remove(aid)
+        except OSError as exc:
+            log.error(
+                "cannot roll back allocation %s: %s", aid, exc, extra={"allocation_id": aid}
+            )
 
 
 # --- rebuilding from the kubelet's checkpoint -----------------------------------------------

@@ -375,9 +375,7 @@ class VgpuBackend:
             remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
             self._store.remove(aid)
         except OSError as exc:
-            log.error(
-                "cannot roll back allocation %s: %s", aid, exc, extra={"allocation_id": aid}
-            )
+            log.error("cannot roll back allocation %s: %s", aid, exc, extra={"allocation_id": aid})
 
 
 # --- rebuilding from the kubelet's checkpoint -----------------------------------------------

@@ -198,3 +198,33 @@ def test_a_claim_a_crash_left_half_way_is_finished_at_start(tmp_path: Path) -> N
         assert not any(p.exists() for p in claim_files(tmp_path, ref.uid))
     assert [r.claim_uid for r in AllocationStore(tmp_path / "state").all()] == [c.uid]
     assert all(p.exists() for p in claim_files(tmp_path, c.uid))
+
+
+def test_the_cleanup_releases_as_every_path_does_mark_remove_drop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vgpu_plugin.node import cleanup
+
+    store = AllocationStore(tmp_path / "state")
+    aid = "0190a1b2c3d400000001"
+    store.add(AllocationRecord(aid, ("GPU-a-0",), "nvidia.com/gpu", 0.0))
+    (tmp_path / "vgpu" / "containers" / aid).mkdir(parents=True)
+    now = [1000.0]
+    cleaner = new_cleaner(
+        store, tmp_path / "vgpu", lambda: {}, 60, tmp_path / "cdi", clock=lambda: now[0]
+    )
+
+    def refused(*_: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(cleanup, "remove_allocation_files", refused)
+    cleaner.run_once()
+    assert store.get(aid) is not None and store.get(aid).state == PREPARED  # type: ignore[union-attr]
+    now[0] += 61
+    cleaner.run_once()
+    assert store.get(aid).state == RELEASING  # type: ignore[union-attr]
+    monkeypatch.undo()
+    now[0] += 1
+    cleaner.run_once()
+    assert store.get(aid) is None
+    assert not (tmp_path / "vgpu" / "containers" / aid).exists()

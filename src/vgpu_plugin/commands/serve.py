@@ -32,7 +32,12 @@ from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
 from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
-from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
+from vgpu_plugin.node.cleanup import (
+    Cleaner,
+    store_relabeler,
+    store_release_marker,
+    store_releasing_marker,
+)
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
@@ -438,6 +443,7 @@ def new_cleaner(
         cdi_spec_dir=cdi_spec_dir,
         checkpoint=checkpoint,
         mark_released=store_release_marker(store),
+        mark_releasing=store_releasing_marker(store),
     )
 
 

@@ -27,7 +27,7 @@ from vgpu_plugin.core.grant import check_allocation_id
 from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
 from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.hostfiles import remove_allocation
-from vgpu_plugin.node.state import DEVICE_PLUGIN, AllocationStore
+from vgpu_plugin.node.state import DEVICE_PLUGIN, RELEASING, AllocationStore
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +280,7 @@ class Cleaner:
         cdi_spec_dir: Path | None = None,
         checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
         mark_released: Callable[[str, float | None], object] | None = None,
+        mark_releasing: Callable[[str], object] | None = None,
     ) -> None:
         self.host_root = Path(host_root)
         self.cdi_spec_dir = cdi_spec_dir
@@ -292,6 +293,7 @@ class Cleaner:
         self._clock = clock
         self._checkpoint = checkpoint
         self._mark_released = mark_released
+        self._mark_releasing = mark_releasing
         self._checkpoint_problem: str | None = None
         self._kept_running: set[str] = set()
         self._stop = threading.Event()
@@ -405,6 +407,9 @@ class Cleaner:
             return
         self._kept_running.discard(allocation_id)
         try:
+            # The lifecycle's release: mark, remove with the one remover, drop.
+            if self._mark_releasing is not None:
+                self._mark_releasing(allocation_id)
             remove_allocation_files(self.host_root, allocation_id, self.cdi_spec_dir)
         except ValueError as exc:
             log.error("allocation record %r names no safe path: %s", allocation_id, exc)
@@ -453,6 +458,17 @@ def store_relabeler(store: AllocationStore) -> Callable[[str, PodRef], None]:
             )
 
     return relabel
+
+
+def store_releasing_marker(store: AllocationStore) -> Callable[[str], None]:
+    """``mark_releasing`` for a Cleaner over an AllocationStore: the record's state."""
+
+    def mark(allocation_id: str) -> None:
+        record = store.get(allocation_id)
+        if record is not None and record.state != RELEASING:
+            store.add(dataclasses.replace(record, state=RELEASING))
+
+    return mark
 
 
 def store_release_marker(store: AllocationStore) -> Callable[[str, float | None], None]:

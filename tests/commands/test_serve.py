@@ -216,6 +216,18 @@ def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> N
     assert "version" in proc.stderr
 
 
+def test_an_alias_bomb_refuses_to_start_with_exit_2_in_one_line(
+    simgpu_node: Node, tmp_path: Path
+) -> None:
+    from core import yaml_bombs
+
+    proc = serve_once(simgpu_node, tmp_path, yaml_bombs.COMPLEX_KEY)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "cannot start" in x]
+    assert "is invalid" in line and "a key must be a plain value" in line
+    assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr
+
+
 def scrape(served: Served) -> str:
     logs = served.wait_log("metrics on")
     port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]

@@ -187,3 +187,24 @@ def test_serve_refuses_a_state_dir_that_is_a_file(tmp_path: Path) -> None:
         serve._open_store(state)
     assert caught.value.code == serve.EXIT_NODE
     assert str(caught.value).startswith(f"state dir {state}: ")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["allocations.journal", "allocations.lock"])
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_serve_names_a_journal_or_lock_that_is_no_regular_file(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    from vgpu_plugin.commands import serve
+
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state / name
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with pytest.raises(serve.StartupError) as caught:
+        serve._open_store(state)
+    assert caught.value.code == serve.EXIT_NODE
+    assert str(caught.value) == f"state file {path} is not a regular file ({kind})"

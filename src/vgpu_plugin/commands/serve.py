@@ -57,7 +57,7 @@ from vgpu_plugin.node.nvml import (
     nvml_memory_used,
     nvml_session,
 )
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.state import AllocationStore, NotRegularFile
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
@@ -457,10 +457,15 @@ def _open_store(state_dir: Path) -> AllocationStore:
         probe.write_bytes(b"")
         probe.unlink()
         migrate_claims_file(store)
+    except NotRegularFile as exc:
+        raise StartupError(f"state file {exc}", EXIT_NODE) from exc
     except OSError as exc:
+        # Name the file where the error names one (a journal the kernel refused), not the dir.
+        what = exc.strerror or str(exc)
+        if exc.filename is not None and exc.filename != str(state_dir):
+            what = f"{exc.filename}: {what}"
         raise StartupError(
-            f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",
-            EXIT_NODE,
+            f"state dir {state_dir}: {what} (it must be a writable directory)", EXIT_NODE
         ) from exc
     return store
 

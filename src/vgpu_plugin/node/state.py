@@ -44,10 +44,12 @@ rolling update) its records are imported into the journal and it is renamed
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import shutil
+import stat
 import struct
 import sys
 import threading
@@ -95,6 +97,38 @@ FRONT_ENDS = (DEVICE_PLUGIN, DRA)
 # record is dropped once they are gone. Device-plugin allocations are recorded ``prepared``.
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
 STATES = (PREPARING, PREPARED, RELEASING)
+
+
+class NotRegularFile(OSError):
+    """A state file (the journal, its lock) exists but is no regular file: opening it could
+    block (a FIFO) or fail with a bare errno that names nothing ("Illegal seek")."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{path} is not a regular file ({kind})")
+        self.path = path
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def check_regular(path: Path) -> None:
+    """Raises NotRegularFile when ``path`` exists (symlinks followed) and is no regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(path, next((n for test, n in _KINDS if test(mode)), "not a file"))
 
 
 class StateFileError(Exception):
@@ -493,6 +527,8 @@ class AllocationStore:
         # Appends not synced yet (add_many(sync=False)) and the flushes that synced some.
         self._unsynced = False
         self.flushes = 0
+        for path in (self._flock.path, self.path):
+            check_regular(path)
         with self._mutex, self._flock:
             self._remove_stale_tmp()
             self._sync()

@@ -42,6 +42,34 @@ def test_valid_config_prints_the_per_gpu_plan(
     assert "ListAndWatch message:" in out
 
 
+def test_check_config_plans_both_front_ends_and_prints_the_dra_policy_per_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "version: v1\nsharing: {splitCount: 4}\n"
+        "dra: {enabled: true, gpus: ['1'], memory: {default: 2Gi, minimum: 512Mi, step: 256Mi},"
+        " compute: {default: 20, minimum: 5, step: 5}}\n"
+    )
+    assert main(["check-config", str(cfg), "--no-nvml", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    plugin, dra = out.split("DRA driver ")
+    # GPU 1 is the DRA driver's: the device plugin plans slices for GPU 0 only.
+    assert "1 GPU(s), 4 slice(s)" in plugin
+    assert "GPU-00000000-0000-0000-0000-000000000000" in plugin
+    assert "GPU-00000000-0000-0000-0000-000000000001" not in plugin
+    assert dra.startswith("gpu.vgpu-plugin.io: 1 GPU(s) (dra.gpus: 1)")
+    (row,) = [
+        line for line in dra.splitlines() if "GPU-00000000-0000-0000-0000-000000000001" in line
+    ]
+    assert "default 2048 MiB, min 512 MiB, step 256 MiB" in row
+    assert "default 20 %, min 5 %, step 5 %" in row
+    cfg.write_text("version: v1\ndra: {enabled: true, gpus: [all]}\n")
+    assert main(["check-config", str(cfg), "--no-nvml", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0 GPU(s), 0 slice(s)" in out and "DRA driver gpu.vgpu-plugin.io: 2 GPU(s)" in out
+
+
 def test_invalid_config_lists_every_error_with_its_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

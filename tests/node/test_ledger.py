@@ -228,3 +228,23 @@ def test_the_cleanup_releases_as_every_path_does_mark_remove_drop(
     cleaner.run_once()
     assert store.get(aid) is None
     assert not (tmp_path / "vgpu" / "containers" / aid).exists()
+
+
+def test_claims_the_api_server_no_longer_has_are_released(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    driver = make_driver(tmp_path, api)
+    driver.publish("test")
+    kept = prepare_claim(api, driver, "kept", "1Gi")
+    deleted = prepare_claim(api, driver, "deleted", "1Gi")
+    remade = prepare_claim(api, driver, "remade", "1Gi")
+    del api.claims[("ml", "deleted")]
+    api.claims[("ml", "remade")]["metadata"]["uid"] = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    api.fail_reads = True  # the API server does not answer: nothing is stale
+    assert driver.release_stale() == 0 and len(driver.prepared()) == 3
+    api.fail_reads = False
+    assert driver.release_stale() == 2
+    assert [c.uid for c in driver.prepared()] == [kept.uid]
+    for ref in (deleted, remade):
+        assert not any(p.exists() for p in claim_files(tmp_path, ref.uid))
+    assert all(p.exists() for p in claim_files(tmp_path, kept.uid))
+    assert driver.release_stale() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 from vgpu_plugin.core import dra
@@ -26,6 +27,8 @@ from vgpu_plugin.node.state import AllocationStore
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
 API_TIMEOUT_S = 10.0
+# How often prepared claims are checked against the API server (and once at start).
+STALE_CLAIMS_INTERVAL_S = 300.0
 
 
 def split_gpus(
@@ -68,6 +71,8 @@ class DraRunner:
             os.environ.get("VGPU_DRA_PLUGINS_DIR", dra.PLUGINS_DIR),
             on_registered=lambda: self.driver.publish("registered with the kubelet"),
         )
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
 
     def start(self) -> None:
         self.driver.recover()
@@ -75,6 +80,19 @@ class DraRunner:
             log.info("GPU %d %s %s: DRA", g.index, g.uuid, g.name)
         self.driver.publish("started")
         self.server.start()
+        self._sweeper = threading.Thread(
+            target=self._sweep_stale, name="vgpu-dra-stale", daemon=True
+        )
+        self._sweeper.start()
+
+    def _sweep_stale(self) -> None:
+        """At start, then every ``STALE_CLAIMS_INTERVAL_S``: claims the API server lost."""
+        while not self._stop.is_set():
+            try:
+                self.driver.release_stale()
+            except Exception:  # keep sweeping after a bug in one pass
+                log.exception("stale-claim pass failed")
+            self._stop.wait(STALE_CLAIMS_INTERVAL_S)
 
     def apply_health(self, uuid: str, healthy: bool) -> None:
         try:
@@ -86,4 +104,5 @@ class DraRunner:
         self.driver.apply_config(config)
 
     def stop(self) -> None:
+        self._stop.set()
         self.server.stop()

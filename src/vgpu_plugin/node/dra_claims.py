@@ -243,6 +243,10 @@ class ClaimLedger:
     def all(self) -> list[PreparedClaim]:
         return prepared_claims(self.store.all())
 
+    def records(self) -> list[AllocationRecord]:
+        """Every DRA record, whatever its state, oldest first."""
+        return [r for r in self.store.all() if r.front_end == DRA]
+
     def unfinished(self) -> list[AllocationRecord]:
         """DRA records a crash left half-way (``preparing`` or ``releasing``)."""
         return [r for r in self.store.all() if r.front_end == DRA and r.state != PREPARED]

@@ -267,6 +267,47 @@ class DraDriver:
                 )
         return n
 
+    def release_stale(self) -> int:
+        """Release every claim the API server no longer has: its claim is gone (404), or a
+        claim of that name has another UID (deleted and made again). A kubelet that never
+        called unprepare (it restarted, the node was cordoned and drained) must not leave a
+        claim's files forever. Reads with the reader's bounded timeout, without holding the
+        driver's lock; any other API error ends the pass (nothing is stale while the API
+        server cannot tell). Returns how many were released."""
+        released = 0
+        for r in self._claims.records():
+            if r.claim_namespace is None or r.claim_name is None:
+                continue
+            try:
+                body = self._reader.get_claim(r.claim_namespace, r.claim_name)
+                meta = body.get("metadata")
+                uid = meta.get("uid") if isinstance(meta, Mapping) else None
+            except ApiError as exc:
+                if exc.status != 404:
+                    log.warning("stale claims not checked: %s", exc)
+                    return released
+                uid = None
+            if uid == r.claim_uid:
+                continue
+            with self._lock:
+                now = self._claims.record(r.allocation_id)
+                if now is None or now.created != r.created:
+                    continue  # unprepared, or prepared again, meanwhile
+                try:
+                    self._release(now)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot release stale claim %s: %s", r.allocation_id, exc)
+                    continue
+            released += 1
+            log.info(
+                "released claim %s/%s: the API server %s",
+                r.claim_namespace,
+                r.claim_name,
+                "no longer has it" if uid is None else f"has a claim {uid} of that name now",
+                extra={"allocation_id": r.allocation_id, "claim_uid": r.claim_uid},
+            )
+        return released
+
     def _record(self, claim_uid: str) -> AllocationRecord | None:
         try:
             aid = dra.allocation_id(claim_uid)

@@ -28,6 +28,7 @@ from vgpu_plugin.kubelet.backend import ListTooLargeError
 from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import PodRef, list_assignments
+from vgpu_plugin.kubelet.rebuild import rebuild
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
@@ -213,7 +214,7 @@ class Plugin:
 
     def _rebuild_from_checkpoint(self) -> None:
         """Before the kubelet can start a container again: what a power loss took of an
-        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``). Only on
+        allocation it keeps in its checkpoint is rebuilt (``kubelet/rebuild.py``). Only on
         the first start since the node booted: without a reboot no write was lost, and the
         checkpoint may still name allocations the cleanup removed (the kubelet drops a pod's
         entries only at its next write), which must not come back."""
@@ -232,7 +233,7 @@ class Plugin:
             log.warning("cannot check the allocations against the kubelet's checkpoint: %s", exc)
             return
         if entries:
-            report = self.backend.rebuild(entries)
+            report = rebuild(self.backend, entries)
             log.info(
                 "first start since the node booted: of the allocations in the kubelet's "
                 "checkpoint %d intact, %d rebuilt, %d not rebuildable",

@@ -10,7 +10,7 @@ guessing from device IDs. Node-local, read-only, never on the Allocate path.
 The kubelet writes the file after our Allocate answered (tmp file, fsync, rename), keeping each
 container's whole serialized ``ContainerAllocateResponse``; after a node reboot it starts the
 containers again from these responses without calling Allocate. ``serve`` rebuilds at start
-what an entry's response needs on the host and a power loss took (``VgpuBackend.rebuild``).
+what an entry's response needs on the host and a power loss took (``kubelet/rebuild.py``).
 
 The kubelet drops a deleted pod's entries only at its next write of the file (the next
 admission of a pod with devices, a device-list update, its own restart): an entry says that

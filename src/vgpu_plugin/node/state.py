@@ -12,7 +12,7 @@ inside the call, as an unfinished tail that is cut off), so only a power loss or
 needs the sync. Allocate therefore appends with ``sync=False`` and answers; ``flush``, run by
 serve's ``DeferredSync`` thread moments later, syncs it without holding the lock while the disk
 works, and what a power loss takes in between is rebuilt at start from the kubelet's
-checkpoint (``VgpuBackend.rebuild``). Every other change is synced before it returns, and a
+checkpoint (``kubelet/rebuild.py``). Every other change is synced before it returns, and a
 synced append also covers the unsynced ones before it.
 
 Concurrent synced ``add_many`` calls share syncs (group commit): each queues its entries,

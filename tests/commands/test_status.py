@@ -18,7 +18,7 @@ from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.node import region
 from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.nodeview import (

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry
-from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
+from vgpu_plugin.core.pods import CheckpointEntry, PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.cleanup import (
     Cleaner,
     CleanupPolicy,

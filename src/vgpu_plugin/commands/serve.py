@@ -24,10 +24,11 @@ from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef
 from vgpu_plugin.kubelet.backend import ListTooLargeError
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError, read_checkpoint
+from vgpu_plugin.kubelet.checkpoint import read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
-from vgpu_plugin.kubelet.podresources import PodRef, list_assignments
+from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.rebuild import rebuild
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks

@@ -27,7 +27,7 @@ from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import MIB, GpuLimit, parse_device_id
 from vgpu_plugin.core.grant import GpuGrant, Grant, check_allocation_id
 from vgpu_plugin.core.limits import Limits, format_limits
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry
+from vgpu_plugin.core.pods import CheckpointEntry
 from vgpu_plugin.kubelet.plugin import OVERSUBSCRIBED_KEY, VgpuBackend, record_extra
 from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import fsync_dir, write_atomically
@@ -179,7 +179,8 @@ def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Con
         raise NotRebuildable(str(exc)) from exc
     record = backend._store.get(aid)
     response = e.response
-    assert response is not None  # an entry with an allocation id has its response
+    # An entry with an allocation id has its response (kubelet/checkpoint.py decoded it).
+    assert isinstance(response, pb.ContainerAllocateResponse)
     wanted = _from_response(aid, response)
     if wanted is None:
         if record is None or not record.limits:

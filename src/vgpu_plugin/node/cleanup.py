@@ -24,8 +24,7 @@ from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
 from vgpu_plugin.core.grant import check_allocation_id
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
-from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.hostfiles import remove_allocation
 from vgpu_plugin.node.state import DEVICE_PLUGIN, RELEASING, AllocationStore
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
 from vgpu_plugin.core.devices import GpuLimit, NodePlan, PhysicalGpu, parse_device_id
-from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.node.dra_claims import PreparedClaim, prepared_claims
 from vgpu_plugin.node.state import DEVICE_PLUGIN, DRA, AllocationRecord
 

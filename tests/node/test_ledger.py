@@ -193,7 +193,9 @@ def test_a_claim_a_crash_left_half_way_is_finished_at_start(tmp_path: Path) -> N
         assert record is not None
         store.add(claim_record(claim_of(record), state))
     restarted = make_driver(tmp_path, api)
-    assert restarted.recover() == 2
+    # Just now: maybe another plugin process's prepare in progress (a rolling update).
+    assert restarted.recover() == 0 and len(restarted._claims.unfinished()) == 2
+    assert restarted.recover(min_age=0) == 2
     for ref in (a, b):
         assert not any(p.exists() for p in claim_files(tmp_path, ref.uid))
     assert [r.claim_uid for r in AllocationStore(tmp_path / "state").all()] == [c.uid]

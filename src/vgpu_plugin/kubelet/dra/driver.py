@@ -39,6 +39,9 @@ from vgpu_plugin.node.state import PREPARED, PREPARING, RELEASING, AllocationRec
 
 log = logging.getLogger(__name__)
 
+# A half-way record younger than this is left to its own process (``DraDriver.recover``).
+RECOVER_MIN_AGE = 60.0
+
 
 @dataclass(frozen=True)
 class ClaimRef:
@@ -245,13 +248,18 @@ class DraDriver:
                 extra={"allocation_id": done.allocation_id, "claim_uid": claim.uid},
             )
 
-    def recover(self) -> int:
+    def recover(self, min_age: float = RECOVER_MIN_AGE) -> int:
         """At start: finish what a crash left half-way (a ``preparing`` claim's files were
         never answered to the kubelet, which prepares it again; a ``releasing`` one was being
-        removed). Returns how many were finished; one that cannot be is logged and kept."""
+        removed). Only records older than ``min_age`` seconds: a younger one may be another
+        plugin process's prepare in progress (a rolling update's overlap); the kubelet's
+        retry of it finishes it. Returns how many were finished; one that cannot be is logged
+        and kept."""
         n = 0
         with self._lock:
             for r in self._claims.unfinished():
+                if r.created > self._clock() - min_age:
+                    continue
                 try:
                     self._release(r)
                 except (OSError, ValueError) as exc:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -127,6 +130,15 @@ def _nvml_here() -> bool:
         return False
 
 
+def probe(port: int, path: str) -> tuple[int, str]:
+    """GET a probe of a plugin on 127.0.0.1: its status and body."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read().decode()
+
+
 def _serve(tmp_path: Path, config_text: str) -> subprocess.Popen[str]:
     cfg = tmp_path / "config.yaml"
     cfg.write_text(config_text)
@@ -149,10 +161,17 @@ def test_nvidia_fail_on_init_error_false_waits_instead_of_exiting(tmp_path: Path
     (tmp_path / "b").mkdir()
     waiting = _serve(tmp_path / "b", "version: v1\nflags: {failOnInitError: false}\n")
     assert waiting.stderr is not None
+    port = 0
     for line in waiting.stderr:
-        if "failOnInitError is false" in line:
+        found = re.search(r"probes on \S+ \(port (\d+)\) while waiting", line)
+        if found:
+            port = int(found.group(1))
             break
     assert waiting.poll() is None  # still up, advertising nothing
+    # Alive to the chart's liveness probe (no restart loop), never ready.
+    assert probe(port, "/healthz") == (200, "ok\n")
+    status, body = probe(port, "/readyz")
+    assert status == 503 and body.startswith("not serving: ") and "NVML" in body
     waiting.send_signal(signal.SIGTERM)
     assert waiting.wait(timeout=60) == 0
 

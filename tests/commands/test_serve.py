@@ -243,6 +243,19 @@ def sample(text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name} {labels} in:\n{text}")
 
 
+def test_the_probes_say_alive_and_ready_once_registered(served: Served) -> None:
+    from commands.test_cli import probe
+
+    logs = served.wait_log("metrics on")
+    port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]
+    served.kubelet.wait_registrations(1, timeout=10)
+    assert probe(port, "/healthz") == (200, "ok\n")
+    deadline = time.monotonic() + 10  # the plugin learns of its registration just after it
+    while probe(port, "/readyz") != (200, "ok\n"):
+        assert time.monotonic() < deadline, probe(port, "/readyz")
+        time.sleep(0.05)
+
+
 def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -> None:
     a, _ = served.uuids()
     resp = served.kubelet.allocate(RES, [f"{a}-0", f"{a}-1"])

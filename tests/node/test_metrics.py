@@ -576,3 +576,29 @@ def test_a_fork_that_fails_says_the_view_is_down(monkeypatch: pytest.MonkeyPatch
     view = NodeView((), ())
     exposition = metrics.NodeViewExposition(lambda: view, forked=lambda: lambda: view)
     assert gzip.decompress(exposition.gzipped()).decode().endswith("vgpu_node_view_up 0.0\n")
+
+
+def test_the_probes_answer_ok_or_503_with_the_reason_and_leave_metrics_alone() -> None:
+    def broken() -> str | None:
+        raise RuntimeError("boom")
+
+    calls: list[str] = []
+
+    def inner(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        calls.append(str(environ["PATH_INFO"]))
+        start_response("200 OK", [])
+        return [b"metrics"]
+
+    app = metrics.probes_app(
+        {"/healthz": lambda: None, "/readyz": lambda: "not registered", "/x": broken}, inner
+    )
+
+    def get(path: str) -> tuple[str, bytes]:
+        got: list[str] = []
+        body = b"".join(app({"PATH_INFO": path}, lambda status, headers: got.append(status)))
+        return got[0], body
+
+    assert get("/healthz") == ("200 OK", b"ok\n")
+    assert get("/readyz") == ("503 Service Unavailable", b"not registered\n")
+    assert get("/x") == ("503 Service Unavailable", b"the check failed: RuntimeError('boom')\n")
+    assert get("/metrics") == ("200 OK", b"metrics") and calls == ["/metrics"]

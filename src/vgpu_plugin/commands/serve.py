@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client import CollectorRegistry
+
 from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
@@ -283,13 +285,34 @@ class Plugin:
             region.bind()  # once here, not again in each forked build
         try:
             self._metrics_server, port = serve_metrics(
-                self.settings.metrics_address, self._metrics.registry, pace=SCRAPE_PACE
+                self.settings.metrics_address,
+                self._metrics.registry,
+                pace=SCRAPE_PACE,
+                probes={"/healthz": lambda: self.alive(store), "/readyz": self.ready},
             )
         except (OSError, ValueError) as exc:
             raise StartupError(
                 f"cannot serve metrics on {self.settings.metrics_address}: {exc}", EXIT_NODE
             ) from exc
         log.info("metrics on %s (port %d)", self.settings.metrics_address, port)
+
+    def alive(self, store: AllocationStore) -> str | None:
+        """The liveness probe (``/healthz``): None while Allocate's store can be taken; a
+        wedged writer (or a process too busy to answer at all) fails it, and the kubelet
+        restarts the container."""
+        if not store.responsive(LIVENESS_LOCK_TIMEOUT):
+            return f"the allocation store's lock is held for over {LIVENESS_LOCK_TIMEOUT} s"
+        return None
+
+    def ready(self) -> str | None:
+        """The readiness probe (``/readyz``): None once the device plugin (and the DRA driver,
+        where enabled) is registered with the kubelet; between a kubelet restart and the
+        registration again, not ready."""
+        if self._server is None or not self._server.registered:
+            return "the device plugin is not registered with the kubelet"
+        if self._dra is not None and not self._dra.server.registered:
+            return "the DRA driver is not registered with the kubelet"
+        return None
 
     def _new_server(self, resource_name: str) -> DevicePluginServer:
         assert self.backend is not None
@@ -389,6 +412,7 @@ class Plugin:
         log.info("stopped")
 
 
+LIVENESS_LOCK_TIMEOUT = 3.0  # s; under the chart's probe timeout (5 s)
 BOOT_ID_FILE_NAME = "boot_id"  # in the state dir: the boot the last start ran in
 
 
@@ -472,6 +496,22 @@ def _open_store(state_dir: Path) -> AllocationStore:
     return store
 
 
+def _serve_waiting_probes(settings: ServeSettings, why: str) -> MetricsServer | None:
+    """``/healthz`` (alive) and ``/readyz`` (not ready: ``why``) while serve waits for NVML,
+    so the chart's liveness probe does not restart a plugin told to wait."""
+    try:
+        server, _ = serve_metrics(
+            settings.metrics_address,
+            CollectorRegistry(),
+            probes={"/healthz": lambda: None, "/readyz": lambda: f"not serving: {why}"},
+        )
+    except (OSError, ValueError) as exc:
+        log.warning("cannot serve the probes on %s: %s", settings.metrics_address, exc)
+        return None
+    log.info("probes on %s (port %d) while waiting", settings.metrics_address, server.port)
+    return server
+
+
 def _installed_shim_version(host_root: str) -> str:
     try:
         return installed_shim_version(Path(host_root))
@@ -501,9 +541,13 @@ def run(settings: ServeSettings) -> int:
         log.error("cannot start: %s", exc)
         plugin.stop()
         if exc.wait:
-            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped.
+            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped;
+            # alive to the kubelet's liveness probe, never ready.
             log.info("failOnInitError is false: waiting, advertising nothing, until stopped")
+            probes = _serve_waiting_probes(settings, str(exc))
             plugin.wait()
+            if probes is not None:
+                probes.shutdown()
             return 0
         return exc.code
     plugin.wait()

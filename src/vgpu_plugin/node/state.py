@@ -630,6 +630,14 @@ class AllocationStore:
             os.close(fd)
         self.flushes += 1
 
+    def responsive(self, timeout: float) -> bool:
+        """Whether this process's writers can take the store within ``timeout`` seconds (a
+        liveness check: a wedged writer holds the mutex forever)."""
+        if not self._mutex.acquire(timeout=timeout):
+            return False
+        self._mutex.release()
+        return True
+
     def close(self) -> None:
         with self._mutex:
             self._close_fd()

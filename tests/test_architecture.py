@@ -110,3 +110,47 @@ def test_the_kubernetes_client_is_imported_in_one_module() -> None:
         if module.split(".")[0] == "kubernetes"
     }
     assert users == {"node/kubeapi.py"}
+
+
+# The "may import" column of docs/architecture.md's table, for the package's own layers.
+ALLOWED_LAYERS = {
+    "core": {"core"},
+    "api": {"api"},
+    "node": {"core", "api", "node"},
+    "kubelet": {"core", "api", "node", "kubelet"},
+    "commands": {"core", "api", "node", "kubelet", "commands"},  # sim: the demo, lazily
+}
+
+
+def test_every_layer_imports_only_the_layers_the_table_allows() -> None:
+    """The whole table of docs/architecture.md: imports only run downwards; in particular
+    the node never reaches back up into the kubelet clients (PodRef and CheckpointEntry are
+    core facts)."""
+    bad = []
+    for path in sources():
+        allowed = ALLOWED_LAYERS.get(layer(path))
+        if allowed is None:
+            continue
+        for module, _ in imports(path):
+            parts = module.split(".")
+            if parts[0] != "vgpu_plugin" or len(parts) < 2 or parts[1] == "sim":
+                continue  # sim: its own test above
+            if parts[1] not in allowed and parts[1] in {*ALLOWED_LAYERS, "sim"}:
+                bad.append(f"{path.relative_to(PACKAGE)}: {module}")
+    assert bad == []
+
+
+def test_the_table_in_the_docs_is_the_one_checked() -> None:
+    doc = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `").removeprefix("vgpu_plugin."): line.split("|")[3]
+        for line in doc.splitlines()
+        if line.startswith("| `vgpu_plugin.")
+    }
+    assert "everything but `sim`" in rows["commands"]
+    for name, allowed in ALLOWED_LAYERS.items():
+        if name == "commands":
+            continue
+        for other in allowed - {name}:
+            assert other in rows[name], (name, other, rows[name])
+    assert "never the kubelet" in rows["node"], rows["node"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,34 @@ def test_valid_config_prints_the_per_gpu_plan(
     assert "valid" in out and "hypothetical node of 2 x NVIDIA A100-SXM4-80GB" in out
     assert "40960 MiB" in out  # 81920 / 2 from the override
     assert "ListAndWatch message:" in out
+
+
+def test_check_config_plans_both_front_ends_and_prints_the_dra_policy_per_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "version: v1\nsharing: {splitCount: 4}\n"
+        "dra: {enabled: true, gpus: ['1'], memory: {default: 2Gi, minimum: 512Mi, step: 256Mi},"
+        " compute: {default: 20, minimum: 5, step: 5}}\n"
+    )
+    assert main(["check-config", str(cfg), "--no-nvml", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    plugin, dra = out.split("DRA driver ")
+    # GPU 1 is the DRA driver's: the device plugin plans slices for GPU 0 only.
+    assert "1 GPU(s), 4 slice(s)" in plugin
+    assert "GPU-00000000-0000-0000-0000-000000000000" in plugin
+    assert "GPU-00000000-0000-0000-0000-000000000001" not in plugin
+    assert dra.startswith("gpu.vgpu-plugin.io: 1 GPU(s) (dra.gpus: 1)")
+    (row,) = [
+        line for line in dra.splitlines() if "GPU-00000000-0000-0000-0000-000000000001" in line
+    ]
+    assert "default 2048 MiB, min 512 MiB, step 256 MiB" in row
+    assert "default 20 %, min 5 %, step 5 %" in row
+    cfg.write_text("version: v1\ndra: {enabled: true, gpus: [all]}\n")
+    assert main(["check-config", str(cfg), "--no-nvml", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0 GPU(s), 0 slice(s)" in out and "DRA driver gpu.vgpu-plugin.io: 2 GPU(s)" in out
 
 
 def test_invalid_config_lists_every_error_with_its_path(
@@ -99,6 +130,15 @@ def _nvml_here() -> bool:
         return False
 
 
+def probe(port: int, path: str) -> tuple[int, str]:
+    """GET a probe of a plugin on 127.0.0.1: its status and body."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as err:
+        return int(err.code), err.read().decode()
+
+
 def _serve(tmp_path: Path, config_text: str) -> subprocess.Popen[str]:
     cfg = tmp_path / "config.yaml"
     cfg.write_text(config_text)
@@ -121,10 +161,17 @@ def test_nvidia_fail_on_init_error_false_waits_instead_of_exiting(tmp_path: Path
     (tmp_path / "b").mkdir()
     waiting = _serve(tmp_path / "b", "version: v1\nflags: {failOnInitError: false}\n")
     assert waiting.stderr is not None
+    port = 0
     for line in waiting.stderr:
-        if "failOnInitError is false" in line:
+        found = re.search(r"probes on \S+ \(port (\d+)\) while waiting", line)
+        if found:
+            port = int(found.group(1))
             break
     assert waiting.poll() is None  # still up, advertising nothing
+    # Alive to the chart's liveness probe (no restart loop), never ready.
+    assert probe(port, "/healthz") == (200, "ok\n")
+    status, body = probe(port, "/readyz")
+    assert status == 503 and body.startswith("not serving: ") and "NVML" in body
     waiting.send_signal(signal.SIGTERM)
     assert waiting.wait(timeout=60) == 0
 
@@ -284,3 +331,24 @@ def test_status_with_a_wrong_dir_is_an_error_not_an_empty_node(
     dirs[flag] = tmp_path / ("state" if flag == "--state-dir" else "host")
     argv = argv[:4] + [x for name, path in dirs.items() for x in (name, str(path))]
     assert main(argv) == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["allocations.journal", "allocations.lock"])
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_serve_names_a_journal_or_lock_that_is_no_regular_file(
+    tmp_path: Path, name: str, kind: str
+) -> None:
+    from vgpu_plugin.commands import serve
+
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state / name
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with pytest.raises(serve.StartupError) as caught:
+        serve._open_store(state)
+    assert caught.value.code == serve.EXIT_NODE
+    assert str(caught.value) == f"state file {path} is not a regular file ({kind})"

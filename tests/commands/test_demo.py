@@ -28,7 +28,7 @@ REASONS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", list(HOW))
-def test_demo_shows_every_limit_holding(runtime: str) -> None:
+def test_demo_shows_every_limit_holding(runtime: str, native_tree: Path) -> None:
     if REASONS[runtime]:
         pytest.skip(f"{runtime}: {REASONS[runtime]}")
     proc = subprocess.run(

@@ -216,6 +216,18 @@ def test_invalid_config_refuses_to_start(simgpu_node: Node, tmp_path: Path) -> N
     assert "version" in proc.stderr
 
 
+def test_an_alias_bomb_refuses_to_start_with_exit_2_in_one_line(
+    simgpu_node: Node, tmp_path: Path
+) -> None:
+    from core import yaml_bombs
+
+    proc = serve_once(simgpu_node, tmp_path, yaml_bombs.COMPLEX_KEY)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "cannot start" in x]
+    assert "is invalid" in line and "a key must be a plain value" in line
+    assert "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr
+
+
 def scrape(served: Served) -> str:
     logs = served.wait_log("metrics on")
     port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]
@@ -229,6 +241,19 @@ def sample(text: str, name: str, **labels: str) -> float:
         if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no sample {name} {labels} in:\n{text}")
+
+
+def test_the_probes_say_alive_and_ready_once_registered(served: Served) -> None:
+    from commands.test_cli import probe
+
+    logs = served.wait_log("metrics on")
+    port = int(re.search(r"metrics on \S+ \(port (\d+)\)", logs).group(1))  # type: ignore[union-attr]
+    served.kubelet.wait_registrations(1, timeout=10)
+    assert probe(port, "/healthz") == (200, "ok\n")
+    deadline = time.monotonic() + 10  # the plugin learns of its registration just after it
+    while probe(port, "/readyz") != (200, "ok\n"):
+        assert time.monotonic() < deadline, probe(port, "/readyz")
+        time.sleep(0.05)
 
 
 def test_metrics_show_an_allocation_before_its_first_cuda_call(served: Served) -> None:

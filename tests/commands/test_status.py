@@ -18,9 +18,9 @@ from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.kubelet.podresources import PodRef
+from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.node import region
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     SHIM_ERROR,
@@ -449,9 +449,11 @@ def test_nvml_memory_used_is_empty_without_nvml() -> None:
 def test_dra_claims_are_listed_beside_the_device_plugins_allocations(
     node: SyntheticNode, tmp_path: Path
 ) -> None:
-    PreparedClaims(node.state).add(
-        prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=150.0)
+    store = AllocationStore(node.state)
+    ClaimLedger(store).put(
+        prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=150.0), "prepared"
     )
+    store.close()
     node.region("dra-u-1", Snap((Dev(GPU_A, 512 * MIB),), (Proc(True, (512 * MIB,)),)))
     view = node.collect(tmp_path / "no-kubelet.sock")
     lines = render_status(view).splitlines()

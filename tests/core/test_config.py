@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import textwrap
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
+from core import yaml_bombs
 
 from vgpu_plugin.core.config import (
     Config,
@@ -597,3 +600,49 @@ def test_duplicate_keys_among_60000_are_found() -> None:
     keys = "".join(f"  k{i}: 1\n" for i in range(60000))
     (error,) = errors_of(f"sharing:\n{keys}  k59999: 2\n")
     assert "duplicate key 'k59999'" in error
+
+
+# --- bounded parsing (issue 21, item 4) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (yaml_bombs.COMPLEX_KEY, "line 9, column 4: a key must be a plain value, not a list"),
+        (yaml_bombs.VALUE, "aliases expand this document by more than 10000 nodes"),
+    ],
+)
+def test_an_alias_bomb_is_refused_fast_small_and_in_one_line(text: str, why: str) -> None:
+    assert len(text) < 400
+    tracemalloc.start()
+    cpu = time.process_time()
+    try:
+        with pytest.raises(ConfigError) as info:
+            parse_config(text, "config.yaml")
+        used = time.process_time() - cpu  # CPU time: a loaded machine does not inflate it
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(info.value)
+    assert why in message and message.startswith("config.yaml: "), message
+    assert "\n" not in message and len(message) < 200
+    assert used < 1.0 and peak < 100 << 20, (used, peak)
+
+
+def test_anchors_within_the_budget_still_work() -> None:
+    text = textwrap.dedent(
+        """\
+        version: v1
+        sharing: &s {splitCount: 4}
+        overrides:
+          - match: {nodeNames: [a]}
+            sharing: *s
+        """
+    )
+    config = parse_config(text)
+    assert config.sharing.split_count == 4 and len(config.overrides) == 1
+
+
+def test_a_recursive_alias_is_refused() -> None:
+    with pytest.raises(ConfigError, match="an alias refers to a node that contains it"):
+        parse_config("version: v1\nx: &x [1, *x]\n")

@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: make `deployment.*` importable
 
 from deployment.chart import ROOT
 from vgpu_plugin.commands.settings import FLAGS
+from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.core.schema import SCHEMA
-from vgpu_plugin.kubelet.podresources import PodRef
 from vgpu_plugin.node.metrics import PluginMetrics, new_registry
 from vgpu_plugin.node.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
 

@@ -334,7 +334,9 @@ def test_scheduling_and_rollout(defaults: Rendered) -> None:
         "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
     }
     probe = container(defaults, "vgpu-plugin")["readinessProbe"]
-    assert probe["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert probe["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    live = container(defaults, "vgpu-plugin")["livenessProbe"]
+    assert live["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ from vgpu_plugin.core.config import Config, DraConfig
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.install import installed_shim_version
+from vgpu_plugin.node.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 from vgpu_plugin.sim.node import MIB, WORKLOAD, Admitted, EmulatedNode
@@ -46,7 +47,8 @@ class DraOnNode:
         ]
         config = Config(host_root=str(node.host_root), dra=DraConfig(enabled=True))
         self.driver = DraDriver(
-            gpus, config, "node-1", PreparedClaims(node.work / "dra-state"), self.api, self.api,
+            gpus, config, "node-1", ClaimLedger(AllocationStore(node.work / "dra-state")),
+            self.api, self.api,
             installed_shim_version(node.host_root), lock_dir=str(node.lock_dir),
             cdi_spec_dir=str(node.cdi_dir),
         )  # fmt: skip

@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
-from vgpu_plugin.kubelet.checkpoint import (
-    CheckpointEntry,
-    CheckpointError,
-    parse_checkpoint,
-    read_checkpoint,
-)
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError
+from vgpu_plugin.kubelet.checkpoint import parse_checkpoint, read_checkpoint
 
 
 def alloc_resp(allocation_id: str | None) -> str:

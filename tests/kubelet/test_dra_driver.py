@@ -19,7 +19,8 @@ from vgpu_plugin.core.devices import MIB, PhysicalGpu
 from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
+from vgpu_plugin.node.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
@@ -57,7 +58,7 @@ def make_driver(root: Path, api: FakeApiServer) -> DraDriver:
         GPUS,
         config,
         "node-a",
-        PreparedClaims(root / "state"),
+        ClaimLedger(AllocationStore(root / "state")),
         api,
         api,
         "0.1.0-abc",

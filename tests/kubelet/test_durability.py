@@ -19,6 +19,7 @@ from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.checkpoint import CHECKPOINT_NAME, allocation_ids_of, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
+from vgpu_plugin.kubelet.rebuild import rebuild
 from vgpu_plugin.node import cdi as cdi_files
 from vgpu_plugin.node.atomicfile import DeferredSync
 from vgpu_plugin.node.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
@@ -27,7 +28,7 @@ A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
 RES = "nvidia.com/gpu"
 MIB = 1 << 20
-LOGGER = "vgpu_plugin.kubelet.plugin"
+LOGGER = "vgpu_plugin.kubelet.rebuild"
 
 
 def gpus() -> list[PhysicalGpu]:
@@ -242,7 +243,7 @@ def test_after_a_power_loss_start_rebuilds_exactly_what_allocate_wrote(
     entries = read_checkpoint(tmp_path / "plugins")
     assert entries is not None
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        report = restarted.rebuild(entries)
+        report = rebuild(restarted, entries)
 
     assert snapshot(tmp_path / "host") == files  # byte for byte
     assert snapshot(tmp_path / "cdi") == specs
@@ -263,7 +264,7 @@ def test_after_a_power_loss_start_rebuilds_exactly_what_allocate_wrote(
     )
     # A second start finds everything in place.
     caplog.clear()
-    again = restarted.rebuild(entries)
+    again = rebuild(restarted, entries)
     assert again.rebuilt == {} and again.intact == 3 and caplog.records == []
 
 
@@ -286,7 +287,7 @@ def test_an_entry_that_cannot_be_rebuilt_is_refused_in_one_line_and_the_rest_is(
     entries = read_checkpoint(tmp_path / "plugins")
     assert entries is not None
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        report = restarted.rebuild(entries)
+        report = rebuild(restarted, entries)
     assert list(report.refused) == [aids[0]]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors == [
@@ -321,7 +322,7 @@ def test_a_checkpoint_naming_paths_allocate_never_writes_is_refused(
     entries = read_checkpoint(tmp_path / "plugins")
     assert entries is not None
     with caplog.at_level(logging.ERROR, logger=LOGGER):
-        report = backend.rebuild(entries)
+        report = rebuild(backend, entries)
     assert sorted(report.refused) == sorted(allocation_ids_of(c)[0] for c in (first, second))
     assert not victim.exists() and len(caplog.records) == 2
     assert "not a limits path of ours" in caplog.records[0].getMessage()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,3 +353,38 @@ def test_a_failed_record_write_leaves_no_files_and_no_record(
     assert node.store.all() == []
     assert not any((node.host_root / "limits").iterdir())
     assert not any((node.host_root / "containers").iterdir())
+
+
+@pytest.fixture
+def read_only(node: Node) -> Iterator[Callable[[], None]]:
+    """Makes the host root read-only (a bind mount of itself, remounted ro) when called."""
+    mounted: list[Path] = []
+
+    def make() -> None:
+        root = str(node.host_root)
+        for args in (["--bind", root, root], ["-o", "remount,bind,ro", root]):
+            done = subprocess.run(["mount", *args], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot mount a read-only host root here: {done.stderr.strip()}")
+            if not mounted:
+                mounted.append(node.host_root)
+
+    yield make
+    for m in mounted:
+        subprocess.run(["umount", str(m)], check=True)
+
+
+def test_a_read_only_host_root_fails_allocate_with_one_line_naming_the_file(
+    node: Node, read_only: Callable[[], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    node.kubelet.allocate(RES, [f"{A}-0"])  # the root's dirs exist, as on a node
+    read_only()
+    with pytest.raises(grpc.RpcError) as info:
+        node.kubelet.allocate(RES, [f"{A}-1"], [f"{B}-0"])
+    details = info.value.details() or ""
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "Read-only file system" in details and str(node.host_root) in details, details
+    assert "\n" not in details
+    # One error, never a chain of them: the roll-back's own failure is one logged line.
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert len(node.store.all()) == 1

@@ -16,12 +16,8 @@ import pytest
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
-from vgpu_plugin.kubelet.podresources import (
-    PodRef,
-    PodResourcesUnavailable,
-    allocatable_devices,
-    list_assignments,
-)
+from vgpu_plugin.core.pods import PodRef, PodResourcesUnavailable
+from vgpu_plugin.kubelet.podresources import allocatable_devices, list_assignments
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
 RES = "nvidia.com/gpu"

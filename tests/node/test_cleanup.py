@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry
-from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
+from vgpu_plugin.core.pods import CheckpointEntry, PodRef, PodResourcesUnavailable
 from vgpu_plugin.node.cleanup import (
     Cleaner,
     CleanupPolicy,
@@ -358,29 +357,38 @@ def test_the_cleaner_reads_the_checkpoint_and_keeps_an_init_allocation(
 # --- orphans: files no record owns (issue 14, item 7) ----------------------------------------
 
 
-def test_orphaned_files_are_swept_but_never_fresh_owned_or_live_ones(
+# Names as the plugin makes them (core/grant.py new_allocation_id, core/dra.py allocation_id).
+ORPHAN, FRESH, OWNED, LIVE = (f"0190a1b2c3d4{n:08x}" for n in range(4))
+HAMI = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0_server"  # HAMi's containers/<pod-uid>_<container>
+
+
+def test_orphaned_files_are_swept_but_never_fresh_owned_live_or_foreign_ones(
     node: tuple[Path, AllocationStore, Kubelet, list[float]],
 ) -> None:
     root, store, _, now = node
     old = time.time() - 3600
     paths = {}
-    for aid in ("orphan", "fresh", "owned", "live"):
+    for aid in (ORPHAN, FRESH, OWNED, LIVE, "dra-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"):
         d, limits = materialise(root, aid)
         paths[aid] = (d, limits)
-        if aid != "fresh":
+        if aid != FRESH:
             for p in (d, limits):
                 os.utime(p, (old, old))
-    only_limits = root / "limits" / "x.tmp-123-abcd"  # a writer killed mid-write
+    only_limits = root / "limits" / f"{ORPHAN[:-1]}9.tmp-123-abcd"  # a writer killed mid-write
     only_limits.write_text("half")
     os.utime(only_limits, (old, old))
-    foreign = root / "containers" / ".not-an-id"
-    foreign.mkdir()
-    os.utime(foreign, (old, old))
-    store.add(rec("owned", ("GPU-a-0",), created=time.time()))
+    foreign = [root / "containers" / ".not-an-id", root / "containers" / HAMI]
+    for f in foreign:
+        f.mkdir()
+        (f / "vgpu.cache").write_bytes(b"HAMi's")
+        os.utime(f, (old, old))
+    store.add(rec(OWNED, ("GPU-a-0",), created=time.time()))
     now[0] = time.time()
-    cleaner = make_cleaner(node, still_running=lambda aid: aid == "live")
+    cleaner = make_cleaner(node, still_running=lambda aid: aid == LIVE)
     cleaner.run_once()
-    assert not any(p.exists() for p in paths["orphan"]) and not only_limits.exists()
-    for aid in ("fresh", "owned", "live"):
+    assert not any(p.exists() for p in paths[ORPHAN]) and not only_limits.exists()
+    assert not any(p.exists() for p in paths["dra-0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"])
+    for aid in (FRESH, OWNED, LIVE):
         assert all(p.exists() for p in paths[aid]), aid
-    assert foreign.exists()
+    for f in foreign:
+        assert (f / "vgpu.cache").read_bytes() == b"HAMi's", f

@@ -86,3 +86,56 @@ def test_files_of_another_uid_in_a_dir_it_made_read_only_are_moved_aside(tmp_pat
     assert done.returncode == 0, done.stderr
     assert not d.exists() and not (root / "limits" / "b2").exists()
     assert (root / "containers" / ".unremovable-b2" / "readonly" / "f").exists()
+
+
+UNPREPARE = """
+import logging, sys
+from pathlib import Path
+from kubelet.test_dra_driver import make_driver
+from vgpu_plugin.kubelet.dra.driver import ClaimRef
+from vgpu_plugin.sim.dra_kubelet import FakeApiServer
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]
+assert int(caps, 16) == 0, caps
+make_driver(Path(sys.argv[1]), FakeApiServer()).unprepare(ClaimRef("ml", sys.argv[2], "infer"))
+"""
+
+
+def test_unprepare_of_a_dir_it_cannot_empty_moves_it_aside_and_says_so(tmp_path: Path) -> None:
+    """DRA unprepare as the chart runs it: a tenant of another uid left a read-only subdir.
+    Before the one remover, unprepare said success, logged nothing and left the dir forever."""
+    from kubelet.test_dra_driver import DEV_A, make_driver
+
+    from vgpu_plugin.kubelet.dra.driver import ClaimRef
+    from vgpu_plugin.node.state import AllocationStore
+    from vgpu_plugin.sim.dra_kubelet import FakeApiServer
+
+    tmp_path.chmod(0o755)
+    api = FakeApiServer()
+    driver = make_driver(tmp_path, api)
+    driver.publish("test")
+    api.add_claim("ml", "infer", {"gpu": {"memory": "1Gi"}})
+    uid = api.allocate("ml", "infer", DEV_A)["metadata"]["uid"]  # type: ignore[index]
+    driver.prepare(ClaimRef("ml", uid, "infer"))
+    aid = f"dra-{uid}"
+    d = tmp_path / "vgpu" / "containers" / aid
+    ro = d / "readonly"
+    ro.mkdir()
+    (ro / "f").write_text("x")
+    os.chown(ro / "f", 1000, 1000)
+    os.chown(ro, 1000, 1000)
+    ro.chmod(0o555)
+    assert SETPRIV is not None
+    tests = str(Path(__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path, tests])}
+    done = subprocess.run(
+        [SETPRIV, "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", UNPREPARE,
+         str(tmp_path), uid],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    aside = tmp_path / "vgpu" / "containers" / f".unremovable-{aid}"
+    assert not d.exists() and (aside / "readonly" / "f").exists()
+    assert f"cannot remove everything in {d}" in done.stderr and str(aside) in done.stderr
+    assert not (tmp_path / "vgpu" / "limits" / aid).exists()
+    assert AllocationStore(tmp_path / "state").all() == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -145,3 +146,22 @@ def test_a_data_swap_to_something_unreadable_is_reported_once(
     assert "keeping the running config" in caplog.text and "config.yaml" in caplog.text
     configmap(tmp_path, "version: v1\nsharing: {splitCount: 8}\n", 2)
     assert w.poll() and seen.calls[-1][0].sharing.split_count == 8
+
+
+def test_an_alias_bomb_on_reload_is_refused_and_the_old_config_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from core import yaml_bombs
+
+    configmap(tmp_path, "version: v1\nsharing: {splitCount: 4}\n", 1)
+    seen = Seen()
+    w = ConfigWatcher(tmp_path / "config.yaml", None, seen)
+    w.load_initial()
+    for generation, bomb in enumerate((yaml_bombs.COMPLEX_KEY, yaml_bombs.VALUE), start=2):
+        configmap(tmp_path, bomb, generation)
+        cpu = time.process_time()
+        assert not w.poll()
+        assert time.process_time() - cpu < 1.0  # CPU time: a loaded machine does not inflate it
+    assert seen.calls == [] and w.failures == 2
+    assert w.current is not None and w.current[0].sharing.split_count == 4
+    assert "a key must be a plain value" in caplog.text and "aliases expand" in caplog.text

@@ -57,7 +57,7 @@ def _ping(proc: subprocess.Popen[str]) -> tuple[str, int]:
 
 
 @pytest.fixture
-def shim_build(tmp_path: Path) -> Path:
+def shim_build(tmp_path: Path, native_tree: Path) -> Path:
     """A copy of the packaged shim, standing for one build."""
     out = tmp_path / "build-1" / "libvgpu.so"
     out.parent.mkdir()
@@ -268,3 +268,37 @@ def test_live_since_is_unknown_when_a_container_has_no_record(tmp_path: Path) ->
     assert install.live_since(root, state) == 300.0
     (root / "containers" / "unknown").mkdir()
     assert install.live_since(root, state) is None
+
+
+def test_another_tools_preload_is_refused_and_named_unless_the_flag_says_replace(
+    tmp_path: Path, shim_build: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    root = tmp_path / "host"
+    root.mkdir()
+    hami = "/usr/local/vgpu/libvgpu.so\n"  # what HAMi writes in a shared /usr/local/vgpu
+    (root / "ld.so.preload").write_text(hami)
+    parser = argparse.ArgumentParser()
+    install_shim.add_flags(parser)
+    args = parser.parse_args(["--host-root", str(root), "--source", str(shim_build)])
+    assert install_shim.run(args) == install_shim.EXIT_FOREIGN_PRELOAD
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HAMi" in err and "/usr/local/vgpu/libvgpu.so" in err
+    assert "--replace-preload" in err
+    assert (root / "ld.so.preload").read_text() == hami
+    assert sorted(p.name for p in root.iterdir()) == ["ld.so.preload"]  # nothing written
+    forced = parser.parse_args([*map(str, ["--host-root", root, "--source", shim_build]),
+                                "--replace-preload"])  # fmt: skip
+    assert install_shim.run(forced) == 0
+    assert (root / "ld.so.preload").read_text() == install.PRELOAD_TEXT
+    # Our own file, or one with only our entry and comments, is no other tool's.
+    (root / "ld.so.preload").write_text(f"# vgpu\n{install.SHIM_PATH}\n")
+    assert install_shim.run(args) == 0
+
+
+def test_an_unknown_tools_preload_is_named_by_its_library(tmp_path: Path) -> None:
+    (tmp_path / "ld.so.preload").write_text("/opt/x/libsomething.so:/etc/vgpu/libvgpu.so\n")
+    with pytest.raises(install.ForeignPreload) as info:
+        install.install_shim(tmp_path, Path("/nonexistent"))
+    assert "an unknown tool's libsomething.so" in str(info.value)

@@ -19,7 +19,7 @@ from synthetic_regions import Dev, Proc, Snap, prepared_claim
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node import metrics
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.nodeview import (
     DRIVER_LIMIT_KEY,
     SHIM_FOUND,
@@ -401,12 +401,14 @@ def test_dra_claims_are_exported_beside_the_device_plugins_allocations(tmp_path:
     root = tmp_path / "host"
     store = AllocationStore(tmp_path / "state")
     store.add(record("a1", 1.0, GpuLimit(GPU_A, 10 * MIB, 25), pod="infer-a"))
-    claims = PreparedClaims(tmp_path / "state")
-    claims.add(prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=2.0))
+    # One ledger: the claim is a record of the same store.
+    ClaimLedger(store).put(
+        prepared_claim("u-1", GpuLimit(GPU_A, 6 << 30, 30), created=2.0), "prepared"
+    )
     regions = Regions()
     regions.put(root, "dra-u-1", Snap((Dev(GPU_A, 2 * MIB),), (Proc(True, (2 * MIB,)),)))
     gpus = [GpuFacts(GPU_A, 0, "NVIDIA A100-SXM4-80GB", 80 << 30, None, None, True)]
-    provider = view_provider(root, store.all, lambda: gpus, read_region=regions, claims=claims.all)
+    provider = view_provider(root, store.all, lambda: gpus, read_region=regions)
     pm = metrics.new_registry(provider)
     server, port = metrics.serve_metrics("127.0.0.1:0", pm.registry)
     try:
@@ -602,3 +604,29 @@ def test_the_content_type_is_the_text_format_the_docs_name(node: Node, encoding:
     assert "vgpu_container_memory_limit_bytes{" in text
     docs = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
     assert f"`Content-Type: {content_type}`" in docs.read_text()
+
+
+def test_the_probes_answer_ok_or_503_with_the_reason_and_leave_metrics_alone() -> None:
+    def broken() -> str | None:
+        raise RuntimeError("boom")
+
+    calls: list[str] = []
+
+    def inner(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        calls.append(str(environ["PATH_INFO"]))
+        start_response("200 OK", [])
+        return [b"metrics"]
+
+    app = metrics.probes_app(
+        {"/healthz": lambda: None, "/readyz": lambda: "not registered", "/x": broken}, inner
+    )
+
+    def get(path: str) -> tuple[str, bytes]:
+        got: list[str] = []
+        body = b"".join(app({"PATH_INFO": path}, lambda status, headers: got.append(status)))
+        return got[0], body
+
+    assert get("/healthz") == ("200 OK", b"ok\n")
+    assert get("/readyz") == ("503 Service Unavailable", b"not registered\n")
+    assert get("/x") == ("503 Service Unavailable", b"the check failed: RuntimeError('boom')\n")
+    assert get("/metrics") == ("200 OK", b"metrics") and calls == ["/metrics"]

@@ -10,9 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from vgpu_plugin.commands.serve_dra import split_gpus
 from vgpu_plugin.core.config import ConfigError, load_config
 from vgpu_plugin.core.devices import PhysicalGpu, plan_node
-from vgpu_plugin.core.plan_text import render_plan
+from vgpu_plugin.core.plan_text import render_dra, render_plan
 from vgpu_plugin.core.sizes import parse_size
 from vgpu_plugin.kubelet.backend import ListTooLargeError, check_list_size
 from vgpu_plugin.kubelet.plugin import advertised_devices
@@ -84,9 +85,14 @@ def run(args: argparse.Namespace) -> int:
     if not gpus:
         gpus = _hypothetical(args, parse_size(args.gpu_memory))
         source = f"a hypothetical node of {args.gpus} x {args.gpu_model} (no NVML here)"
-    plan = plan_node(config, gpus, args.node_name, labels)
+    # Both front ends, as serve splits the GPUs: dra.gpus are the DRA driver's, the rest the
+    # device plugin's.
+    plugin_gpus, dra_gpus = split_gpus(config, gpus)
+    plan = plan_node(config, plugin_gpus, args.node_name, labels)
     print(f"{args.file}: valid. Plan for {source}:")
     print(render_plan(plan))
+    if config.dra.enabled:
+        print(render_dra(config.dra, dra_gpus))
     for line in config.ignored_flags:
         print(f"NVIDIA flag {line}")
     try:

@@ -10,7 +10,9 @@ from pathlib import Path
 from vgpu_plugin.commands.settings import add_shared_flag
 from vgpu_plugin.core.defaults import HOST_ROOT
 from vgpu_plugin.node import native
-from vgpu_plugin.node.install import describe, install_shim, live_since
+from vgpu_plugin.node.install import ForeignPreload, describe, install_shim, live_since
+
+EXIT_FOREIGN_PRELOAD = 3  # the node: another tool's ld.so.preload in this host root
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     add_shared_flag(
         p, "state-dir", "the plugin's records, to tell which versions may be in use (with --keep)"
     )
+    p.add_argument(
+        "--replace-preload",
+        action="store_true",
+        help="replace an ld.so.preload that lists another tool's library (refused without)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +42,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     since = live_since(root, Path(args.state_dir)) if args.keep is not None else None
     try:
-        result = install_shim(root, Path(args.source) if args.source else None, args.keep, since)
+        result = install_shim(
+            root,
+            Path(args.source) if args.source else None,
+            args.keep,
+            since,
+            replace_preload=args.replace_preload,
+        )
+    except ForeignPreload as exc:
+        print(f"install-shim: {exc}", file=sys.stderr)
+        return EXIT_FOREIGN_PRELOAD
     except (OSError, native.NativeArtifactMissing) as exc:
         print(f"install-shim: {exc}", file=sys.stderr)
         return 1

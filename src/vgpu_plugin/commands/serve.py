@@ -15,25 +15,35 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+
+from prometheus_client import CollectorRegistry
 
 from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef
 from vgpu_plugin.kubelet.backend import ListTooLargeError
-from vgpu_plugin.kubelet.checkpoint import CheckpointError, read_checkpoint
+from vgpu_plugin.kubelet.checkpoint import read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.podresources import list_assignments
+from vgpu_plugin.kubelet.rebuild import rebuild
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
 from vgpu_plugin.node import region
 from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
-from vgpu_plugin.node.cleanup import Cleaner, store_relabeler, store_release_marker
+from vgpu_plugin.node.cleanup import (
+    Cleaner,
+    store_relabeler,
+    store_release_marker,
+    store_releasing_marker,
+)
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
-from vgpu_plugin.node.dra_claims import read_prepared_claims
+from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
 from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
 from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
@@ -51,7 +61,7 @@ from vgpu_plugin.node.nvml import (
     nvml_memory_used,
     nvml_session,
 )
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.state import AllocationStore, NotRegularFile
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
@@ -154,7 +164,7 @@ class Plugin:
         if config.dra.enabled:
             try:
                 self._dra = DraRunner(
-                    config, dra_gpus, s.node_name, s.state_dir, version, s.lock_dir,
+                    config, dra_gpus, s.node_name, store, version, s.lock_dir,
                     s.cdi_spec_dir,
                 )  # fmt: skip
                 self._dra.start()
@@ -195,23 +205,19 @@ class Plugin:
         self._server = self._new_server(config.resource_name)
         self._server.start()
         self._watcher.start()
-        self._cleaner = Cleaner(
+        self._cleaner = new_cleaner(
+            store,
             Path(config.host_root),
-            store.all,
-            store.remove,
             lambda: list_assignments(s.pod_resources_socket, self._resource_name(), timeout=2.0),
-            relabel=store_relabeler(store),
-            still_running=lambda aid: live_processes(Path(self._host_root()), aid) > 0,
             grace=s.cleanup_grace,
             cdi_spec_dir=Path(s.cdi_spec_dir),
             checkpoint=lambda: read_checkpoint(s.device_plugin_dir),
-            mark_released=store_release_marker(store),
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 
     def _rebuild_from_checkpoint(self) -> None:
         """Before the kubelet can start a container again: what a power loss took of an
-        allocation it keeps in its checkpoint is rebuilt (``VgpuBackend.rebuild``). Only on
+        allocation it keeps in its checkpoint is rebuilt (``kubelet/rebuild.py``). Only on
         the first start since the node booted: without a reboot no write was lost, and the
         checkpoint may still name allocations the cleanup removed (the kubelet drops a pod's
         entries only at its next write), which must not come back."""
@@ -230,7 +236,7 @@ class Plugin:
             log.warning("cannot check the allocations against the kubelet's checkpoint: %s", exc)
             return
         if entries:
-            report = self.backend.rebuild(entries)
+            report = rebuild(self.backend, entries)
             log.info(
                 "first start since the node booted: of the allocations in the kubelet's "
                 "checkpoint %d intact, %d rebuilt, %d not rebuildable",
@@ -279,13 +285,34 @@ class Plugin:
             region.bind()  # once here, not again in each forked build
         try:
             self._metrics_server, port = serve_metrics(
-                self.settings.metrics_address, self._metrics.registry, pace=SCRAPE_PACE
+                self.settings.metrics_address,
+                self._metrics.registry,
+                pace=SCRAPE_PACE,
+                probes={"/healthz": lambda: self.alive(store), "/readyz": self.ready},
             )
         except (OSError, ValueError) as exc:
             raise StartupError(
                 f"cannot serve metrics on {self.settings.metrics_address}: {exc}", EXIT_NODE
             ) from exc
         log.info("metrics on %s (port %d)", self.settings.metrics_address, port)
+
+    def alive(self, store: AllocationStore) -> str | None:
+        """The liveness probe (``/healthz``): None while Allocate's store can be taken; a
+        wedged writer (or a process too busy to answer at all) fails it, and the kubelet
+        restarts the container."""
+        if not store.responsive(LIVENESS_LOCK_TIMEOUT):
+            return f"the allocation store's lock is held for over {LIVENESS_LOCK_TIMEOUT} s"
+        return None
+
+    def ready(self) -> str | None:
+        """The readiness probe (``/readyz``): None once the device plugin (and the DRA driver,
+        where enabled) is registered with the kubelet; between a kubelet restart and the
+        registration again, not ready."""
+        if self._server is None or not self._server.registered:
+            return "the device plugin is not registered with the kubelet"
+        if self._dra is not None and not self._dra.server.registered:
+            return "the DRA driver is not registered with the kubelet"
+        return None
 
     def _new_server(self, resource_name: str) -> DevicePluginServer:
         assert self.backend is not None
@@ -385,6 +412,7 @@ class Plugin:
         log.info("stopped")
 
 
+LIVENESS_LOCK_TIMEOUT = 3.0  # s; under the chart's probe timeout (5 s)
 BOOT_ID_FILE_NAME = "boot_id"  # in the state dir: the boot the last start ran in
 
 
@@ -419,20 +447,69 @@ def _make_shared_dir(path: Path) -> None:
         raise StartupError(f"cannot create the lock dir {path}: {exc}", EXIT_NODE) from exc
 
 
+def new_cleaner(
+    store: AllocationStore,
+    host_root: Path,
+    assignments: Callable[[], Mapping[str, PodRef]],
+    grace: float,
+    cdi_spec_dir: Path,
+    checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Cleaner:
+    """The cleanup over the one ledger (both front ends' records), as ``serve`` runs it."""
+    return Cleaner(
+        host_root,
+        store.all,
+        store.remove,
+        assignments,
+        relabel=store_relabeler(store),
+        still_running=lambda aid: live_processes(host_root, aid) > 0,
+        grace=grace,
+        clock=clock,
+        cdi_spec_dir=cdi_spec_dir,
+        checkpoint=checkpoint,
+        mark_released=store_release_marker(store),
+        mark_releasing=store_releasing_marker(store),
+    )
+
+
 def _open_store(state_dir: Path) -> AllocationStore:
     """The allocation records, in a dir that must be writable now: finding out at the first
-    Allocate would fail a pod instead of the plugin's start."""
+    Allocate would fail a pod instead of the plugin's start. The DRA claims file of a plugin
+    before the one ledger is imported into it here, before anything reads the ledger."""
     try:
         store = AllocationStore(state_dir)
         probe = state_dir / f".probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
+        migrate_claims_file(store)
+    except NotRegularFile as exc:
+        raise StartupError(f"state file {exc}", EXIT_NODE) from exc
     except OSError as exc:
+        # Name the file where the error names one (a journal the kernel refused), not the dir.
+        what = exc.strerror or str(exc)
+        if exc.filename is not None and exc.filename != str(state_dir):
+            what = f"{exc.filename}: {what}"
         raise StartupError(
-            f"state dir {state_dir}: {exc.strerror or exc} (it must be a writable directory)",
-            EXIT_NODE,
+            f"state dir {state_dir}: {what} (it must be a writable directory)", EXIT_NODE
         ) from exc
     return store
+
+
+def _serve_waiting_probes(settings: ServeSettings, why: str) -> MetricsServer | None:
+    """``/healthz`` (alive) and ``/readyz`` (not ready: ``why``) while serve waits for NVML,
+    so the chart's liveness probe does not restart a plugin told to wait."""
+    try:
+        server, _ = serve_metrics(
+            settings.metrics_address,
+            CollectorRegistry(),
+            probes={"/healthz": lambda: None, "/readyz": lambda: f"not serving: {why}"},
+        )
+    except (OSError, ValueError) as exc:
+        log.warning("cannot serve the probes on %s: %s", settings.metrics_address, exc)
+        return None
+    log.info("probes on %s (port %d) while waiting", settings.metrics_address, server.port)
+    return server
 
 
 def _installed_shim_version(host_root: str) -> str:
@@ -464,9 +541,13 @@ def run(settings: ServeSettings) -> int:
         log.error("cannot start: %s", exc)
         plugin.stop()
         if exc.wait:
-            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped.
+            # NVIDIA's failOnInitError: false: stay up, advertising nothing, until stopped;
+            # alive to the kubelet's liveness probe, never ready.
             log.info("failOnInitError is false: waiting, advertising nothing, until stopped")
+            probes = _serve_waiting_probes(settings, str(exc))
             plugin.wait()
+            if probes is not None:
+                probes.shutdown()
             return 0
         return exc.code
     plugin.wait()

@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import PreparedClaims
+from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.kubeapi import ApiError, KubeApi
 from vgpu_plugin.node.nvml import NvmlUnavailable, device_facts
+from vgpu_plugin.node.state import AllocationStore
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
 API_TIMEOUT_S = 10.0
+# How often prepared claims are checked against the API server (and once at start).
+STALE_CLAIMS_INTERVAL_S = 300.0
 
 
 def split_gpus(
@@ -44,7 +47,7 @@ class DraRunner:
         config: Config,
         gpus: Sequence[PhysicalGpu],
         node_name: str,
-        state_dir: Path,
+        store: AllocationStore,
         shim_version: str,
         lock_dir: str,
         cdi_spec_dir: str,
@@ -59,7 +62,7 @@ class DraRunner:
             log.warning("no compute capability or driver version for the slice: %s", exc)
             facts = {}
         self.driver = DraDriver(
-            gpus, config, node_name, PreparedClaims(state_dir), api, api, shim_version,
+            gpus, config, node_name, ClaimLedger(store), api, api, shim_version,
             facts=facts, lock_dir=lock_dir, cdi_spec_dir=cdi_spec_dir,
         )  # fmt: skip
         self.server = DraServer(
@@ -68,12 +71,28 @@ class DraRunner:
             os.environ.get("VGPU_DRA_PLUGINS_DIR", dra.PLUGINS_DIR),
             on_registered=lambda: self.driver.publish("registered with the kubelet"),
         )
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
 
     def start(self) -> None:
+        self.driver.recover()
         for g in self.driver.gpus:
             log.info("GPU %d %s %s: DRA", g.index, g.uuid, g.name)
         self.driver.publish("started")
         self.server.start()
+        self._sweeper = threading.Thread(
+            target=self._sweep_stale, name="vgpu-dra-stale", daemon=True
+        )
+        self._sweeper.start()
+
+    def _sweep_stale(self) -> None:
+        """At start, then every ``STALE_CLAIMS_INTERVAL_S``: claims the API server lost."""
+        while not self._stop.is_set():
+            try:
+                self.driver.release_stale()
+            except Exception:  # keep sweeping after a bug in one pass
+                log.exception("stale-claim pass failed")
+            self._stop.wait(STALE_CLAIMS_INTERVAL_S)
 
     def apply_health(self, uuid: str, healthy: bool) -> None:
         try:
@@ -85,4 +104,5 @@ class DraRunner:
         self.driver.apply_config(config)
 
     def stop(self) -> None:
+        self._stop.set()
         self.server.stop()

@@ -19,13 +19,9 @@ from typing import Any
 from vgpu_plugin.commands.settings import add_shared_flag
 from vgpu_plugin.core import defaults
 from vgpu_plugin.core.devices import parse_device_id
+from vgpu_plugin.core.pods import PodRef, PodResourcesUnavailable
 from vgpu_plugin.core.sizes import format_mib
-from vgpu_plugin.kubelet.podresources import (
-    PodRef,
-    PodResourcesUnavailable,
-    allocatable_devices,
-    list_assignments,
-)
+from vgpu_plugin.kubelet.podresources import allocatable_devices, list_assignments
 from vgpu_plugin.node.cleanup import holders
 from vgpu_plugin.node.dra_claims import read_prepared_claims
 from vgpu_plugin.node.nodeview import (

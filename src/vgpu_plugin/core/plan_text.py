@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from vgpu_plugin.core.devices import GpuPlan, NodePlan
+from collections.abc import Sequence
+
+from vgpu_plugin.core.config import DraConfig
+from vgpu_plugin.core.devices import MIB, GpuPlan, NodePlan, PhysicalGpu
 
 _COLUMNS = (
     "GPU",
@@ -59,3 +62,30 @@ def _row(g: GpuPlan) -> tuple[str, ...]:
         sharing.placement,
         "default" if g.override is None else f"overrides[{g.override}]",
     )
+
+
+_DRA_COLUMNS = ("GPU", "MODEL", "UUID", "MEMORY", "CLAIM MEMORY", "CLAIM COMPUTE")
+
+
+def render_dra(dra: DraConfig, gpus: Sequence[PhysicalGpu]) -> str:
+    """The DRA driver's share of the node: a header line, then one row per GPU with the
+    request policy a claim on it meets (default, minimum, step of each capacity)."""
+    head = f"DRA driver {dra.driver_name}: {len(gpus)} GPU(s) (dra.gpus: {', '.join(dra.gpus)})"
+    if not gpus:
+        return head + "\n(no GPUs)\n"
+    mem_default, mem_min, mem_step = (v // MIB for v in dra.memory)
+    cpu_default, cpu_min, cpu_step = dra.compute
+    memory = f"default {mem_default} MiB, min {mem_min} MiB, step {mem_step} MiB"
+    compute = f"default {cpu_default} %, min {cpu_min} %, step {cpu_step} %"
+    rows = [
+        _DRA_COLUMNS,
+        *(
+            (str(g.index), g.name, g.uuid, f"{g.memory_mib} MiB", memory, compute)
+            for g in sorted(gpus, key=lambda g: g.index)
+        ),
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(_DRA_COLUMNS))]
+    lines = [head]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines) + "\n"

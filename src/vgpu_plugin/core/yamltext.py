@@ -62,11 +62,78 @@ class _StrictLoader(_SafeLoader):  # type: ignore[valid-type,misc]
 MAX_INT_CHARS = 40
 _StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
 
+# Nodes that aliases may add to the document once expanded (the text's own nodes are not
+# counted). A config uses an anchor for a few shared settings; a 330-byte "billion laughs"
+# expands to hundreds of millions of nodes, and would cost minutes and gigabytes to build,
+# compare as duplicate keys and print.
+MAX_ALIAS_NODES = 10_000
+
+
+def _where(node: yaml.Node) -> str:
+    mark = node.start_mark
+    return f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def check_expansion(root: yaml.Node, budget: int = MAX_ALIAS_NODES) -> None:
+    """Refuses, before anything is built, a node graph whose aliases expand it by more than
+    ``budget`` nodes, a recursive alias, and a mapping key that is not a scalar (no setting
+    has one; a duplicated complex key was how a 330-byte text froze the plugin). Counts the
+    expanded size of each distinct node once: linear in the text, however much it expands."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finish = stack.pop()
+        key = id(node)
+        if finish:
+            open_.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[key] - len(sizes) > budget:
+                raise YamlProblem(
+                    f"{_where(node)}aliases expand this document by more than {budget} nodes"
+                    " (an alias bomb?)"
+                )
+            continue
+        if key in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            for k, _ in node.value:
+                if not isinstance(k, yaml.ScalarNode):
+                    kind = "a list" if isinstance(k, yaml.SequenceNode) else "a map"
+                    raise YamlProblem(f"{_where(k)}a key must be a plain value, not {kind}")
+        open_.add(key)
+        stack.append((node, True))
+        for c in _children(node):
+            if id(c) in open_:
+                raise YamlProblem(f"{_where(c)}an alias refers to a node that contains it")
+            if id(c) not in sizes:
+                stack.append((c, False))
+
+
+def _load(text: str) -> object:
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_expansion(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
 
 def load_yaml(text: str) -> object:
     """The single document in ``text``; None when it holds nothing but comments."""
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        return _load(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

@@ -10,7 +10,7 @@ guessing from device IDs. Node-local, read-only, never on the Allocate path.
 The kubelet writes the file after our Allocate answered (tmp file, fsync, rename), keeping each
 container's whole serialized ``ContainerAllocateResponse``; after a node reboot it starts the
 containers again from these responses without calling Allocate. ``serve`` rebuilds at start
-what an entry's response needs on the host and a power loss took (``VgpuBackend.rebuild``).
+what an entry's response needs on the host and a power loss took (``kubelet/rebuild.py``).
 
 The kubelet drops a deleted pod's entries only at its next write of the file (the next
 admission of a pod with devices, a device-list update, its own restart): an entry says that
@@ -33,7 +33,6 @@ import binascii
 import json
 import os
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +40,12 @@ from google.protobuf.message import DecodeError
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core import cdi
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 ALLOCATION_ENV = "VGPU_ALLOCATION_ID"
 # A checkpoint is a few KiB per container; anything this big is not one.
 _MAX_BYTES = 64 * 1024 * 1024
-
-
-class CheckpointError(ValueError):
-    """The checkpoint exists but cannot be read or is not the kubelet's format."""
-
-
-@dataclass(frozen=True)
-class CheckpointEntry:
-    """One container's devices of one resource, as the kubelet recorded them."""
-
-    pod_uid: str
-    container: str
-    resource_name: str
-    device_ids: tuple[str, ...]
-    allocation_ids: tuple[str, ...]  # from the Allocate response's envs; () if not ours
-    # The Allocate response the kubelet keeps (None: absent or not decodable).
-    response: pb.ContainerAllocateResponse | None = field(default=None, compare=False)
 
 
 def _response(alloc_resp: Any) -> pb.ContainerAllocateResponse | None:

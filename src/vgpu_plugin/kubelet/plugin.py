@@ -7,58 +7,43 @@ so Allocate stays fast and never blocks on anything but local disk.
 Durability (docs/contracts.md#durability): with a ``DeferredSync`` (as ``serve`` runs it),
 Allocate writes the limits file, the dirs and the record without syncing and answers; the
 syncer makes them durable shortly after. A SIGKILL loses none of it (the page cache keeps
-every write, whole); a power loss inside the window is repaired at the next start by
-``rebuild`` from the kubelet's checkpoint, which keeps the response we answered with. The CDI
-strategies' responses carry no limits, so there the record is synced before answering and the
-rebuild reads it instead.
+every write, whole); a power loss inside the window is repaired at the next start by the
+rebuild (``kubelet/rebuild.py``) from the kubelet's checkpoint, which keeps the response we
+answered with. The CDI strategies' responses carry no limits, so there the record is synced
+before answering and the rebuild reads it instead.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import posixpath
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core import cdi, defaults
 from vgpu_plugin.core.allocation import (
-    MEMORY_LIMIT_ENV,
     ContainerSpec,
     container_spec,
-    host_allocation_dir,
-    host_limits_path,
 )
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import (
-    MIB,
-    GpuLimit,
     NodePlan,
     PhysicalGpu,
-    parse_device_id,
     plan_node,
 )
 from vgpu_plugin.core.grant import (
-    GpuGrant,
     Grant,
     InvalidRequest,
-    check_allocation_id,
     grant,
     new_allocation_id,
 )
-from vgpu_plugin.core.limits import Limits, format_limits
 from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry
-from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import DeferredSync, fsync_dir, write_atomically
+from vgpu_plugin.node.atomicfile import DeferredSync, fsync_dir
 from vgpu_plugin.node.health import HealthChange
 from vgpu_plugin.node.hostfiles import allocation_paths, remove_allocation, write_allocation
 from vgpu_plugin.node.nodeview import DRIVER_LIMIT_KEY
@@ -260,7 +245,7 @@ class VgpuBackend:
                         resource_name=plan.resource_name,
                         created=now,
                         limits=tuple(x.limit for x in g.gpus),
-                        extra=_record_extra(spec.driver_limit, g.oversubscribed),
+                        extra=record_extra(spec.driver_limit, g.oversubscribed),
                     )
                     for g, spec in prepared
                 ),
@@ -332,52 +317,24 @@ class VgpuBackend:
         for d in sorted(self._written_paths(prepared)[1]):
             fsync_dir(d)
 
-    # --- after a power loss ----------------------------------------------------------------
-
-    def rebuild(self, entries: Sequence[CheckpointEntry]) -> RebuildReport:
-        """Rebuild, from the kubelet's checkpoint ``entries``, what Allocate wrote for each of
-        our allocations and a power loss took before the syncer made it durable: the limits
-        file (missing or not what the response says: torn), the region dir, the CDI spec, the
-        record. Logs one line per allocation rebuilt, and one per allocation that cannot be
-        (the rest goes on). Run at start, before registering with the kubelet."""
-        return _rebuild(self, entries)
-
-    def _cdi_spec(self, e: CheckpointEntry, wanted: _Wanted, config: Config) -> dict[str, Any]:
-        """The CDI spec Allocate writes for this allocation under ``config``."""
-        by_uuid = {g.uuid: g for g in self._gpus}
-        order = _slice_order(wanted.limits)
-        gpus: list[GpuGrant] = []
-        for lim in wanted.limits.gpus:
-            gpu = by_uuid.get(lim.uuid)
-            if gpu is None:
-                raise NotRebuildable(f"its GPU {lim.uuid} is not on this node any more")
-            ids = [d for d in e.device_ids if (parse_device_id(d) or ("",))[0] == lim.uuid]
-            gpus.append(GpuGrant(gpu, tuple(sorted(ids, key=order)), lim))
-        g = Grant(wanted.allocation_id, tuple(gpus), wanted.limits.oversubscribe)
-        spec = container_spec(
-            g,
-            config.host_root,
-            self._shim_version,
-            self._lock_dir,
-            config.device_list_strategy,
-            config.driver_memory_limit,
-        )
-        if spec.cdi_spec is None:
-            raise NotRebuildable("its response names CDI devices; the config's strategy has none")
-        return spec.cdi_spec
-
     def _unmaterialise(self, g: Grant, spec: ContainerSpec) -> None:
+        """Allocate's roll-back: the one remover, then the record. A host root that refused
+        the write refuses this too (read-only, full): logged, and the caller's one error
+        stands; what is left has no record, so the orphan sweep owns it."""
         aid = g.allocation_id
-        remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
-        self._store.remove(g.allocation_id)
+        try:
+            remove_allocation(spec.allocation_dir, spec.limits_path, aid, self._cdi_spec_dir)
+            self._store.remove(aid)
+        except OSError as exc:
+            log.error("cannot roll back allocation %s: %s", aid, exc, extra={"allocation_id": aid})
 
 
-# --- rebuilding from the kubelet's checkpoint -----------------------------------------------
+# --- the record's extra ---------------------------------------------------------------------
 
 OVERSUBSCRIBED_KEY = "oversubscribed"  # in a record's extra, only when true
 
 
-def _record_extra(driver_limit: str | None, oversubscribed: bool) -> dict[str, object]:
+def record_extra(driver_limit: str | None, oversubscribed: bool) -> dict[str, object]:
     """A record's extra: the driver limit Allocate requested (None: the key is left out), and
     whether the grant is oversubscribed (the CDI strategies' rebuild needs it: their response
     lacks it)."""
@@ -385,194 +342,3 @@ def _record_extra(driver_limit: str | None, oversubscribed: bool) -> dict[str, o
     if oversubscribed:
         extra[OVERSUBSCRIBED_KEY] = True
     return extra
-
-
-class NotRebuildable(ValueError):
-    """A checkpoint entry from which an allocation's host files cannot be rebuilt."""
-
-
-@dataclass(frozen=True)
-class _Wanted:
-    """What Allocate wrote for one container, as a checkpoint entry (and its record) tell."""
-
-    allocation_id: str
-    limits: Limits
-    limits_path: str
-    allocation_dir: str
-
-
-def _mounted(response: pb.ContainerAllocateResponse, container_path: str) -> str | None:
-    for m in response.mounts:
-        if m.container_path == container_path:
-            return str(m.host_path)
-    return None
-
-
-def _from_response(aid: str, response: pb.ContainerAllocateResponse) -> _Wanted | None:
-    """The limits and host paths the response names (envvar and volume-mounts strategies);
-    None when it names none (the CDI strategies put them in the CDI spec)."""
-    envs = response.envs
-    if "CUDA_DEVICE_MEMORY_LIMIT_0" not in envs:
-        return None
-    listed = envs.get(cdi.VISIBLE_DEVICES_ENV, "")
-    if listed and not listed.startswith("/"):
-        uuids = listed.split(",")
-    else:  # volume-mounts: one mount per GPU, in the same order
-        prefix = cdi.VOLUME_MOUNTS_ROOT + "/"
-        uuids = [
-            m.container_path[len(prefix) :]
-            for m in response.mounts
-            if m.container_path.startswith(prefix)
-        ]
-    gpus: list[GpuLimit] = []
-    try:
-        for i, uuid in enumerate(uuids):
-            memory = envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"]
-            if not memory.endswith("m"):
-                raise NotRebuildable(f"CUDA_DEVICE_MEMORY_LIMIT_{i}={memory!r} is not in MiB")
-            compute = int(envs[f"CUDA_DEVICE_SM_LIMIT_{i}"])
-            gpus.append(GpuLimit(uuid, int(memory[:-1]) * MIB, compute))
-    except (KeyError, ValueError) as exc:
-        if isinstance(exc, NotRebuildable):
-            raise
-        raise NotRebuildable(f"its response's limit envs are incomplete ({exc})") from exc
-    if f"CUDA_DEVICE_MEMORY_LIMIT_{len(uuids)}" in envs or not gpus:
-        raise NotRebuildable("its response's GPUs and limit envs do not match")
-    limits_path = _mounted(response, defaults.LIMITS_PATH)
-    allocation_dir = _mounted(response, defaults.CACHE_DIR)
-    if limits_path is None or allocation_dir is None:
-        raise NotRebuildable("its response mounts no limits file or region dir")
-    _check_ours(limits_path, "limits", aid)
-    _check_ours(allocation_dir, "containers", aid)
-    oversubscribe = envs.get("CUDA_OVERSUBSCRIBE") == "true"
-    return _Wanted(aid, Limits(aid, oversubscribe, tuple(gpus)), limits_path, allocation_dir)
-
-
-def _check_ours(path: str, kind: str, aid: str) -> None:
-    """Only a path Allocate could have written is written again: ``<root>/<kind>/<aid>``."""
-    if posixpath.normpath(path) != path or not path.startswith("/"):
-        raise NotRebuildable(f"its response mounts {path!r}, not a normalized absolute path")
-    if not path.endswith(f"/{kind}/{aid}"):
-        raise NotRebuildable(f"its response mounts {path!r}, not a {kind} path of ours")
-
-
-def _slice_order(limits: Limits) -> Callable[[str], tuple[int, int, str]]:
-    """Device IDs in the grant's order: by their GPU's place in the limits, then slice."""
-    place = {g.uuid: i for i, g in enumerate(limits.gpus)}
-
-    def key(device_id: str) -> tuple[int, int, str]:
-        parsed = parse_device_id(device_id)
-        if parsed is None:
-            return (len(place), 0, device_id)
-        return (place.get(parsed[0], len(place)), parsed[1], device_id)
-
-    return key
-
-
-@dataclass
-class RebuildReport:
-    """What ``VgpuBackend.rebuild`` did: allocation id -> what was rebuilt, and refusals."""
-
-    rebuilt: dict[str, list[str]] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    intact: int = 0
-
-
-def _rebuild(backend: VgpuBackend, entries: Sequence[CheckpointEntry]) -> RebuildReport:
-    snapshot = backend._snapshot
-    config = snapshot.config
-    report = RebuildReport()
-    for e in entries:
-        if e.resource_name != snapshot.plan.resource_name or not e.allocation_ids:
-            continue
-        aid = e.allocation_ids[0]
-        who = f"pod {e.pod_uid} container {e.container!r}"
-        try:
-            done = _rebuild_one(backend, e, aid, config)
-        except (NotRebuildable, OSError) as exc:
-            report.refused[aid] = str(exc)
-            log.error(
-                "cannot rebuild allocation %s (%s) from the kubelet's checkpoint: %s%s",
-                aid,
-                who,
-                exc,
-                "; the container's limits are missing until its pod is recreated"
-                if isinstance(exc, NotRebuildable)
-                else "",
-                extra={"allocation_id": aid, "pod_uid": e.pod_uid},
-            )
-            continue
-        if not done:
-            report.intact += 1
-            continue
-        report.rebuilt[aid] = done
-        log.warning(
-            "rebuilt allocation %s (%s) from the kubelet's checkpoint: %s (lost to a power "
-            "loss before they were synced)",
-            aid,
-            who,
-            ", ".join(done),
-            extra={"allocation_id": aid, "pod_uid": e.pod_uid},
-        )
-    return report
-
-
-def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Config) -> list[str]:
-    """Rebuilds what is missing or torn of one allocation; returns what it rebuilt."""
-    try:
-        check_allocation_id(aid)  # it names files: nothing else is written from a checkpoint
-    except ValueError as exc:
-        raise NotRebuildable(str(exc)) from exc
-    record = backend._store.get(aid)
-    response = e.response
-    assert response is not None  # an entry with an allocation id has its response
-    wanted = _from_response(aid, response)
-    if wanted is None:
-        if record is None or not record.limits:
-            raise NotRebuildable(
-                "its response carries no limits (the CDI strategies keep them in the CDI spec) "
-                "and its record is not on file"
-            )
-        oversubscribe = record.extra.get(OVERSUBSCRIBED_KEY) is True
-        wanted = _Wanted(
-            aid,
-            Limits(aid, oversubscribe, record.limits),
-            host_limits_path(config.host_root, aid),
-            host_allocation_dir(config.host_root, aid),
-        )
-    done: list[str] = []
-    text = format_limits(wanted.limits).encode()
-    limits_path = Path(wanted.limits_path)
-    try:
-        intact = limits_path.read_bytes() == text
-    except FileNotFoundError:
-        intact = False
-    if not intact:
-        limits_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(limits_path, text, 0o644)
-        done.append("limits file")
-    alloc_dir = Path(wanted.allocation_dir)
-    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
-        alloc_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
-        fsync_dir(alloc_dir.parent)
-        done.append("region dir")
-    if response.cdi_devices or response.annotations:
-        spec_path = cdi_files.spec_path(backend._cdi_spec_dir, aid)
-        if not spec_path.exists():
-            cdi_files.write_spec(backend._cdi_spec_dir, aid, backend._cdi_spec(e, wanted, config))
-            done.append("CDI spec")
-    if record is None:
-        driver = "requested" if MEMORY_LIMIT_ENV in response.envs else None
-        backend._store.add(
-            AllocationRecord(
-                allocation_id=aid,
-                device_ids=tuple(sorted(e.device_ids, key=_slice_order(wanted.limits))),
-                resource_name=e.resource_name,
-                created=backend._clock(),
-                limits=wanted.limits.gpus,
-                extra=_record_extra(driver, wanted.limits.oversubscribe),
-            )
-        )
-        done.append("record")
-    return done

@@ -7,7 +7,6 @@ on the Allocate path (a kubelet that is slow or restarting must not stall admiss
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +16,13 @@ from vgpu_plugin.api.constants import POD_RESOURCES_SOCKET
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.core import defaults
+from vgpu_plugin.core.pods import PodRef, PodResourcesUnavailable
 
 DEFAULT_SOCKET = Path(POD_RESOURCES_SOCKET)
 DEFAULT_TIMEOUT = 5.0
 # The kubelet's own limit for this API is 16 MiB; gRPC's client default (4 MiB) is smaller
 # than a busy node's List answer can be.
 _MAX_MESSAGE = 16 * 1024 * 1024
-
-
-@dataclass(frozen=True, order=True)
-class PodRef:
-    """The container that holds a device."""
-
-    namespace: str
-    pod: str
-    container: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.pod}/{self.container}"
-
-
-class PodResourcesUnavailable(RuntimeError):
-    """The kubelet's pod-resources socket is missing or does not answer."""
 
 
 def _call(socket: Path | str, timeout: float, method: str, request: Any) -> Any:

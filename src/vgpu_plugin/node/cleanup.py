@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -23,11 +24,9 @@ from typing import Protocol
 
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
 from vgpu_plugin.core.grant import check_allocation_id
-from vgpu_plugin.kubelet.checkpoint import CheckpointEntry, CheckpointError
-from vgpu_plugin.kubelet.podresources import PodRef, PodResourcesUnavailable
-from vgpu_plugin.node.cdi import remove_spec
-from vgpu_plugin.node.rmtree import remove_tree
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef, PodResourcesUnavailable
+from vgpu_plugin.node.hostfiles import remove_allocation
+from vgpu_plugin.node.state import DEVICE_PLUGIN, RELEASING, AllocationStore
 
 log = logging.getLogger(__name__)
 
@@ -192,38 +191,39 @@ def remove_allocation_files(
     host_root: Path, allocation_id: str, cdi_spec_dir: Path | None = None
 ) -> None:
     """Remove ``<root>/containers/<id>/``, ``<root>/limits/<id>`` and the allocation's CDI spec
-    in ``cdi_spec_dir``; missing ones are fine. The dir is the tenant's: it is removed by dir
-    fds, without following its symlinks and whatever modes the tenant set on what it owns
-    (``rmtree``). What the kernel still refuses (files of another uid in a dir that uid made
-    read-only; we hold no capability) is renamed aside to ``containers/.unremovable-<id>`` with
-    an error, so the allocation ends. Raises ValueError for an id that is not a safe file name,
+    in ``cdi_spec_dir`` with the one remover (``hostfiles.remove_allocation``: what it cannot
+    delete it moves aside and logs). Raises ValueError for an id that is not a safe file name,
     OSError when removal fails."""
+    check_allocation_id(allocation_id)
     root = str(Path(host_root).absolute())
-    directory = Path(host_allocation_dir(root, allocation_id))
-    limits = Path(host_limits_path(root, allocation_id))
-    if os.path.lexists(directory):
-        try:
-            remove_tree(str(directory.parent), directory.name)
-        except PermissionError as exc:
-            aside = directory.with_name(f".unremovable-{allocation_id}")
-            os.rename(directory, aside)
-            log.error(
-                "cannot remove everything in %s (%s): moved it to %s; remove it by hand",
-                directory,
-                exc,
-                aside,
-                extra={"allocation_id": allocation_id},
-            )
-    limits.unlink(missing_ok=True)
-    if cdi_spec_dir is not None:
-        remove_spec(cdi_spec_dir, allocation_id)
+    remove_allocation(
+        host_allocation_dir(root, allocation_id),
+        host_limits_path(root, allocation_id),
+        allocation_id,
+        cdi_spec_dir,
+    )
+
+
+# The names this plugin gives allocations: Allocate's (core/grant.py new_allocation_id: 12 hex
+# digits of milliseconds, 8 random) and a DRA claim's (core/dra.py allocation_id). A host root
+# may be shared with another tool (HAMi's containers/<pod-uid>_<container>): the sweep never
+# touches a name it did not make.
+_PLUGIN_MADE = re.compile(
+    r"^(?:[0-9a-f]{20}|dra-[a-z0-9][a-z0-9-]{0,123}[a-z0-9])(?:\.tmp-[0-9]+-[0-9a-f]+)?$"
+)
+
+
+def plugin_made(name: str) -> bool:
+    """Whether ``name`` is an allocation id of this plugin's making."""
+    return _PLUGIN_MADE.match(name) is not None
 
 
 def orphans(host_root: Path, owned: Collection[str], now: float, min_age: float) -> list[str]:
-    """Allocation ids whose dir (``containers/<id>``) or limits file (``limits/<id>``, or a
-    temporary file of one) exists although no record owns them: left by a kill or ENOSPC
-    between creating them and writing the record. Only entries older than ``min_age``
-    seconds count, so an Allocate in flight (files written, record not yet) is never one."""
+    """Allocation ids whose dir (``containers/<id>``) or limits file (``limits/<id>``) exists
+    although no record owns them: left by a kill or ENOSPC between creating them and writing
+    the record. Only names this plugin makes count (``plugin_made``), and only entries older
+    than ``min_age`` seconds, so an Allocate in flight (files written, record not yet) is never
+    one."""
     found: set[str] = set()
     for sub in ("containers", "limits"):
         try:
@@ -234,8 +234,9 @@ def orphans(host_root: Path, owned: Collection[str], now: float, min_age: float)
             name = e.name
             if name in owned or name in found:
                 continue
+            if not plugin_made(name):
+                continue
             try:
-                check_allocation_id(name)
                 age = now - e.stat(follow_symlinks=False).st_mtime
             except (ValueError, OSError):
                 continue
@@ -278,6 +279,7 @@ class Cleaner:
         cdi_spec_dir: Path | None = None,
         checkpoint: Callable[[], Sequence[CheckpointEntry] | None] | None = None,
         mark_released: Callable[[str, float | None], object] | None = None,
+        mark_releasing: Callable[[str], object] | None = None,
     ) -> None:
         self.host_root = Path(host_root)
         self.cdi_spec_dir = cdi_spec_dir
@@ -290,6 +292,7 @@ class Cleaner:
         self._clock = clock
         self._checkpoint = checkpoint
         self._mark_released = mark_released
+        self._mark_releasing = mark_releasing
         self._checkpoint_problem: str | None = None
         self._kept_running: set[str] = set()
         self._stop = threading.Event()
@@ -301,7 +304,11 @@ class Cleaner:
             why = ""
         except PodResourcesUnavailable as exc:
             assignments, why = None, str(exc)
-        records = self._records()
+        # The ledger holds both front ends' allocations; only the device plugin's end when their
+        # container does (a DRA claim ends at its unprepare). All of them own their files.
+        records = [
+            r for r in self._records() if getattr(r, "front_end", DEVICE_PLUGIN) == DEVICE_PLUGIN
+        ]
         decision = self.policy.decide(records, assignments, self._clock(), self._read_checkpoint())
         if decision.availability_changed:
             if decision.available:
@@ -328,7 +335,7 @@ class Cleaner:
         candidates = orphans(self.host_root, (), self._clock(), self.policy.grace)
         if not candidates:
             return
-        owned = {r.allocation_id for r in self._records()}
+        owned = {r.allocation_id for r in self._records()}  # every front end's, every state
         for allocation_id in candidates:
             if allocation_id in owned:
                 continue
@@ -399,6 +406,9 @@ class Cleaner:
             return
         self._kept_running.discard(allocation_id)
         try:
+            # The lifecycle's release: mark, remove with the one remover, drop.
+            if self._mark_releasing is not None:
+                self._mark_releasing(allocation_id)
             remove_allocation_files(self.host_root, allocation_id, self.cdi_spec_dir)
         except ValueError as exc:
             log.error("allocation record %r names no safe path: %s", allocation_id, exc)
@@ -447,6 +457,17 @@ def store_relabeler(store: AllocationStore) -> Callable[[str, PodRef], None]:
             )
 
     return relabel
+
+
+def store_releasing_marker(store: AllocationStore) -> Callable[[str], None]:
+    """``mark_releasing`` for a Cleaner over an AllocationStore: the record's state."""
+
+    def mark(allocation_id: str) -> None:
+        record = store.get(allocation_id)
+        if record is not None and record.state != RELEASING:
+            store.add(dataclasses.replace(record, state=RELEASING))
+
+    return mark
 
 
 def store_release_marker(store: AllocationStore) -> Callable[[str, float | None], None]:

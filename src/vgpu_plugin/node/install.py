@@ -49,6 +49,53 @@ class ShimNotInstalled(RuntimeError):
         self.missing = missing
 
 
+class ForeignPreload(RuntimeError):
+    """``<root>/ld.so.preload`` lists another tool's library: replacing it would take that
+    tool out of every container that mounts the file."""
+
+    def __init__(self, preload: Path, entries: list[str]) -> None:
+        tools = sorted({_tool_of(e) for e in entries})
+        super().__init__(
+            f"{preload} lists {', '.join(entries)} ({', '.join(tools)}), not this plugin's "
+            f"{SHIM_PATH}: not replaced; give this plugin a hostRoot of its own, or pass "
+            "--replace-preload to replace it"
+        )
+        self.preload = preload
+        self.entries = entries
+        self.tools = tools
+
+
+# Libraries other GPU-sharing tools preload, by a part of their path: to name the tool found.
+_KNOWN_TOOLS = (
+    ("libvgpu.so", "HAMi's HAMi-core"),
+    ("libcuda_hook", "a CUDA hook library"),
+)
+
+
+def _tool_of(entry: str) -> str:
+    name = entry.rsplit("/", 1)[-1]
+    for part, tool in _KNOWN_TOOLS:
+        if name.startswith(part):
+            return tool
+    return f"an unknown tool's {name}"
+
+
+def foreign_preload_entries(preload: Path) -> list[str]:
+    """The entries of an existing ``ld.so.preload`` that are not this plugin's shim (empty:
+    none, or no file). ld.so separates entries by white space or ':'; '#' starts a comment."""
+    try:
+        text = preload.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    except IsADirectoryError:
+        return [str(preload)]
+    entries = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        entries += [e for e in line.replace(":", " ").split() if e != SHIM_PATH]
+    return entries
+
+
 @dataclass(frozen=True)
 class InstallResult:
     """What an install found and did. ``changed``: some file or dir was created or replaced."""
@@ -98,6 +145,7 @@ def install_shim(
     source: Path | None = None,
     keep: int | None = None,
     live_since: float | None = None,
+    replace_preload: bool = False,
 ) -> InstallResult:
     """Install ``source`` (default: the packaged shim) as ``<root>/lib/libvgpu.so.<version>``
     and write ``<root>/ld.so.preload``; create ``limits/`` and ``containers/``. Idempotent:
@@ -106,8 +154,15 @@ def install_shim(
     Old versions stay. With ``keep`` N, versions beyond the newest N are removed only when no
     container can still use them: ``live_since`` is the creation time of the oldest allocation
     that may still run (None: unknown, so nothing is removed). See ``prunable_versions``.
+
+    An ``ld.so.preload`` that lists another tool's library raises ``ForeignPreload`` before
+    anything is written, unless ``replace_preload``.
     """
     host_root = Path(host_root)
+    preload = host_root / PRELOAD_FILE
+    foreign = foreign_preload_entries(preload)
+    if foreign and not replace_preload:
+        raise ForeignPreload(preload, foreign)
     data = _source(source).read_bytes()
     version = content_version(data)
     lib = host_root / LIB_DIR
@@ -124,7 +179,6 @@ def install_shim(
         # which is what pruning orders by. Metadata only; the mapped content is untouched.
         os.utime(shim)
         changed = True
-    preload = host_root / PRELOAD_FILE
     preload_written = not _same_content(preload, PRELOAD_TEXT.encode())
     if preload_written:
         write_atomically(preload, PRELOAD_TEXT.encode(), 0o644)

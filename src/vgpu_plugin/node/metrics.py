@@ -792,6 +792,32 @@ class _Paced:
             self._pacer.end(token)
 
 
+# A probe: None when the check passes, else why not (one line).
+Probe = Callable[[], str | None]
+
+
+def probes_app(
+    probes: Mapping[str, Probe], app: Callable[..., Iterable[bytes]]
+) -> Callable[..., Iterable[bytes]]:
+    """``app`` with the kubelet's probes in front: each path of ``probes`` answers 200 "ok"
+    or 503 and the reason, as plain text; every other path goes to ``app``."""
+
+    def with_probes(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        check = probes.get(environ.get("PATH_INFO", ""))
+        if check is None:
+            return app(environ, start_response)
+        try:
+            why = check()
+        except Exception as exc:  # a probe that fails is a failed probe, not a 500 page
+            why = f"the check failed: {exc!r}"
+        body = b"ok\n" if why is None else f"{why}\n".encode()
+        status = "200 OK" if why is None else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return with_probes
+
+
 def metrics_app(registry: CollectorRegistry, pace: float = 0.0) -> Callable[..., Iterable[bytes]]:
     """The WSGI app of ``/metrics``. For a PluginRegistry with a node view: the plugin's own
     instruments, then the node view's cached body, as text format 0.0.4 (what Prometheus
@@ -847,10 +873,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def serve_metrics(
-    address: str, registry: CollectorRegistry, pace: float = 0.0
+    address: str,
+    registry: CollectorRegistry,
+    pace: float = 0.0,
+    probes: Mapping[str, Probe] | None = None,
 ) -> tuple[MetricsServer, int]:
     """Serve ``registry`` as Prometheus text on ``address``; returns the server and its port
-    (the one the OS picked for port 0). ``pace``: see ``metrics_app``."""
+    (the one the OS picked for port 0). ``pace``: see ``metrics_app``; ``probes``: paths
+    answered by a check (``probes_app``), such as ``/healthz`` and ``/readyz``."""
     import socket
 
     host, port = parse_address(address)
@@ -864,7 +894,7 @@ def serve_metrics(
     httpd = make_server(
         host,
         port,
-        metrics_app(registry, pace),
+        probes_app(probes or {}, metrics_app(registry, pace)),
         server_class=server_class,
         handler_class=_QuietHandler,
     )

@@ -20,15 +20,12 @@ from typing import Any, Protocol
 
 from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
 from vgpu_plugin.core.devices import GpuLimit, NodePlan, PhysicalGpu, parse_device_id
-from vgpu_plugin.kubelet.podresources import PodRef
-from vgpu_plugin.node.dra_claims import PreparedClaim
-from vgpu_plugin.node.state import AllocationRecord
+from vgpu_plugin.core.pods import PodRef
+from vgpu_plugin.node.dra_claims import PreparedClaim, prepared_claims
+from vgpu_plugin.node.state import DEVICE_PLUGIN, DRA, AllocationRecord
 
 REGION_OK = "ok"
 REGION_MISSING = "missing"
-# Which front end made an allocation: the device plugin's Allocate, or a DRA claim.
-DEVICE_PLUGIN = "device-plugin"
-DRA = "dra"
 
 # What Allocate asked of the driver's own memory limit for the container (ContainerSpec's
 # ``driver_limit``: 'requested', 'off' or 'not requested: <why>'), kept in the record under
@@ -359,10 +356,15 @@ def build_view(
 ) -> NodeView:
     """The node as one value. ``pods``: each allocation's container (default: what the records
     were labelled with); an allocation absent from ``regions`` reads as region 'missing'.
-    ``claims``: the DRA driver's prepared claims, listed beside the device plugin's
-    allocations and counted in their GPUs' limits and usage (not in slices).
+    DRA records among ``records`` (and ``claims``: those of a claims file not migrated into the
+    ledger yet) are listed as claims beside the device plugin's allocations and counted in
+    their GPUs' limits and usage (not in slices); DRA records not ``prepared`` are left out.
     Ended allocations are listed but count in no GPU's slices, limits or usage."""
     missing = RegionProblem(REGION_MISSING)
+    ledger_claims = prepared_claims([r for r in records if r.front_end == DRA])
+    known = {c.allocation_id for c in ledger_claims}
+    claims = ledger_claims + [c for c in claims if c.allocation_id not in known]
+    records = [r for r in records if r.front_end == DEVICE_PLUGIN]
     plugin = [
         allocation_view(
             r,

@@ -12,7 +12,7 @@ inside the call, as an unfinished tail that is cut off), so only a power loss or
 needs the sync. Allocate therefore appends with ``sync=False`` and answers; ``flush``, run by
 serve's ``DeferredSync`` thread moments later, syncs it without holding the lock while the disk
 works, and what a power loss takes in between is rebuilt at start from the kubelet's
-checkpoint (``VgpuBackend.rebuild``). Every other change is synced before it returns, and a
+checkpoint (``kubelet/rebuild.py``). Every other change is synced before it returns, and a
 synced append also covers the unsynced ones before it.
 
 Concurrent synced ``add_many`` calls share syncs (group commit): each queues its entries,
@@ -44,10 +44,12 @@ rolling update) its records are imported into the journal and it is renamed
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import shutil
+import stat
 import struct
 import sys
 import threading
@@ -86,6 +88,48 @@ _FRAME = struct.Struct("<4sII")
 MAX_ENTRY = 1 << 20
 PUT, DELETE = "put", "del"
 
+# Which front end made an allocation: the device plugin's Allocate, or a DRA claim's prepare.
+DEVICE_PLUGIN = "device-plugin"
+DRA = "dra"
+FRONT_ENDS = (DEVICE_PLUGIN, DRA)
+# An allocation's lifecycle (docs/contracts.md#the-ledger): recorded ``preparing`` before its
+# files are written, ``prepared`` once they are, ``releasing`` before they are removed; the
+# record is dropped once they are gone. Device-plugin allocations are recorded ``prepared``.
+PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
+STATES = (PREPARING, PREPARED, RELEASING)
+
+
+class NotRegularFile(OSError):
+    """A state file (the journal, its lock) exists but is no regular file: opening it could
+    block (a FIFO) or fail with a bare errno that names nothing ("Illegal seek")."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{path} is not a regular file ({kind})")
+        self.path = path
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def check_regular(path: Path) -> None:
+    """Raises NotRegularFile when ``path`` exists (symlinks followed) and is no regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(path, next((n for test, n in _KINDS if test(mode)), "not a file"))
+
 
 class StateFileError(Exception):
     """A state file is corrupt, foreign or of an unknown version."""
@@ -98,7 +142,9 @@ class StateFileError(Exception):
 
 @dataclass(frozen=True, slots=True)  # slots, and shared strings: thousands stay in memory
 class AllocationRecord:
-    """One Allocate answer: the devices the kubelet gave one container and their limits."""
+    """One allocation of this node, from either front end: for the device plugin, the devices
+    the kubelet gave one container; for DRA, one prepared claim (``claim_*``, no device ids).
+    Limits in bytes."""
 
     allocation_id: str
     device_ids: tuple[str, ...]
@@ -112,6 +158,12 @@ class AllocationRecord:
     # When the cleaner first saw it held by nobody (None: held, or not known yet); an ended
     # allocation waits out the cleanup grace and is not counted as live meanwhile.
     released: float | None = None
+    front_end: str = DEVICE_PLUGIN
+    state: str = PREPARED
+    # A DRA allocation's claim (None for the device plugin's).
+    claim_uid: str | None = None
+    claim_namespace: str | None = None
+    claim_name: str | None = None
     # Kept so a newer writer's extra fields survive a round trip through this version.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -122,13 +174,23 @@ class AllocationRecord:
             device_ids=list(self.device_ids),
             resource_name=self.resource_name,
             created=self.created,
-            limits=[[g.uuid, g.memory_mib, g.compute_percent] for g in self.limits],
+            # Bytes are the unit (the 4th item); the whole MiB before it is for readers of
+            # plugins before the one ledger, which read [uuid, MiB, compute].
+            limits=[[g.uuid, g.memory_mib, g.compute_percent, g.memory_bytes] for g in self.limits],
             pod=self.pod,
             namespace=self.namespace,
             container=self.container,
+            front_end=self.front_end,
+            state=self.state,
         )
         if self.released is not None:
             out["released"] = self.released
+        if self.claim_uid is not None:
+            out.update(
+                claim_uid=self.claim_uid,
+                claim_namespace=self.claim_namespace,
+                claim_name=self.claim_name,
+            )
         return out
 
     @classmethod
@@ -146,6 +208,11 @@ class AllocationRecord:
             "namespace",
             "container",
             "released",
+            "front_end",
+            "state",
+            "claim_uid",
+            "claim_namespace",
+            "claim_name",
         }
         try:
             allocation_id = _typed(raw["allocation_id"], str, "allocation_id")
@@ -157,11 +224,17 @@ class AllocationRecord:
             limits = tuple(
                 GpuLimit(
                     sys.intern(_typed(lim[0], str, "limits[].uuid")),
-                    _typed(lim[1], int, "limits[].memory_mib") * MIB,
+                    _typed(lim[3], int, "limits[].memory_bytes")
+                    if len(lim) > 3
+                    else _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
                 )
                 for lim in raw.get("limits", [])
             )
+            # Any string: a newer writer's front end or state is kept, and owned by no one
+            # here but the ledger (the cleanup leaves what it does not know alone).
+            front_end = _typed(raw.get("front_end", DEVICE_PLUGIN), str, "front_end")
+            state = _typed(raw.get("state", PREPARED), str, "state")
         except (KeyError, IndexError, TypeError) as err:
             raise ValueError(f"malformed record: {err!r}") from err
         return cls(
@@ -174,6 +247,11 @@ class AllocationRecord:
             namespace=_optional_str(raw.get("namespace"), "namespace"),
             container=_optional_str(raw.get("container"), "container"),
             released=_optional_float(raw.get("released"), "released"),
+            front_end=sys.intern(front_end),
+            state=sys.intern(state),
+            claim_uid=_optional_str(raw.get("claim_uid"), "claim_uid"),
+            claim_namespace=_optional_str(raw.get("claim_namespace"), "claim_namespace"),
+            claim_name=_optional_str(raw.get("claim_name"), "claim_name"),
             extra={
                 sys.intern(k): sys.intern(v) if isinstance(v, str) and len(v) < 64 else v
                 for k, v in raw.items()
@@ -449,6 +527,8 @@ class AllocationStore:
         # Appends not synced yet (add_many(sync=False)) and the flushes that synced some.
         self._unsynced = False
         self.flushes = 0
+        for path in (self._flock.path, self.path):
+            check_regular(path)
         with self._mutex, self._flock:
             self._remove_stale_tmp()
             self._sync()
@@ -549,6 +629,14 @@ class AllocationStore:
         finally:
             os.close(fd)
         self.flushes += 1
+
+    def responsive(self, timeout: float) -> bool:
+        """Whether this process's writers can take the store within ``timeout`` seconds (a
+        liveness check: a wedged writer holds the mutex forever)."""
+        if not self._mutex.acquire(timeout=timeout):
+            return False
+        self._mutex.release()
+        return True
 
     def close(self) -> None:
         with self._mutex:

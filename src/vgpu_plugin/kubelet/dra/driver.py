@@ -9,9 +9,14 @@ with the same core builder as the device plugin's Allocate (``grant_amounts`` th
 Every container that uses the claim gets the same device, so the containers of one pod that
 share a claim share one limits file and one region: one limit for all of them.
 
-A prepared claim is recorded (``node/dra_claims.py``) before the answer, so a kubelet retry
-or a restarted plugin answers from the record without the API server, and
-NodeUnprepareResources removes exactly what was made.
+A claim is one record of the node's allocation ledger (``node/state.py``, through
+``node/dra_claims.py``), in the lifecycle every allocation follows: recorded ``preparing``
+before its files are written, ``prepared`` (synced) before the answer, so a kubelet retry or a
+restarted plugin answers from the record without the API server; unprepare marks it
+``releasing``, removes exactly what was made with the one remover (``hostfiles``) and drops
+it. A record a crash left ``preparing`` or ``releasing`` is finished at start (``recover``)
+or by the next call for its claim. While the record exists the cleanup's orphan sweep leaves
+the claim's files alone.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ from vgpu_plugin.core.allocation import container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.grant import Amount, InvalidRequest, grant_amounts
-from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedClaims, PreparedDevice
+from vgpu_plugin.node.dra_claims import ClaimLedger, PreparedClaim, PreparedDevice, claim_of
 from vgpu_plugin.node.hostfiles import remove_allocation, write_allocation
 from vgpu_plugin.node.kubeapi import ApiError, ClaimReader, SlicePublisher
+from vgpu_plugin.node.state import PREPARED, PREPARING, RELEASING, AllocationRecord
 
 log = logging.getLogger(__name__)
+
+# A half-way record younger than this is left to its own process (``DraDriver.recover``).
+RECOVER_MIN_AGE = 60.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class DraDriver:
         gpus: Sequence[PhysicalGpu],
         config: Config,
         node_name: str,
-        claims: PreparedClaims,
+        claims: ClaimLedger,
         reader: ClaimReader,
         publisher: SlicePublisher,
         shim_version: str,
@@ -140,9 +149,11 @@ class DraDriver:
     def prepare(self, claim: ClaimRef) -> tuple[PreparedDevice, ...]:
         """The devices to answer for ``claim``; ValueError (one line) when it cannot be."""
         with self._lock:
-            done = self._claims.get(claim.uid)
-            if done is not None:
-                return done.devices
+            done = self._record(claim.uid)
+            if done is not None and done.state == PREPARED:
+                return claim_of(done).devices
+            if done is not None:  # a crash left it half-way: start again from nothing
+                self._release(done)
             try:
                 body = self._reader.get_claim(claim.namespace, claim.name)
             except ApiError as exc:
@@ -150,7 +161,12 @@ class DraDriver:
                     f"cannot read claim {claim.namespace}/{claim.name}: {exc}"
                 ) from exc
             prepared = self._prepare(claim, body)
-            self._claims.add(prepared)
+            try:
+                self._claims.put(prepared, PREPARED)
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot record claim {claim.namespace}/{claim.name}: {exc}"
+                ) from exc
             g = prepared.limits
             log.info(
                 "prepared claim %s/%s -> %s",
@@ -195,11 +211,7 @@ class DraDriver:
             if i == 0:  # once per claim: every container of the claim gets its devices
                 ids.append(shim_device)
             devices.append(PreparedDevice((r.request,), r.pool, r.device, tuple(ids), r.share_id))
-        try:
-            write_allocation(spec, aid, self._cdi_spec_dir)  # all or nothing
-        except OSError as exc:
-            raise ValueError(f"cannot prepare the claim's files on the host: {exc}") from exc
-        return PreparedClaim(
+        prepared = PreparedClaim(
             uid=claim.uid,
             namespace=claim.namespace,
             name=claim.name,
@@ -210,23 +222,122 @@ class DraDriver:
             limits=tuple(x.limit for x in grant.gpus),
             created=self._clock(),
         )
+        try:
+            # Not synced: the process's death keeps it; after a power loss the files are
+            # orphans the sweep removes. The ``prepared`` record's sync covers it.
+            self._claims.put(prepared, PREPARING, sync=False)
+            write_allocation(spec, aid, self._cdi_spec_dir)  # all or nothing
+        except OSError as exc:
+            self._forget(aid)
+            raise ValueError(f"cannot prepare the claim's files on the host: {exc}") from exc
+        return prepared
 
     def unprepare(self, claim: ClaimRef) -> None:
-        """Remove the claim's files and record; a claim never prepared here is fine."""
+        """Remove the claim's files and record; a claim never prepared here is fine. OSError
+        (the record stays ``releasing``, the kubelet retries) when its files cannot be
+        removed nor moved aside."""
         with self._lock:
-            done = self._claims.get(claim.uid)
+            done = self._record(claim.uid)
             if done is None:
                 return
-            remove_allocation(
-                done.allocation_dir, done.limits_path, done.allocation_id, self._cdi_spec_dir
-            )
-            self._claims.remove(claim.uid)
+            self._release(done)
             log.info(
                 "unprepared claim %s/%s",
                 claim.namespace,
                 claim.name,
                 extra={"allocation_id": done.allocation_id, "claim_uid": claim.uid},
             )
+
+    def recover(self, min_age: float = RECOVER_MIN_AGE) -> int:
+        """At start: finish what a crash left half-way (a ``preparing`` claim's files were
+        never answered to the kubelet, which prepares it again; a ``releasing`` one was being
+        removed). Only records older than ``min_age`` seconds: a younger one may be another
+        plugin process's prepare in progress (a rolling update's overlap); the kubelet's
+        retry of it finishes it. Returns how many were finished; one that cannot be is logged
+        and kept."""
+        n = 0
+        with self._lock:
+            for r in self._claims.unfinished():
+                if r.created > self._clock() - min_age:
+                    continue
+                try:
+                    self._release(r)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot finish claim allocation %s: %s", r.allocation_id, exc)
+                    continue
+                n += 1
+                log.info(
+                    "removed the files of claim %s/%s, left %s by a crash",
+                    r.claim_namespace,
+                    r.claim_name,
+                    r.state,
+                    extra={"allocation_id": r.allocation_id, "claim_uid": r.claim_uid},
+                )
+        return n
+
+    def release_stale(self) -> int:
+        """Release every claim the API server no longer has: its claim is gone (404), or a
+        claim of that name has another UID (deleted and made again). A kubelet that never
+        called unprepare (it restarted, the node was cordoned and drained) must not leave a
+        claim's files forever. Reads with the reader's bounded timeout, without holding the
+        driver's lock; any other API error ends the pass (nothing is stale while the API
+        server cannot tell). Returns how many were released."""
+        released = 0
+        for r in self._claims.records():
+            if r.claim_namespace is None or r.claim_name is None:
+                continue
+            try:
+                body = self._reader.get_claim(r.claim_namespace, r.claim_name)
+                meta = body.get("metadata")
+                uid = meta.get("uid") if isinstance(meta, Mapping) else None
+            except ApiError as exc:
+                if exc.status != 404:
+                    log.warning("stale claims not checked: %s", exc)
+                    return released
+                uid = None
+            if uid == r.claim_uid:
+                continue
+            with self._lock:
+                now = self._claims.record(r.allocation_id)
+                if now is None or now.created != r.created:
+                    continue  # unprepared, or prepared again, meanwhile
+                try:
+                    self._release(now)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot release stale claim %s: %s", r.allocation_id, exc)
+                    continue
+            released += 1
+            log.info(
+                "released claim %s/%s: the API server %s",
+                r.claim_namespace,
+                r.claim_name,
+                "no longer has it" if uid is None else f"has a claim {uid} of that name now",
+                extra={"allocation_id": r.allocation_id, "claim_uid": r.claim_uid},
+            )
+        return released
+
+    def _record(self, claim_uid: str) -> AllocationRecord | None:
+        try:
+            aid = dra.allocation_id(claim_uid)
+        except dra.ClaimError:
+            return None  # never prepared: _prepare says why
+        return self._claims.record(aid)
+
+    def _release(self, record: AllocationRecord) -> None:
+        """Mark, remove with the one remover, drop (the lifecycle's release)."""
+        done = claim_of(record)
+        if record.state != RELEASING:
+            self._claims.mark(record, RELEASING, sync=False)
+        remove_allocation(
+            done.allocation_dir, done.limits_path, done.allocation_id, self._cdi_spec_dir
+        )
+        self._claims.drop(done.allocation_id)
+
+    def _forget(self, allocation_id: str) -> None:
+        try:
+            self._claims.drop(allocation_id)
+        except OSError as exc:  # its files are gone: at worst a record recover() finishes
+            log.error("cannot drop the record of %s: %s", allocation_id, exc)
 
     def prepared(self) -> list[PreparedClaim]:
         return self._claims.all()

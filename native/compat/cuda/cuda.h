@@ -63,6 +63,7 @@
 #define cuMemsetD16                      __CUDA_API_PTDS(cuMemsetD16_v2)
 #define cuMemsetD32                      __CUDA_API_PTDS(cuMemsetD32_v2)
 #define cuMemsetD8                       __CUDA_API_PTDS(cuMemsetD8_v2)
+#define cuModuleGetGlobal                cuModuleGetGlobal_v2
 #define cuStreamBeginCapture             __CUDA_API_PTSZ(cuStreamBeginCapture_v2)
 #define cuStreamDestroy                  cuStreamDestroy_v2
 #if defined(__CUDA_API_PER_THREAD_DEFAULT_STREAM)
@@ -303,6 +304,7 @@ CUresult CUDAAPI cuGetExportTable(const void **ppExportTable, const CUuuid *pExp
     #undef cuMemsetD32
     #undef cuMemsetD32Async
     #undef cuMemsetD8
+    #undef cuModuleGetGlobal
     #undef cuMemsetD8Async
     #undef cuStreamBeginCapture
     #undef cuStreamDestroy

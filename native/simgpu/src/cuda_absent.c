@@ -109,34 +109,6 @@ CUresult cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUl
 }
 CUresult cuLogsUnregisterCallback(CUlogsCallbackHandle callback) { (void)callback; return ABSENT; }
 
-/* --- module globals: opaque images have no symbol table to look in -------------------------- */
-
-static CUresult module_global(CUmodule hmod, const char *name) {
-    CUresult rc = sim_ready();
-    if (rc != CUDA_SUCCESS) return rc;
-    if (!hmod || hmod->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
-}
-
-CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
-    (void)dptr, (void)bytes;
-    return module_global(hmod, name);
-}
-
-CUresult cuModuleGetGlobal(CUdeviceptr_v1 *dptr, unsigned int *bytes, CUmodule hmod, const char *name) {
-    (void)dptr, (void)bytes;
-    return module_global(hmod, name);
-}
-
-CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name) {
-    (void)dptr, (void)bytes;
-    CUresult rc = sim_ready();
-    if (rc != CUDA_SUCCESS) return rc;
-    struct CUmod_st *m = (struct CUmod_st *)(void *)library;
-    if (!m || m->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
-}
-
 SIM_SELF(cuCtxDisablePeerAccess)
 SIM_SELF(cuCtxEnablePeerAccess)
 SIM_SELF(cuCtxFromGreenCtx)
@@ -151,13 +123,10 @@ SIM_SELF(cuIpcCloseMemHandle)
 SIM_SELF(cuIpcGetMemHandle)
 SIM_SELF(cuIpcOpenMemHandle)
 SIM_SELF(cuIpcOpenMemHandle_v2)
-SIM_SELF(cuLibraryGetGlobal)
 SIM_SELF(cuLogsRegisterCallback)
 SIM_SELF(cuLogsUnregisterCallback)
 SIM_SELF(cuMemExportToShareableHandle)
 SIM_SELF(cuMemImportFromShareableHandle)
-SIM_SELF(cuModuleGetGlobal)
-SIM_SELF(cuModuleGetGlobal_v2)
 SIM_SELF(cuMulticastAddDevice)
 SIM_SELF(cuMulticastBindMem)
 SIM_SELF(cuMulticastCreate)

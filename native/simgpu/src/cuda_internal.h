@@ -110,6 +110,7 @@ enum sim_mem_kind {
     SIM_MEM_HOST,
     SIM_MEM_ASYNC,
     SIM_MEM_VMM, /* a cuMemMap'ed piece of a reserved range */
+    SIM_MEM_MODULE, /* a module's variables in one context; charged its whole image, freed with it */
 };
 
 struct sim_phys; /* a VMM physical allocation (cuda_vmm.c) */
@@ -152,10 +153,21 @@ struct CUfunc_st {
     char name[128];
 };
 
+/* A module or library loaded in one context: its variables' memory there. */
+struct sim_modinst {
+    struct CUctx_st *ctx;
+    struct sim_alloc *mem; /* SIM_MEM_MODULE: the globals area, charged the image's device bytes */
+    struct sim_modinst *next;
+};
+
+struct sim_image;
+
 struct CUmod_st {
     uint32_t magic;
     struct CUctx_st *ctx; /* NULL: a library (context-independent) */
-    int opaque;           /* not a simgpu image: any name resolves, at the default cost */
+    int opaque;           /* an image simgpu cannot read: any name resolves, at the default cost */
+    struct sim_image *img; /* a cubin read (cuda_image.c): its kernels and variables only */
+    struct sim_modinst *inst; /* a module: one, made at load; a library: one per context using it */
     size_t nfunc, cap;
     struct CUfunc_st **funcs;
     struct CUmod_st *next;
@@ -210,6 +222,10 @@ SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int write);
 SIM_HIDDEN void *sim_map_anon(size_t len, int low32);
 /* Unmap, unlink and uncharge an allocation (not VMM); frees the record. */
 SIM_HIDDEN void sim_alloc_destroy_locked(struct sim_alloc *a);
+/* A module's variables in ctx: `size` bytes mapped (initialised from init), `charge` charged on
+ * its GPU (CUDA_ERROR_OUT_OF_MEMORY when it cannot hold them). */
+SIM_HIDDEN CUresult sim_module_mem_locked(struct CUctx_st *ctx, size_t size, const void *init, uint64_t charge,
+                                          struct sim_alloc **out);
 /* Everything a context owns goes when it is destroyed, as on a real driver. */
 SIM_HIDDEN void sim_mem_free_ctx_locked(struct CUctx_st *ctx);
 

@@ -10,7 +10,8 @@
  *                cuKernelGetFunction in the current context)
  *   launch:NAME  launch.NAME=<rc> (a module's function, or a library's kernel launched as is)
  * and around them: load=<rc>, free0 (before loading), free_loaded, free_ops (after the ops),
- * free_unloaded, free_destroyed (after the context is destroyed, a library still loaded). */
+ * free_unloaded, free_destroyed (after the context is destroyed, a library still loaded).
+ * CUDA_MODULES_HOLD_MIB=<n>: allocate n MiB before loading (to load at a memory limit). */
 #include <stdint.h>
 #include <string.h>
 
@@ -86,6 +87,9 @@ int main(int argc, char **argv) {
     CUcontext ctx;
     CK(cuDeviceGet(&dev, 0));
     CK(cuCtxCreate(&ctx, NULL, 0, dev));
+    const char *hold = getenv("CUDA_MODULES_HOLD_MIB");
+    CUdeviceptr held = 0;
+    if (hold && atoi(hold) > 0) CK(cuMemAlloc(&held, (size_t)atoi(hold) << 20));
     printf("free0=%zu\n", free_bytes());
     CUmodule mod = NULL;
     CUlibrary lib = NULL;

@@ -101,6 +101,29 @@ CUresult cuDevSmResourceSplitByCount(CUdevResource *result, unsigned int *nbGrou
     return ABSENT;
 }
 
+/* --- what cuBLASLt resolves with dlsym at start-up (it refuses a driver without them) ------- */
+
+CUresult cuStreamWaitValue32(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+CUresult cuStreamBatchMemOp(CUstream s, unsigned int n, CUstreamBatchMemOpParams_v1 *p, unsigned int f) {
+    (void)s, (void)n, (void)p, (void)f;
+    return ABSENT;
+}
+CUresult cuGraphKernelNodeGetParams(CUgraphNode h, CUDA_KERNEL_NODE_PARAMS_v1 *p) { (void)h, (void)p; return ABSENT; }
+CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode h, const CUDA_KERNEL_NODE_PARAMS_v1 *p) {
+    (void)e, (void)h, (void)p;
+    return ABSENT;
+}
+CUresult cuGraphNodeGetType(CUgraphNode h, CUgraphNodeType *t) { (void)h, (void)t; return ABSENT; }
+/* Linking device code is JIT work a simulator has no use for. */
+CUresult cuLinkCreate_v2(unsigned int n, CUjit_option *o, void **v, CUlinkState *st) { (void)n, (void)o, (void)v, (void)st; return ABSENT; }
+CUresult cuLinkAddData_v2(CUlinkState st, CUjitInputType t, void *d, size_t size, const char *name, unsigned int n,
+                          CUjit_option *o, void **v) {
+    (void)st, (void)t, (void)d, (void)size, (void)name, (void)n, (void)o, (void)v;
+    return ABSENT;
+}
+CUresult cuLinkComplete(CUlinkState st, void **cubin, size_t *size) { (void)st, (void)cubin, (void)size; return ABSENT; }
+CUresult cuLinkDestroy(CUlinkState st) { (void)st; return ABSENT; }
+
 /* --- driver logs ------------------------------------------------------------------------------ */
 
 CUresult cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUlogsCallbackHandle *callback_out) {

@@ -309,6 +309,7 @@ static CUresult get_function(struct CUfunc_st **out, struct CUmod_st *m, const c
     sim_lock();
     struct CUfunc_st *f = func_find_locked(m, name);
     sim_unlock();
+    if (!f && sim_trace()) fprintf(stderr, "simgpu: kernel %s not in its image\n", name);
     if (!f) return CUDA_ERROR_NOT_FOUND;
     *out = f;
     return CUDA_SUCCESS;
@@ -394,6 +395,17 @@ CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     sim_unlock();
     if (rc == CUDA_SUCCESS) *pFunc = f;
     return rc;
+}
+
+/* The library a kernel comes from (a module's function is no library's kernel). */
+CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    struct CUfunc_st *f = (struct CUfunc_st *)(void *)kernel;
+    if (!pLib) return CUDA_ERROR_INVALID_VALUE;
+    if (!func_valid(f) || f->mod->ctx) return CUDA_ERROR_INVALID_HANDLE;
+    *pLib = (CUlibrary)(void *)f->mod;
+    return CUDA_SUCCESS;
 }
 
 /* --- module variables ------------------------------------------------------------------------ */
@@ -594,6 +606,7 @@ SIM_SELF(cuFuncGetName)
 SIM_SELF(cuFuncSetAttribute)
 SIM_SELF(cuFuncSetCacheConfig)
 SIM_SELF(cuKernelGetFunction)
+SIM_SELF(cuKernelGetLibrary)
 SIM_SELF(cuLaunchCooperativeKernel)
 SIM_SELF(cuLaunchCooperativeKernel_ptsz)
 SIM_SELF(cuLaunchKernel)

@@ -128,21 +128,29 @@ def fatbin(*entries: tuple[int, int, bytes, bool]) -> bytes:
     return struct.pack("<IHHQ", FATBIN_MAGIC, 1, 16, len(body)) + bytes(body)
 
 
+def _sections(cubin: bytes) -> list[tuple[str, int, int]]:
+    """(name, flags, size) of each section of an ELF64 cubin."""
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+
+    def name(off: int) -> str:
+        return cubin[names_at + off : cubin.index(b"\0", names_at + off)].decode()
+
+    return [(name(h[0]), h[2], h[5]) for h in headers]
+
+
 def device_bytes(cubin: bytes) -> int:
     """What a cubin's loading takes on the GPU: its allocated sections (code, constant banks,
     variables) but per-block shared and per-thread local memory."""
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_at = sections[shstrndx][4]
+    return sum(
+        size
+        for name, flags, size in _sections(cubin)
+        if flags & 2 and not name.startswith((".nv.shared", ".nv.local"))
+    )
 
-    def name(off: int) -> str:
-        end = cubin.index(b"\0", names_at + off)
-        return cubin[names_at + off : end].decode()
 
-    total = 0
-    for sh_name, _type, flags, _addr, _offset, size in sections:
-        n = name(sh_name)
-        if flags & 2 and not n.startswith((".nv.shared", ".nv.local")):
-            total += size
-    return total
+def kernel_code(cubin: bytes, kernel: str) -> int:
+    """The size of a kernel's code (its .text.<name> section)."""
+    return sum(size for name, _flags, size in _sections(cubin) if name == f".text.{kernel}")

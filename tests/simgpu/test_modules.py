@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from gpu_images import ENTRY_ELF, ENTRY_PTX, compile_cuda, device_bytes, fatbin
+from gpu_images import ENTRY_ELF, ENTRY_PTX, compile_cuda, device_bytes, fatbin, kernel_code
 from test_memory_limits import env_for, ns, nvml
 
 from vgpu_plugin.sim.simgpu import Node
@@ -112,14 +112,28 @@ def cubin() -> bytes:
 def test_a_cubin_module_has_its_kernels_and_variables_and_takes_its_size(
     native_bin: Path, simgpu_node: Node, tmp_path: Path, cubin: bytes
 ) -> None:
+    """Lazy loading (the default): the image but its kernels' code at load, a kernel's code at
+    its first launch; everything back at unload."""
     out = run(native_bin, simgpu_node.env(), write(tmp_path, "t.cubin", cubin), "module", *OPS)
     assert out["load"] == "0"
     assert_image_read(out)
     free0 = int(out["free0"])
-    # Code, constant banks and variables, as the image's sections size them, from the load on.
-    assert free0 - int(out["free_loaded"]) == device_bytes(cubin) > 148 + 4 + 40 + 6
-    assert int(out["free_ops"]) == int(out["free_loaded"])  # lookups take nothing more
-    assert int(out["free_unloaded"]) == free0  # unloading gives it back
+    scale, other = kernel_code(cubin, "scale"), kernel_code(cubin, "other")
+    assert scale > 0 and other > 0
+    at_load = device_bytes(cubin) - scale - other  # variables, constant banks
+    assert free0 - int(out["free_loaded"]) == at_load > 148 + 4 + 40 + 6
+    assert free0 - int(out["free_ops"]) == at_load + scale  # launched once: its code is in
+    assert int(out["free_unloaded"]) == free0  # unloading gives it all back
+
+
+def test_eager_loading_takes_the_whole_image_at_load(
+    native_bin: Path, simgpu_node: Node, tmp_path: Path, cubin: bytes
+) -> None:
+    env = {**simgpu_node.env(), "CUDA_MODULE_LOADING": "EAGER"}
+    out = run(native_bin, env, write(tmp_path, "t.cubin", cubin), "module", "launch:scale")
+    assert int(out["free0"]) - int(out["free_loaded"]) == device_bytes(cubin)
+    assert out["free_ops"] == out["free_loaded"]
+    assert int(out["free_unloaded"]) == int(out["free0"])
 
 
 def test_a_fat_binary_gives_the_cubin_for_the_device_even_lz4_compressed(
@@ -138,7 +152,8 @@ def test_a_fat_binary_gives_the_cubin_for_the_device_even_lz4_compressed(
         assert out["load"] == "0"
         assert_image_read(out)
         assert out["global.only_on_80"].split()[0] == str(NOT_FOUND)  # sm_80's is not loaded
-        assert int(out["free0"]) - int(out["free_loaded"]) == device_bytes(cubin)
+        code = kernel_code(cubin, "scale") + kernel_code(cubin, "other")
+        assert int(out["free0"]) - int(out["free_loaded"]) == device_bytes(cubin) - code
 
 
 def test_ptx_has_its_kernels_and_variables(
@@ -182,7 +197,8 @@ def test_a_library_takes_its_memory_in_a_context_on_first_use_until_the_context_
     assert out["global.coeffs"] == f"0 40 {le_hex('dd', 1.0, 2.0)}"
     assert out["write.table"] == "0 1"
     assert (out["func.scale"], out["func.nope"]) == ("0", str(NOT_FOUND))
-    assert int(out["free0"]) - int(out["free_ops"]) == device_bytes(cubin)
+    code = kernel_code(cubin, "scale") + kernel_code(cubin, "other")  # not launched: not loaded
+    assert int(out["free0"]) - int(out["free_ops"]) == device_bytes(cubin) - code
     assert out["free_destroyed"] == out["free0"]  # gone with the context, the library kept
 
 

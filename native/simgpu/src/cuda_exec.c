@@ -27,7 +27,7 @@
 
 /* --- functions --------------------------------------------------------------------------- */
 
-static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, uint64_t cost_ns) {
+static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, uint64_t cost_ns, int kidx) {
     if (m->nfunc == m->cap) {
         size_t cap = m->cap ? m->cap * 2 : 8;
         struct CUfunc_st **v = realloc(m->funcs, cap * sizeof *v);
@@ -39,6 +39,7 @@ static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, u
     if (!f) return NULL;
     f->magic = SIM_FUNC_MAGIC;
     f->mod = m;
+    f->kidx = kidx;
     f->cost_ns = cost_ns;
     f->builtin_sleep = strcmp(name, SIM_BUILTIN_SLEEP) == 0;
     snprintf(f->name, sizeof f->name, "%s", name);
@@ -49,8 +50,8 @@ static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, u
 static struct CUfunc_st *func_find_locked(struct CUmod_st *m, const char *name) {
     for (size_t i = 0; i < m->nfunc; i++)
         if (strcmp(m->funcs[i]->name, name) == 0) return m->funcs[i];
-    if (strcmp(name, SIM_BUILTIN_SLEEP) == 0 || m->opaque || (m->img && sim_image_has_kernel(m->img, name)))
-        return func_add_locked(m, name, SIM_DEFAULT_KERNEL_NS);
+    int k = m->img ? sim_image_kernel(m->img, name) : -1;
+    if (strcmp(name, SIM_BUILTIN_SLEEP) == 0 || m->opaque || k >= 0) return func_add_locked(m, name, SIM_DEFAULT_KERNEL_NS, k);
     return NULL;
 }
 
@@ -96,7 +97,7 @@ static CUresult parse_image_locked(struct CUmod_st *m, const char *text) {
         struct CUfunc_st *f = NULL;
         for (size_t i = 0; i < m->nfunc; i++)
             if (strcmp(m->funcs[i]->name, name) == 0) f = m->funcs[i];
-        if (!f) f = func_add_locked(m, name, (uint64_t)ns);
+        if (!f) f = func_add_locked(m, name, (uint64_t)ns, -1);
         if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
         f->cost_ns = (uint64_t)ns; /* a later line for the same name wins */
     }
@@ -105,10 +106,25 @@ static CUresult parse_image_locked(struct CUmod_st *m, const char *text) {
 
 static void inst_free_locked(struct sim_modinst *in) {
     sim_alloc_destroy_locked(in->mem);
+    free(in->loaded);
     free(in);
 }
 
-/* m's variables in ctx: made (charged, initialised) on first use there. */
+/* CUDA_MODULE_LOADING=EAGER loads a module's kernels with it; otherwise (LAZY, the driver's
+ * default since CUDA 12.2) each kernel's code is loaded at its first launch in a context. */
+static int eager_loading(void) {
+    static int eager = -1;
+    if (__atomic_load_n(&eager, __ATOMIC_RELAXED) < 0) {
+        const char *e = getenv("CUDA_MODULE_LOADING");
+        __atomic_store_n(&eager, e && strcmp(e, "EAGER") == 0, __ATOMIC_RELAXED);
+    }
+    return eager;
+}
+
+int sim_module_loading_eager(void) { return eager_loading(); }
+
+/* m's variables in ctx: made (charged, initialised) on first use there, with the code the
+ * image takes beyond its kernels (all of it when loading is eager). */
 static CUresult inst_locked(struct CUmod_st *m, struct CUctx_st *ctx, struct sim_modinst **out) {
     *out = NULL;
     if (!m->img) return CUDA_SUCCESS; /* nothing read: nothing to place */
@@ -118,9 +134,18 @@ static CUresult inst_locked(struct CUmod_st *m, struct CUctx_st *ctx, struct sim
             return CUDA_SUCCESS;
         }
     struct sim_modinst *in = calloc(1, sizeof *in);
-    if (!in) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult rc = sim_module_mem_locked(ctx, m->img->globals_size, m->img->init, m->img->device_bytes, &in->mem);
+    if (!in || !(in->loaded = calloc(m->img->nkern + 1, 1))) {
+        free(in);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t charge = m->img->device_bytes;
+    if (!eager_loading())
+        for (size_t k = 0; k < m->img->nkern; k++) charge -= m->img->kernel_bytes[k];
+    else
+        memset(in->loaded, 1, m->img->nkern);
+    CUresult rc = sim_module_mem_locked(ctx, m->img->globals_size, m->img->init, charge, &in->mem);
     if (rc != CUDA_SUCCESS) {
+        free(in->loaded);
         free(in);
         return rc;
     }
@@ -545,9 +570,17 @@ static CUresult launch(const struct launch *l, int ptds) {
     sim_lock();
     rc = sim_stream_get(l->stream, ptds, &c, &s);
     if (rc == CUDA_SUCCESS && l->f->mod->ctx && l->f->mod->ctx != c) rc = CUDA_ERROR_INVALID_HANDLE;
-    struct sim_modinst *in; /* a library's kernel loads in c now; one with no code here fails */
+    struct sim_modinst *in = NULL; /* a library's kernel loads in c now; one with no code here fails */
     if (rc == CUDA_SUCCESS) rc = l->f->mod->img && l->f->mod->img->foreign ? CUDA_ERROR_NO_BINARY_FOR_GPU
                                                                            : inst_locked(l->f->mod, c, &in);
+    if (rc == CUDA_SUCCESS && in && l->f->kidx >= 0 && !in->loaded[l->f->kidx]) { /* lazy: its code now */
+        uint64_t code = l->f->mod->img->kernel_bytes[l->f->kidx];
+        if (code && simgpu_mem_charge(c->phys, code) != 0) rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (rc == CUDA_SUCCESS) {
+            in->mem->charged += code; /* given back with the module's memory */
+            in->loaded[l->f->kidx] = 1;
+        }
+    }
     /* Every block of a cooperative grid must be resident at once. */
     if (rc == CUDA_SUCCESS && l->cooperative &&
         (uint64_t)g[0] * g[1] * g[2] > (uint64_t)simgpu_node()->gpus[c->phys].cfg.sm_count * 32)

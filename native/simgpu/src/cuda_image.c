@@ -143,12 +143,15 @@ static char *dup_name(const char *s, size_t max) {
     return d;
 }
 
-static int push_kernel(struct sim_image *img, const char *name, size_t max) {
+static int push_kernel(struct sim_image *img, const char *name, size_t max, uint64_t code) {
     char **v = realloc(img->kernels, (img->nkern + 1) * sizeof *v);
     if (!v) return -1;
     img->kernels = v;
+    uint64_t *b = realloc(img->kernel_bytes, (img->nkern + 1) * sizeof *b);
+    if (!b) return -1;
+    img->kernel_bytes = b;
     if (!(v[img->nkern] = dup_name(name, max))) return -1;
-    img->nkern++;
+    b[img->nkern++] = code;
     return 0;
 }
 
@@ -232,7 +235,9 @@ int sim_image_from_elf(const uint8_t *p, uint64_t size, struct sim_image *img) {
             size_t max = st->size - s.name;
             const struct elf_shdr *home = &sh[s.shndx];
             if ((s.info & 15) == STT_FUNC && (s.other & STO_CUDA_ENTRY)) {
-                if (push_kernel(img, name, max) != 0) goto out;
+                /* its code: its own .text.<name> section (nvcc gives each kernel one) */
+                uint64_t code = strncmp(shnames + home->name, ".text.", 6) == 0 ? home->size : 0;
+                if (push_kernel(img, name, max, code) != 0) goto out;
             } else if ((s.info & 15) == STT_OBJECT && variable_section(shnames + home->name) && (home->flags & SHF_ALLOC)) {
                 if (s.value > home->size || s.size > home->size - s.value) goto out;
                 if (push_global(img, name, max, place[s.shndx] + s.value, s.size) != 0) goto out;
@@ -380,7 +385,7 @@ int sim_image_from_ptx(const char *p, size_t n, struct sim_image *img) {
                     if (memcmp(e, ".entry", 6) != 0 || (e > stmt && ident_char(e[-1])) || !isspace((unsigned char)e[6])) continue;
                     const char *name = skip_space(e + 6, q), *ne = name;
                     while (ne < q && ident_char(*ne)) ne++;
-                    if (ne > name && push_kernel(img, name, (size_t)(ne - name)) != 0) return -1;
+                    if (ne > name && push_kernel(img, name, (size_t)(ne - name), 0) != 0) return -1;
                     break;
                 }
             }
@@ -525,15 +530,16 @@ void sim_image_free(struct sim_image *img) {
     for (size_t i = 0; i < img->nkern; i++) free(img->kernels[i]);
     for (size_t i = 0; i < img->nglob; i++) free(img->globals[i].name);
     free(img->kernels);
+    free(img->kernel_bytes);
     free(img->globals);
     free(img->init);
     free(img);
 }
 
-int sim_image_has_kernel(const struct sim_image *img, const char *name) {
+int sim_image_kernel(const struct sim_image *img, const char *name) {
     for (size_t i = 0; i < img->nkern; i++)
-        if (strcmp(img->kernels[i], name) == 0) return 1;
-    return 0;
+        if (strcmp(img->kernels[i], name) == 0) return (int)i;
+    return -1;
 }
 
 const struct sim_image_global *sim_image_global(const struct sim_image *img, const char *name) {

@@ -15,6 +15,7 @@ struct sim_image_global {
 struct sim_image {
     size_t nkern;
     char **kernels; /* entry points (__global__ functions) */
+    uint64_t *kernel_bytes; /* each one's code, loaded at its first launch when loading is lazy */
     size_t nglob;
     struct sim_image_global *globals;
     uint64_t globals_size; /* the area holding every variable section, aligned as the image says */
@@ -41,7 +42,8 @@ int sim_image_from_elf(const uint8_t *p, uint64_t size, struct sim_image *img) _
 /* An LZ4 block of n bytes into exactly cap bytes: 0, or -1 when malformed. */
 int sim_lz4_decode(const uint8_t *src, size_t n, uint8_t *dst, size_t cap) __attribute__((visibility("hidden")));
 void sim_image_free(struct sim_image *img) __attribute__((visibility("hidden")));
-int sim_image_has_kernel(const struct sim_image *img, const char *name) __attribute__((visibility("hidden")));
+/* The kernel's index in img->kernels, or -1. */
+int sim_image_kernel(const struct sim_image *img, const char *name) __attribute__((visibility("hidden")));
 const struct sim_image_global *sim_image_global(const struct sim_image *img, const char *name)
     __attribute__((visibility("hidden")));
 

@@ -147,6 +147,7 @@ struct CUmemPoolHandle_st {
 
 struct CUfunc_st {
     uint32_t magic;
+    int kidx;           /* its index among its image's kernels (cuda_image.h), -1 if none */
     int builtin_sleep;  /* simgpu_sleep: duration from the first parameter */
     uint64_t cost_ns;   /* duration of one launch otherwise */
     struct CUmod_st *mod;
@@ -156,7 +157,8 @@ struct CUfunc_st {
 /* A module or library loaded in one context: its variables' memory there. */
 struct sim_modinst {
     struct CUctx_st *ctx;
-    struct sim_alloc *mem; /* SIM_MEM_MODULE: the globals area, charged the image's device bytes */
+    struct sim_alloc *mem; /* SIM_MEM_MODULE: the globals area; charged what the image takes here */
+    uint8_t *loaded;       /* lazy loading: which kernels' code is loaded (charged) here */
     struct sim_modinst *next;
 };
 
@@ -280,6 +282,8 @@ SIM_HIDDEN void sim_graph_alloc_unmap_locked(struct sim_graph_alloc *exec);
 SIM_HIDDEN CUresult sim_graph_add_alloc_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps,
                                              const struct sim_graph_alloc *alloc);
 
+/* cuda_exec.c: whether modules load eagerly (CUDA_MODULE_LOADING=EAGER) or lazily (default). */
+SIM_HIDDEN int sim_module_loading_eager(void);
 /* cuda_exec.c: load an image as a module of the current context (the runtime's fat binaries). */
 SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);
 

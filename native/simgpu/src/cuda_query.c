@@ -199,10 +199,11 @@ CUresult cuFuncGetModule(CUmodule *hmod, CUfunction hfunc) {
     return CUDA_SUCCESS;
 }
 
-/* Modules load eagerly: nothing is deferred to a kernel's first launch. */
+/* Lazy (kernels' code loads at their first launch, cuda_exec.c) unless CUDA_MODULE_LOADING=EAGER,
+ * as the driver does since CUDA 12.2. */
 CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {
     if (!mode) return CUDA_ERROR_INVALID_VALUE;
-    *mode = CU_MODULE_EAGER_LOADING;
+    *mode = sim_module_loading_eager() ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
     return CUDA_SUCCESS;
 }
 

@@ -95,7 +95,11 @@ int main(int argc, char **argv) {
     CUlibrary lib = NULL;
     CUresult rc = library ? cuLibraryLoadData(&lib, image, NULL, NULL, 0, NULL, NULL, 0) : cuModuleLoadData(&mod, image);
     printf("load=%d\n", (int)rc);
-    if (rc != CUDA_SUCCESS) return 0;
+    if (rc != CUDA_SUCCESS) {
+        free(image);
+        CK(cuCtxDestroy(ctx));
+        return 0;
+    }
     printf("free_loaded=%zu\n", free_bytes());
     for (int i = 3; i < argc; i++) {
         const char *name = strchr(argv[i], ':');

@@ -822,7 +822,13 @@ CUresult sim_module_mem_locked(struct CUctx_st *ctx, size_t size, const void *in
         *a = (struct sim_alloc){.base = (uintptr_t)p, .size = size ? size : 1, .map_len = len, .charged = charge,
                                 .phys = ctx->phys, .kind = SIM_MEM_MODULE, .ctx = ctx};
         if (sim_range_insert(a) == 0) {
-            if (size) memcpy(p, init, size);
+            /* Only the pages with contents: zero-filled variables cost no RAM until touched. */
+            size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+            for (size_t off = 0; off < size; off += pg) {
+                size_t n = size - off < pg ? size - off : pg;
+                const unsigned char *src = (const unsigned char *)init + off;
+                if (src[0] || memcmp(src, src + 1, n - 1)) memcpy((char *)p + off, src, n);
+            }
             *out = a;
             return CUDA_SUCCESS;
         }

@@ -31,6 +31,15 @@ def require_cupy() -> None:
         pytest.skip("cupy-cuda12x is not installed (pip install -e '.[test]')")
 
 
+def require_cublas() -> None:
+    """CuPy and the cuBLAS 12 it loads for matrix products (nvidia-cublas-cu12), or skip."""
+    require_cupy()
+    try:
+        importlib.metadata.version("nvidia-cublas-cu12")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("nvidia-cublas-cu12 is not installed (pip install -e '.[test]')")
+
+
 def require_torch() -> None:
     """PyTorch's CUDA build (PyPI's default Linux wheel), or skip."""
     try:

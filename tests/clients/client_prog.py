@@ -207,6 +207,8 @@ def cupy_client(scenario: str, args: list[str]) -> None:
         cp.cuda.runtime.deviceSynchronize()
         out("elementwise_shape", y.shape[0])
         out("elementwise_dtype", y.dtype)
+    elif scenario == "matmul":
+        matmul_cupy(cp)
     elif scenario == "pace":
         pace_cupy(cp, np, args[0], float(args[1]))
     else:
@@ -225,6 +227,18 @@ def fill_cupy(cp: Any, chunk: int) -> None:
     del held
     pool.free_all_blocks()  # CuPy caches freed blocks; this gives them back to the driver
     out("after_free", cp.cuda.runtime.memGetInfo()[0])
+
+
+def matmul_cupy(cp: Any) -> None:
+    """A matrix product through cuBLAS (nvidia-cublas-cu12): its handle, its libraries' kernels
+    and module variables on simgpu; then hold, for the GPU's use to be read."""
+    a = cp.ones((64, 64), dtype=cp.float32)
+    c = a @ a
+    cp.cuda.runtime.deviceSynchronize()
+    out("matmul_shape", "x".join(map(str, c.shape)))
+    out("matmul_dtype", c.dtype)
+    out("matmul_free", cp.cuda.runtime.memGetInfo()[0])
+    hold()
 
 
 def pace_cupy(cp: Any, np: Any, module_path: str, seconds: float) -> None:

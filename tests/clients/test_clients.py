@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from client_helpers import cudart_path, require_cupy, require_torch
+from client_helpers import cudart_path, require_cublas, require_cupy, require_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
 from test_shim_helpers import CONTEXT, GIB, MIB, Result, Shim, parse, read_until
@@ -198,6 +198,25 @@ def test_cupy_context_is_charged_once_under_the_shim(shim: Shim) -> None:
     out, used = hold_and_measure(shim, ["cupy", "hold"], client_env(shim, True))
     assert used == CONTEXT
     assert int(out["free"]) == LIMIT - CONTEXT
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+def test_cupy_matmul_runs_through_cublas_within_the_limit(shim: Shim, with_shim: bool) -> None:
+    """cuBLAS (cublasCreate, its heuristics, its kernels' libraries and their variables) runs
+    on simgpu; the product's kernels compute nothing, so only its shape is checked. Under the
+    shim, what the GPU physically holds for the process (context, cuBLAS's workspace, CuPy's
+    pool, module code and variables) stays within the container's limit."""
+    require_cublas()
+    out, used = hold_and_measure(shim, ["cupy", "matmul"], client_env(shim, with_shim))
+    assert (out["matmul_shape"], out["matmul_dtype"]) == ("64x64", "float32")
+    assert used > CONTEXT  # cuBLAS's workspace and libraries took memory beyond the context
+    if with_shim:
+        assert used <= LIMIT
+        # The shim counts the context and the allocations; module memory the libraries load
+        # after it met the context is the driver's alone (see native/simgpu/README.md).
+        assert LIMIT - int(out["matmul_free"]) <= used
+    else:
+        assert int(out["matmul_free"]) == NODE_GPU - used
 
 
 @pytest.mark.slow

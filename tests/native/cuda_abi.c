@@ -86,7 +86,7 @@ static void mapping(void) {
     MAPS(cuMemAllocHost) MAPS(cuMemGetAddressRange) MAPS(cuMemHostGetDevicePointer) MAPS(cuArrayCreate)
     MAPS(cuArray3DCreate) MAPS(cuMemcpyHtoD) MAPS(cuMemcpyDtoH) MAPS(cuMemcpyDtoD) MAPS(cuMemcpyHtoDAsync)
     MAPS(cuMemcpyDtoHAsync) MAPS(cuMemcpyDtoDAsync) MAPS(cuMemcpy) MAPS(cuMemcpyAsync) MAPS(cuMemsetD8)
-    MAPS(cuMemsetD16) MAPS(cuMemsetD32) MAPS(cuMemsetD8Async) MAPS(cuMemsetD32Async) MAPS(cuStreamDestroy)
+    MAPS(cuMemsetD16) MAPS(cuMemsetD32) MAPS(cuModuleGetGlobal) MAPS(cuMemsetD8Async) MAPS(cuMemsetD32Async) MAPS(cuStreamDestroy)
     MAPS(cuEventDestroy) MAPS(cuEventElapsedTime) MAPS(cuEventRecord) MAPS(cuStreamSynchronize) MAPS(cuStreamQuery)
     MAPS(cuStreamWaitEvent) MAPS(cuStreamBeginCapture) MAPS(cuStreamEndCapture) MAPS(cuStreamIsCapturing)
     MAPS(cuStreamGetCtx) MAPS(cuLaunchKernel) MAPS(cuLaunchKernelEx) MAPS(cuLaunchCooperativeKernel)

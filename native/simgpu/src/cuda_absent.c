@@ -101,6 +101,29 @@ CUresult cuDevSmResourceSplitByCount(CUdevResource *result, unsigned int *nbGrou
     return ABSENT;
 }
 
+/* --- what cuBLASLt resolves with dlsym at start-up (it refuses a driver without them) ------- */
+
+CUresult cuStreamWaitValue32(CUstream s, CUdeviceptr a, cuuint32_t v, unsigned int f) { (void)s, (void)a, (void)v, (void)f; return ABSENT; }
+CUresult cuStreamBatchMemOp(CUstream s, unsigned int n, CUstreamBatchMemOpParams_v1 *p, unsigned int f) {
+    (void)s, (void)n, (void)p, (void)f;
+    return ABSENT;
+}
+CUresult cuGraphKernelNodeGetParams(CUgraphNode h, CUDA_KERNEL_NODE_PARAMS_v1 *p) { (void)h, (void)p; return ABSENT; }
+CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode h, const CUDA_KERNEL_NODE_PARAMS_v1 *p) {
+    (void)e, (void)h, (void)p;
+    return ABSENT;
+}
+CUresult cuGraphNodeGetType(CUgraphNode h, CUgraphNodeType *t) { (void)h, (void)t; return ABSENT; }
+/* Linking device code is JIT work a simulator has no use for. */
+CUresult cuLinkCreate_v2(unsigned int n, CUjit_option *o, void **v, CUlinkState *st) { (void)n, (void)o, (void)v, (void)st; return ABSENT; }
+CUresult cuLinkAddData_v2(CUlinkState st, CUjitInputType t, void *d, size_t size, const char *name, unsigned int n,
+                          CUjit_option *o, void **v) {
+    (void)st, (void)t, (void)d, (void)size, (void)name, (void)n, (void)o, (void)v;
+    return ABSENT;
+}
+CUresult cuLinkComplete(CUlinkState st, void **cubin, size_t *size) { (void)st, (void)cubin, (void)size; return ABSENT; }
+CUresult cuLinkDestroy(CUlinkState st) { (void)st; return ABSENT; }
+
 /* --- driver logs ------------------------------------------------------------------------------ */
 
 CUresult cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUlogsCallbackHandle *callback_out) {
@@ -108,34 +131,6 @@ CUresult cuLogsRegisterCallback(CUlogsCallback callbackFunc, void *userData, CUl
     return ABSENT;
 }
 CUresult cuLogsUnregisterCallback(CUlogsCallbackHandle callback) { (void)callback; return ABSENT; }
-
-/* --- module globals: opaque images have no symbol table to look in -------------------------- */
-
-static CUresult module_global(CUmodule hmod, const char *name) {
-    CUresult rc = sim_ready();
-    if (rc != CUDA_SUCCESS) return rc;
-    if (!hmod || hmod->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
-}
-
-CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
-    (void)dptr, (void)bytes;
-    return module_global(hmod, name);
-}
-
-CUresult cuModuleGetGlobal(CUdeviceptr_v1 *dptr, unsigned int *bytes, CUmodule hmod, const char *name) {
-    (void)dptr, (void)bytes;
-    return module_global(hmod, name);
-}
-
-CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name) {
-    (void)dptr, (void)bytes;
-    CUresult rc = sim_ready();
-    if (rc != CUDA_SUCCESS) return rc;
-    struct CUmod_st *m = (struct CUmod_st *)(void *)library;
-    if (!m || m->magic != SIM_MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    return name ? CUDA_ERROR_NOT_FOUND : CUDA_ERROR_INVALID_VALUE;
-}
 
 SIM_SELF(cuCtxDisablePeerAccess)
 SIM_SELF(cuCtxEnablePeerAccess)
@@ -151,13 +146,10 @@ SIM_SELF(cuIpcCloseMemHandle)
 SIM_SELF(cuIpcGetMemHandle)
 SIM_SELF(cuIpcOpenMemHandle)
 SIM_SELF(cuIpcOpenMemHandle_v2)
-SIM_SELF(cuLibraryGetGlobal)
 SIM_SELF(cuLogsRegisterCallback)
 SIM_SELF(cuLogsUnregisterCallback)
 SIM_SELF(cuMemExportToShareableHandle)
 SIM_SELF(cuMemImportFromShareableHandle)
-SIM_SELF(cuModuleGetGlobal)
-SIM_SELF(cuModuleGetGlobal_v2)
 SIM_SELF(cuMulticastAddDevice)
 SIM_SELF(cuMulticastBindMem)
 SIM_SELF(cuMulticastCreate)

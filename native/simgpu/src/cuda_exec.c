@@ -1,4 +1,4 @@
-/* Modules, libraries, functions and kernel launches.
+/* Modules, libraries, functions, module variables and kernel launches.
  *
  * How long a kernel runs (documented in native/simgpu/README.md):
  * - a simgpu module image is text: a first line "simgpu-module 1", then lines
@@ -6,20 +6,28 @@
  *   s; microseconds when bare), '#' starts a comment;
  * - the built-in kernel "simgpu_sleep", found in every module, runs for its first parameter
  *   (a uint64_t count of nanoseconds);
- * - any other image (cubin, fatbin, PTX) loads as an opaque module in which every name
- *   resolves, at SIM_DEFAULT_KERNEL_NS per launch. */
+ * - any other kernel takes SIM_DEFAULT_KERNEL_NS per launch.
+ *
+ * A cubin, or a fat binary with a cubin for the device (cuda_image.c), is read: its kernels
+ * are found by name (others: CUDA_ERROR_NOT_FOUND) and its variables (__device__,
+ * __constant__) get device memory initialised from the image, charged with its code on the
+ * GPU, in each context that loads it: a module at load, a library (context-independent) on
+ * first use in a context (cuKernelGetFunction, cuLibraryGetGlobal, a launch), as the driver
+ * loads lazily. PTX and anything else unreadable load as opaque modules where every kernel
+ * name resolves and no variable exists. Kernels compute nothing. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_image.h"
 #include "cuda_internal.h"
 
 #define SIM_IMAGE_MAGIC "simgpu-module"
 
 /* --- functions --------------------------------------------------------------------------- */
 
-static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, uint64_t cost_ns) {
+static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, uint64_t cost_ns, int kidx) {
     if (m->nfunc == m->cap) {
         size_t cap = m->cap ? m->cap * 2 : 8;
         struct CUfunc_st **v = realloc(m->funcs, cap * sizeof *v);
@@ -31,6 +39,7 @@ static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, u
     if (!f) return NULL;
     f->magic = SIM_FUNC_MAGIC;
     f->mod = m;
+    f->kidx = kidx;
     f->cost_ns = cost_ns;
     f->builtin_sleep = strcmp(name, SIM_BUILTIN_SLEEP) == 0;
     snprintf(f->name, sizeof f->name, "%s", name);
@@ -41,7 +50,8 @@ static struct CUfunc_st *func_add_locked(struct CUmod_st *m, const char *name, u
 static struct CUfunc_st *func_find_locked(struct CUmod_st *m, const char *name) {
     for (size_t i = 0; i < m->nfunc; i++)
         if (strcmp(m->funcs[i]->name, name) == 0) return m->funcs[i];
-    if (strcmp(name, SIM_BUILTIN_SLEEP) == 0 || m->opaque) return func_add_locked(m, name, SIM_DEFAULT_KERNEL_NS);
+    int k = m->img ? sim_image_kernel(m->img, name) : -1;
+    if (strcmp(name, SIM_BUILTIN_SLEEP) == 0 || m->opaque || k >= 0) return func_add_locked(m, name, SIM_DEFAULT_KERNEL_NS, k);
     return NULL;
 }
 
@@ -87,14 +97,72 @@ static CUresult parse_image_locked(struct CUmod_st *m, const char *text) {
         struct CUfunc_st *f = NULL;
         for (size_t i = 0; i < m->nfunc; i++)
             if (strcmp(m->funcs[i]->name, name) == 0) f = m->funcs[i];
-        if (!f) f = func_add_locked(m, name, (uint64_t)ns);
+        if (!f) f = func_add_locked(m, name, (uint64_t)ns, -1);
         if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
         f->cost_ns = (uint64_t)ns; /* a later line for the same name wins */
     }
     return first ? CUDA_ERROR_INVALID_IMAGE : CUDA_SUCCESS;
 }
 
+static void inst_free_locked(struct sim_modinst *in) {
+    sim_alloc_destroy_locked(in->mem);
+    free(in->loaded);
+    free(in);
+}
+
+/* CUDA_MODULE_LOADING=EAGER loads a module's kernels with it; otherwise (LAZY, the driver's
+ * default since CUDA 12.2) each kernel's code is loaded at its first launch in a context. */
+static int eager_loading(void) {
+    static int eager = -1;
+    if (__atomic_load_n(&eager, __ATOMIC_RELAXED) < 0) {
+        const char *e = getenv("CUDA_MODULE_LOADING");
+        __atomic_store_n(&eager, e && strcmp(e, "EAGER") == 0, __ATOMIC_RELAXED);
+    }
+    return eager;
+}
+
+int sim_module_loading_eager(void) { return eager_loading(); }
+
+/* m's variables in ctx: made (charged, initialised) on first use there, with the code the
+ * image takes beyond its kernels (all of it when loading is eager). */
+static CUresult inst_locked(struct CUmod_st *m, struct CUctx_st *ctx, struct sim_modinst **out) {
+    *out = NULL;
+    if (!m->img) return CUDA_SUCCESS; /* nothing read: nothing to place */
+    for (struct sim_modinst *in = m->inst; in; in = in->next)
+        if (in->ctx == ctx) {
+            *out = in;
+            return CUDA_SUCCESS;
+        }
+    struct sim_modinst *in = calloc(1, sizeof *in);
+    if (!in || !(in->loaded = calloc(m->img->nkern + 1, 1))) {
+        free(in);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t charge = m->img->device_bytes;
+    if (!eager_loading())
+        for (size_t k = 0; k < m->img->nkern; k++) charge -= m->img->kernel_bytes[k];
+    else
+        memset(in->loaded, 1, m->img->nkern);
+    CUresult rc = sim_module_mem_locked(ctx, m->img->globals_size, m->img->init, charge, &in->mem);
+    if (rc != CUDA_SUCCESS) {
+        free(in->loaded);
+        free(in);
+        return rc;
+    }
+    in->ctx = ctx;
+    in->next = m->inst;
+    m->inst = in;
+    *out = in;
+    return CUDA_SUCCESS;
+}
+
 static void module_free_locked(struct CUmod_st *m) {
+    while (m->inst) {
+        struct sim_modinst *in = m->inst;
+        m->inst = in->next;
+        inst_free_locked(in);
+    }
+    sim_image_free(m->img);
     for (size_t i = 0; i < m->nfunc; i++) {
         m->funcs[i]->magic = 0;
         free(m->funcs[i]);
@@ -104,8 +172,44 @@ static void module_free_locked(struct CUmod_st *m) {
     free(m);
 }
 
-/* ctx NULL: a library. */
-static CUresult module_load(struct CUmod_st **out, const void *image, struct CUctx_st *ctx) {
+/* Read a GPU image for the device of `ctx` (a library: the current context's, else ordinal 0's).
+ * lazy: loaded as the driver loads libraries and the runtime's fat binaries, lazily, so one with
+ * nothing for this GPU loads (cuBLAS carries kernels for every architecture) and fails where it
+ * would be used here (CUDA_ERROR_NO_BINARY_FOR_GPU); eager, cuModuleLoad* refuses it at once. */
+static CUresult read_gpu_image(struct CUmod_st *m, const void *image, struct CUctx_st *ctx, int lazy) {
+    uint32_t phys = 0;
+    struct CUctx_st *cur = NULL;
+    if (ctx) phys = ctx->phys;
+    else if (sim_current(&cur) == CUDA_SUCCESS) phys = cur->phys;
+    else if (sim_device(0, &phys) != CUDA_SUCCESS) return CUDA_ERROR_NO_DEVICE;
+    const struct simgpu_gpu_config *cfg = &simgpu_node()->gpus[phys].cfg;
+    enum sim_image_status st = sim_image_read(image, (int)(cfg->cc_major * 10 + cfg->cc_minor), &m->img);
+    if (st == SIM_IMAGE_NO_BINARY && lazy) {
+        if (!m->img && !(m->img = calloc(1, sizeof *m->img))) return CUDA_ERROR_OUT_OF_MEMORY;
+        m->img->foreign = 1;
+        return CUDA_SUCCESS;
+    }
+    if (st != SIM_IMAGE_READ) {
+        sim_image_free(m->img);
+        m->img = NULL;
+    }
+    if (sim_trace() && st != SIM_IMAGE_READ && st != SIM_IMAGE_OPAQUE && !(st == SIM_IMAGE_NO_BINARY && lazy))
+        fprintf(stderr, "simgpu: a GPU image refused (%s for sm_%d%d)\n",
+                st == SIM_IMAGE_NO_BINARY ? "no cubin or PTX" : "malformed", (int)cfg->cc_major, (int)cfg->cc_minor);
+    switch (st) {
+    case SIM_IMAGE_READ: return CUDA_SUCCESS;
+    case SIM_IMAGE_OPAQUE:
+        m->opaque = 1; /* unreadable: nothing to learn from it */
+        if (sim_trace()) fprintf(stderr, "simgpu: a module image not read (unknown bytes, or compressed with Zstandard and no libzstd.so.1): any kernel name resolves\n");
+        return CUDA_SUCCESS;
+    case SIM_IMAGE_NO_BINARY: return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    case SIM_IMAGE_NOMEM: return CUDA_ERROR_OUT_OF_MEMORY;
+    default: return CUDA_ERROR_INVALID_IMAGE;
+    }
+}
+
+/* ctx NULL: a library. A module's variables take their memory in its context at once. */
+static CUresult module_load(struct CUmod_st **out, const void *image, struct CUctx_st *ctx, int lazy) {
     if (!out || !image) return CUDA_ERROR_INVALID_VALUE;
     struct CUmod_st *m = calloc(1, sizeof *m);
     if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -113,10 +217,16 @@ static CUresult module_load(struct CUmod_st **out, const void *image, struct CUc
     m->ctx = ctx;
     const char *text = image;
     while (*text == ' ' || *text == '\t' || *text == '\n' || *text == '\r') text++;
+    int sim_text = strncmp(text, SIM_IMAGE_MAGIC, strlen(SIM_IMAGE_MAGIC)) == 0;
+    CUresult rc = sim_text ? CUDA_SUCCESS : read_gpu_image(m, image, ctx, lazy);
+    if (rc != CUDA_SUCCESS) {
+        free(m);
+        return rc;
+    }
     sim_lock();
-    CUresult rc = CUDA_SUCCESS;
-    if (strncmp(text, SIM_IMAGE_MAGIC, strlen(SIM_IMAGE_MAGIC)) == 0) rc = parse_image_locked(m, text);
-    else m->opaque = 1; /* a real GPU image: nothing to learn from it */
+    if (sim_text) rc = parse_image_locked(m, text);
+    struct sim_modinst *in;
+    if (rc == CUDA_SUCCESS && ctx && !(m->img && m->img->foreign)) rc = inst_locked(m, ctx, &in);
     if (rc == CUDA_SUCCESS) {
         m->next = sim_proc.modules;
         sim_proc.modules = m;
@@ -149,22 +259,22 @@ static CUresult read_file(const char *path, char **out) {
     return CUDA_SUCCESS;
 }
 
-static CUresult ctx_module_load(CUmodule *module, const void *image) {
+static CUresult ctx_module_load(CUmodule *module, const void *image, int lazy) {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
-    return rc != CUDA_SUCCESS ? rc : module_load(module, image, c);
+    return rc != CUDA_SUCCESS ? rc : module_load(module, image, c, lazy);
 }
 
-CUresult sim_module_load_current(CUmodule *module, const void *image) { return ctx_module_load(module, image); }
+CUresult sim_module_load_current(CUmodule *module, const void *image) { return ctx_module_load(module, image, 1); }
 
-CUresult cuModuleLoadData(CUmodule *module, const void *image) { return ctx_module_load(module, image); }
-CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) { return ctx_module_load(module, fatCubin); }
+CUresult cuModuleLoadData(CUmodule *module, const void *image) { return ctx_module_load(module, image, 0); }
+CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) { return ctx_module_load(module, fatCubin, 0); }
 
 /* JIT options do not matter to a simulator. */
 CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions, CUjit_option *options,
                             void **optionValues) {
     if (numOptions && (!options || !optionValues)) return CUDA_ERROR_INVALID_VALUE;
-    return ctx_module_load(module, image);
+    return ctx_module_load(module, image, 0);
 }
 
 CUresult cuModuleLoad(CUmodule *module, const char *fname) {
@@ -172,7 +282,7 @@ CUresult cuModuleLoad(CUmodule *module, const char *fname) {
     CUresult rc = sim_current(&c);
     char *text = NULL;
     if (rc == CUDA_SUCCESS) rc = read_file(fname, &text);
-    if (rc == CUDA_SUCCESS) rc = module_load(module, text, c);
+    if (rc == CUDA_SUCCESS) rc = module_load(module, text, c, 0);
     free(text);
     return rc;
 }
@@ -201,9 +311,18 @@ void sim_module_free_ctx_locked(struct CUctx_st *ctx) {
         if (m->ctx == ctx) {
             *link = m->next;
             module_free_locked(m);
-        } else {
-            link = &m->next;
+            continue;
         }
+        for (struct sim_modinst **il = &m->inst; *il;) { /* a library loaded in ctx */
+            struct sim_modinst *in = *il;
+            if (in->ctx == ctx) {
+                *il = in->next;
+                inst_free_locked(in);
+            } else {
+                il = &in->next;
+            }
+        }
+        link = &m->next;
     }
 }
 
@@ -215,6 +334,7 @@ static CUresult get_function(struct CUfunc_st **out, struct CUmod_st *m, const c
     sim_lock();
     struct CUfunc_st *f = func_find_locked(m, name);
     sim_unlock();
+    if (!f && sim_trace()) fprintf(stderr, "simgpu: kernel %s not in its image\n", name);
     if (!f) return CUDA_ERROR_NOT_FOUND;
     *out = f;
     return CUDA_SUCCESS;
@@ -232,7 +352,7 @@ static CUresult library_load(CUlibrary *library, const void *code, unsigned int 
     if (rc != CUDA_SUCCESS) return rc;
     if ((numJit && (!jit || !jitv)) || (numLib && (!lib || !libv))) return CUDA_ERROR_INVALID_VALUE;
     struct CUmod_st *m = NULL;
-    rc = module_load(&m, code, NULL);
+    rc = module_load(&m, code, NULL, 1);
     if (rc == CUDA_SUCCESS) *library = (CUlibrary)(void *)m;
     return rc;
 }
@@ -269,14 +389,22 @@ CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *na
     return rc;
 }
 
+/* The library's module in the current context: it loads there now (CUDA_ERROR_NO_BINARY_FOR_GPU
+ * when it has no code for this GPU). The handle is the library's own. */
 CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library) {
     struct CUmod_st *m = (struct CUmod_st *)(void *)library;
+    struct CUctx_st *c;
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
     if (!pMod) return CUDA_ERROR_INVALID_VALUE;
     if (!m || m->magic != SIM_MOD_MAGIC || m->ctx) return CUDA_ERROR_INVALID_HANDLE;
-    *pMod = m;
-    return CUDA_SUCCESS;
+    if ((rc = sim_current(&c)) != CUDA_SUCCESS) return rc;
+    struct sim_modinst *in;
+    sim_lock();
+    rc = inst_locked(m, c, &in);
+    sim_unlock();
+    if (rc == CUDA_SUCCESS) *pMod = m;
+    return rc;
 }
 
 CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
@@ -286,8 +414,69 @@ CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     struct CUfunc_st *f = (struct CUfunc_st *)(void *)kernel;
     if (!pFunc) return CUDA_ERROR_INVALID_VALUE;
     if (!func_valid(f)) return CUDA_ERROR_INVALID_HANDLE;
-    *pFunc = f;
+    struct sim_modinst *in;
+    sim_lock();
+    if (!f->mod->ctx) rc = inst_locked(f->mod, c, &in); /* the library loads in this context */
+    sim_unlock();
+    if (rc == CUDA_SUCCESS) *pFunc = f;
+    return rc;
+}
+
+/* The library a kernel comes from (a module's function is no library's kernel). */
+CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    struct CUfunc_st *f = (struct CUfunc_st *)(void *)kernel;
+    if (!pLib) return CUDA_ERROR_INVALID_VALUE;
+    if (!func_valid(f) || f->mod->ctx) return CUDA_ERROR_INVALID_HANDLE;
+    *pLib = (CUlibrary)(void *)f->mod;
     return CUDA_SUCCESS;
+}
+
+/* --- module variables ------------------------------------------------------------------------ */
+
+/* A module's variables live in its context; a library's in the current context, where it loads
+ * on first use. dptr and bytes are optional, as documented. */
+static CUresult get_global(CUdeviceptr *dptr, size_t *bytes, struct CUmod_st *m, const char *name, int library) {
+    CUresult rc = sim_ready();
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!m || m->magic != SIM_MOD_MAGIC || (library && m->ctx)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *c = m->ctx;
+    if (!c && (rc = sim_current(&c)) != CUDA_SUCCESS) return rc;
+    sim_lock();
+    const struct sim_image_global *g = m->img ? sim_image_global(m->img, name) : NULL;
+    struct sim_modinst *in = NULL;
+    rc = g ? inst_locked(m, c, &in) : CUDA_ERROR_NOT_FOUND;
+    if (rc == CUDA_SUCCESS) {
+        if (dptr) *dptr = (CUdeviceptr)(in->mem->base + g->off);
+        if (bytes) *bytes = g->size;
+    }
+    sim_unlock();
+    if (rc != CUDA_SUCCESS && sim_trace())
+        fprintf(stderr, "simgpu: global %s of a %s: %d%s\n", name, m->ctx ? "module" : "library", (int)rc,
+                m->img && m->img->foreign ? " (no code for this GPU)" : m->opaque ? " (image not read)" : "");
+    return rc;
+}
+
+CUresult cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *bytes, CUmodule hmod, const char *name) {
+    return get_global(dptr, bytes, hmod, name, 0);
+}
+
+/* The 32-bit form: an address that does not fit cannot be given. */
+CUresult cuModuleGetGlobal(CUdeviceptr_v1 *dptr, unsigned int *bytes, CUmodule hmod, const char *name) {
+    CUdeviceptr p = 0;
+    size_t n = 0;
+    CUresult rc = get_global(&p, &n, hmod, name, 0);
+    if (rc == CUDA_SUCCESS && (p > UINT32_MAX || n > UINT32_MAX)) rc = CUDA_ERROR_INVALID_VALUE;
+    if (rc != CUDA_SUCCESS) return rc;
+    if (dptr) *dptr = (CUdeviceptr_v1)p;
+    if (bytes) *bytes = (unsigned int)n;
+    return rc;
+}
+
+CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name) {
+    return get_global(dptr, bytes, (struct CUmod_st *)(void *)library, name, 1);
 }
 
 /* --- function attributes ----------------------------------------------------------------- */
@@ -381,6 +570,17 @@ static CUresult launch(const struct launch *l, int ptds) {
     sim_lock();
     rc = sim_stream_get(l->stream, ptds, &c, &s);
     if (rc == CUDA_SUCCESS && l->f->mod->ctx && l->f->mod->ctx != c) rc = CUDA_ERROR_INVALID_HANDLE;
+    struct sim_modinst *in = NULL; /* a library's kernel loads in c now; one with no code here fails */
+    if (rc == CUDA_SUCCESS) rc = l->f->mod->img && l->f->mod->img->foreign ? CUDA_ERROR_NO_BINARY_FOR_GPU
+                                                                           : inst_locked(l->f->mod, c, &in);
+    if (rc == CUDA_SUCCESS && in && l->f->kidx >= 0 && !in->loaded[l->f->kidx]) { /* lazy: its code now */
+        uint64_t code = l->f->mod->img->kernel_bytes[l->f->kidx];
+        if (code && simgpu_mem_charge(c->phys, code) != 0) rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (rc == CUDA_SUCCESS) {
+            in->mem->charged += code; /* given back with the module's memory */
+            in->loaded[l->f->kidx] = 1;
+        }
+    }
     /* Every block of a cooperative grid must be resident at once. */
     if (rc == CUDA_SUCCESS && l->cooperative &&
         (uint64_t)g[0] * g[1] * g[2] > (uint64_t)simgpu_node()->gpus[c->phys].cfg.sm_count * 32)
@@ -439,18 +639,22 @@ SIM_SELF(cuFuncGetName)
 SIM_SELF(cuFuncSetAttribute)
 SIM_SELF(cuFuncSetCacheConfig)
 SIM_SELF(cuKernelGetFunction)
+SIM_SELF(cuKernelGetLibrary)
 SIM_SELF(cuLaunchCooperativeKernel)
 SIM_SELF(cuLaunchCooperativeKernel_ptsz)
 SIM_SELF(cuLaunchKernel)
 SIM_SELF(cuLaunchKernelEx)
 SIM_SELF(cuLaunchKernelEx_ptsz)
 SIM_SELF(cuLaunchKernel_ptsz)
+SIM_SELF(cuLibraryGetGlobal)
 SIM_SELF(cuLibraryGetKernel)
 SIM_SELF(cuLibraryGetModule)
 SIM_SELF(cuLibraryLoadData)
 SIM_SELF(cuLibraryLoadFromFile)
 SIM_SELF(cuLibraryUnload)
 SIM_SELF(cuModuleGetFunction)
+SIM_SELF(cuModuleGetGlobal)
+SIM_SELF(cuModuleGetGlobal_v2)
 SIM_SELF(cuModuleLoad)
 SIM_SELF(cuModuleLoadData)
 SIM_SELF(cuModuleLoadDataEx)

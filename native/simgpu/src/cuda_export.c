@@ -123,14 +123,18 @@ static void *const k_hooks[HOOKS_SLOTS] = {
 
 /* --- 42d85a81-...: tools thread-local storage -------------------------------------------- */
 
-UNKNOWN_SLOT(tools_tls, 1)
-UNKNOWN_SLOT(tools_tls, 2)
-UNKNOWN_SLOT(tools_tls, 3)
+/* Slot 2 (void **out): the calling thread's current context (NULL when none). cuBLASLt 12.9
+ * calls it at cublasCreate and per matmul heuristic query, then asks the tools context table
+ * for that context's number (cuda_toolsctx.c, slot 4) to key its per-context caches. Slots 1
+ * and 3 are empty: no caller seen uses them. */
+static CUresult tls_current_ctx(void **out) {
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    *out = sim_ctx_top();
+    return CUDA_SUCCESS;
+}
 
 #define TLS_SLOTS 4
-static void *const k_tools_tls[TLS_SLOTS] = {
-    SIZE_SLOT(TLS_SLOTS), SLOT(unknown_tools_tls_1), SLOT(unknown_tools_tls_2), SLOT(unknown_tools_tls_3),
-};
+static void *const k_tools_tls[TLS_SLOTS] = {SIZE_SLOT(TLS_SLOTS), NULL, SLOT(tls_current_ctx), NULL};
 
 /* --- c693336e-...: context-local storage (no size slot: the table starts with put) -------- */
 

@@ -266,6 +266,8 @@ static int attribute(uint32_t phys, CUdevice_attribute a, int *out) {
     case CU_DEVICE_ATTRIBUTE_DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED: *out = 1; break;
     case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: *out = 1; break;
     case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: *out = 32; break;
+    case CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: *out = 1024; break; /* as occupancy assumes */
+    case CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH: *out = c->cc_major >= 9; break; /* thread block clusters: sm_90 on */
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *out = 1; break;
     case CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES: *out = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; break;
     case CU_DEVICE_ATTRIBUTE_NUMA_ID: *out = c->numa_node; break;

@@ -110,6 +110,7 @@ enum sim_mem_kind {
     SIM_MEM_HOST,
     SIM_MEM_ASYNC,
     SIM_MEM_VMM, /* a cuMemMap'ed piece of a reserved range */
+    SIM_MEM_MODULE, /* a module's variables in one context; charged its whole image, freed with it */
 };
 
 struct sim_phys; /* a VMM physical allocation (cuda_vmm.c) */
@@ -146,16 +147,29 @@ struct CUmemPoolHandle_st {
 
 struct CUfunc_st {
     uint32_t magic;
+    int kidx;           /* its index among its image's kernels (cuda_image.h), -1 if none */
     int builtin_sleep;  /* simgpu_sleep: duration from the first parameter */
     uint64_t cost_ns;   /* duration of one launch otherwise */
     struct CUmod_st *mod;
     char name[128];
 };
 
+/* A module or library loaded in one context: its variables' memory there. */
+struct sim_modinst {
+    struct CUctx_st *ctx;
+    struct sim_alloc *mem; /* SIM_MEM_MODULE: the globals area; charged what the image takes here */
+    uint8_t *loaded;       /* lazy loading: which kernels' code is loaded (charged) here */
+    struct sim_modinst *next;
+};
+
+struct sim_image;
+
 struct CUmod_st {
     uint32_t magic;
     struct CUctx_st *ctx; /* NULL: a library (context-independent) */
-    int opaque;           /* not a simgpu image: any name resolves, at the default cost */
+    int opaque;           /* an image simgpu cannot read: any name resolves, at the default cost */
+    struct sim_image *img; /* a cubin read (cuda_image.c): its kernels and variables only */
+    struct sim_modinst *inst; /* a module: one, made at load; a library: one per context using it */
     size_t nfunc, cap;
     struct CUfunc_st **funcs;
     struct CUmod_st *next;
@@ -210,6 +224,10 @@ SIM_HIDDEN CUresult sim_range_check(uintptr_t p, size_t n, int write);
 SIM_HIDDEN void *sim_map_anon(size_t len, int low32);
 /* Unmap, unlink and uncharge an allocation (not VMM); frees the record. */
 SIM_HIDDEN void sim_alloc_destroy_locked(struct sim_alloc *a);
+/* A module's variables in ctx: `size` bytes mapped (initialised from init), `charge` charged on
+ * its GPU (CUDA_ERROR_OUT_OF_MEMORY when it cannot hold them). */
+SIM_HIDDEN CUresult sim_module_mem_locked(struct CUctx_st *ctx, size_t size, const void *init, uint64_t charge,
+                                          struct sim_alloc **out);
 /* Everything a context owns goes when it is destroyed, as on a real driver. */
 SIM_HIDDEN void sim_mem_free_ctx_locked(struct CUctx_st *ctx);
 
@@ -264,6 +282,8 @@ SIM_HIDDEN void sim_graph_alloc_unmap_locked(struct sim_graph_alloc *exec);
 SIM_HIDDEN CUresult sim_graph_add_alloc_node(CUgraphNode *ph, CUgraph g, const CUgraphNode *deps, size_t ndeps,
                                              const struct sim_graph_alloc *alloc);
 
+/* cuda_exec.c: whether modules load eagerly (CUDA_MODULE_LOADING=EAGER) or lazily (default). */
+SIM_HIDDEN int sim_module_loading_eager(void);
 /* cuda_exec.c: load an image as a module of the current context (the runtime's fat binaries). */
 SIM_HIDDEN CUresult sim_module_load_current(CUmodule *mod, const void *image);
 

@@ -5,6 +5,8 @@
  * an anonymous MAP_NORESERVE mapping (no RAM until touched) whose address is the CUdeviceptr.
  * The node is charged the bytes a real driver would take from the GPU; the table remembers
  * what each allocation charged so its free gives back exactly that. */
+#include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -92,7 +94,51 @@ static size_t page_round(size_t n) {
     return (n + pg - 1) / pg * pg;
 }
 
+/* Managed memory lives in host memory: the process's live managed bytes are bounded by the
+ * host's RAM, or by SIMGPU_MANAGED_LIMIT (bytes, or a number with k, m, g or t). */
+static uint64_t g_managed; /* live managed bytes (sim_lock) */
+
+static uint64_t g_managed_limit;
+static pthread_once_t g_managed_once = PTHREAD_ONCE_INIT;
+
+/* "4096", "512m", "2g"... -> bytes; 0 on anything else. */
+static uint64_t parse_size(const char *s) {
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || errno || *s == '-') return 0;
+    unsigned shift = 0;
+    switch (*end ? *end | 0x20 : 0) {
+    case 0: break;
+    case 'k': shift = 10; break;
+    case 'm': shift = 20; break;
+    case 'g': shift = 30; break;
+    case 't': shift = 40; break;
+    default: return 0;
+    }
+    if (*end && end[1]) return 0;
+    return v > (UINT64_MAX >> shift) ? 0 : (uint64_t)v << shift;
+}
+
+static void managed_limit_init(void) {
+    const char *env = getenv("SIMGPU_MANAGED_LIMIT");
+    if (env && *env) {
+        g_managed_limit = parse_size(env);
+        if (g_managed_limit) return;
+        fprintf(stderr, "[simgpu] SIMGPU_MANAGED_LIMIT=%s is not a size (bytes, or a number with k, m, g or t): "
+                "bounding managed memory by the host's memory\n", env);
+    }
+    long pages = sysconf(_SC_PHYS_PAGES), pg = sysconf(_SC_PAGESIZE);
+    g_managed_limit = pages > 0 && pg > 0 ? (uint64_t)pages * (uint64_t)pg : UINT64_MAX;
+}
+
+static uint64_t managed_limit(void) {
+    pthread_once(&g_managed_once, managed_limit_init);
+    return g_managed_limit;
+}
+
 void sim_alloc_destroy_locked(struct sim_alloc *a) {
+    if (a->kind == SIM_MEM_MANAGED) g_managed -= a->size;
     sim_range_remove(a);
     munmap((void *)a->base, a->map_len);
     if (a->kind == SIM_MEM_ASYNC) sim_pool_return_locked(a->pool, a->size);
@@ -185,6 +231,12 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
     if (rc != CUDA_SUCCESS) return rc;
     if (!dptr || bytesize == 0 || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
         return CUDA_ERROR_INVALID_VALUE;
+    uint64_t limit = managed_limit();
+    sim_lock();
+    int fits = bytesize <= limit - g_managed && g_managed <= limit;
+    if (fits) g_managed += bytesize; /* reserved now, so two threads cannot both take the last bytes */
+    sim_unlock();
+    if (!fits) return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t charge = bytesize;
     if (simgpu_mem_charge(c->phys, charge) != 0) {
         uint64_t free_b, total;
@@ -194,7 +246,13 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
     }
     void *p = NULL;
     rc = record_alloc(c, c->phys, bytesize, charge, SIM_MEM_MANAGED, 0, &p);
-    if (rc == CUDA_SUCCESS) *dptr = (CUdeviceptr)(uintptr_t)p;
+    if (rc == CUDA_SUCCESS) {
+        *dptr = (CUdeviceptr)(uintptr_t)p;
+    } else {
+        sim_lock();
+        g_managed -= bytesize;
+        sim_unlock();
+    }
     return rc;
 }
 
@@ -204,7 +262,7 @@ static CUresult mem_free(CUdeviceptr dptr) {
     if (dptr == 0) return CUDA_SUCCESS;
     sim_lock();
     struct sim_alloc *a = sim_range_find((uintptr_t)dptr);
-    if (!a || a->base != (uintptr_t)dptr || a->kind == SIM_MEM_HOST || a->kind == SIM_MEM_VMM)
+    if (!a || a->base != (uintptr_t)dptr || a->kind == SIM_MEM_HOST || a->kind == SIM_MEM_VMM || a->kind == SIM_MEM_MODULE)
         rc = CUDA_ERROR_INVALID_VALUE; /* not the start of a device allocation */
     else
         sim_alloc_destroy_locked(a);
@@ -752,9 +810,38 @@ CUresult cuMemMapArrayAsync_ptsz(CUarrayMapInfo *mapInfoList, unsigned int count
     return map_array(mapInfoList, count, hStream, 1);
 }
 
+/* Module memory: mapped and recorded like an allocation, never freed by cuMemFree; its module
+ * (cuda_exec.c) frees it. */
+CUresult sim_module_mem_locked(struct CUctx_st *ctx, size_t size, const void *init, uint64_t charge,
+                               struct sim_alloc **out) {
+    if (charge && simgpu_mem_charge(ctx->phys, charge) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    size_t len = page_round(size ? size : 1);
+    void *p = sim_map_anon(len, 0);
+    struct sim_alloc *a = p ? calloc(1, sizeof *a) : NULL;
+    if (a) {
+        *a = (struct sim_alloc){.base = (uintptr_t)p, .size = size ? size : 1, .map_len = len, .charged = charge,
+                                .phys = ctx->phys, .kind = SIM_MEM_MODULE, .ctx = ctx};
+        if (sim_range_insert(a) == 0) {
+            /* Only the pages with contents: zero-filled variables cost no RAM until touched. */
+            size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+            for (size_t off = 0; off < size; off += pg) {
+                size_t n = size - off < pg ? size - off : pg;
+                const unsigned char *src = (const unsigned char *)init + off;
+                if (src[0] || memcmp(src, src + 1, n - 1)) memcpy((char *)p + off, src, n);
+            }
+            *out = a;
+            return CUDA_SUCCESS;
+        }
+    }
+    if (p) munmap(p, len);
+    free(a);
+    if (charge) simgpu_mem_uncharge(ctx->phys, charge);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
 void sim_mem_free_ctx_locked(struct CUctx_st *ctx) {
-    for (size_t i = g_n; i-- > 0;)
-        if (g_tab[i]->ctx == ctx) sim_alloc_destroy_locked(g_tab[i]);
+    for (size_t i = g_n; i-- > 0;) /* module memory goes with its module (sim_module_free_ctx_locked) */
+        if (g_tab[i]->ctx == ctx && g_tab[i]->kind != SIM_MEM_MODULE) sim_alloc_destroy_locked(g_tab[i]);
     for (struct CUarray_st **link = &g_arrays; *link;) {
         if ((*link)->ctx == ctx) array_unlink_locked(link);
         else link = &(*link)->next;

@@ -117,7 +117,7 @@ CUresult cuOccupancyAvailableDynamicSMemPerBlock(size_t *dynamicSmemSize, CUfunc
     return CUDA_SUCCESS;
 }
 
-/* Clusters: up to 8 blocks, the portable limit. */
+/* Clusters: up to 8 blocks, the portable limit (16 with the non-portable attribute). */
 CUresult cuOccupancyMaxPotentialClusterSize(int *clusterSize, CUfunction func, const CUlaunchConfig *config) {
     CUresult rc = func_ok(func);
     if (rc != CUDA_SUCCESS) return rc;
@@ -126,14 +126,40 @@ CUresult cuOccupancyMaxPotentialClusterSize(int *clusterSize, CUfunction func, c
     return CUDA_SUCCESS;
 }
 
+/* Clusters live inside one GPC (graphics processing cluster): an H100-like layout of GPCs of
+ * SIM_GPC_SMS SMs (the last one smaller). How many clusters of the launch's size fit at once,
+ * each block taking its SM's share by the launch's block size and shared memory; none above 16
+ * blocks (the non-portable limit). Libraries probe sizes 1..N to
+ * learn the GPCs (cuBLAS does, at cublasCreate) and need the count to fall with the size. */
+#define SIM_GPC_SMS 16u
+#define SIM_CLUSTER_MAX 16u
+
 CUresult cuOccupancyMaxActiveClusters(int *numClusters, CUfunction func, const CUlaunchConfig *config) {
     CUresult rc = func_ok(func);
     if (rc != CUDA_SUCCESS) return rc;
-    if (!numClusters || !config) return CUDA_ERROR_INVALID_VALUE;
+    if (!numClusters || !config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c;
     rc = sim_current(&c);
     if (rc != CUDA_SUCCESS) return rc;
-    *numClusters = (int)simgpu_node()->gpus[c->phys].cfg.sm_count / 2;
+    uint64_t size = 1;
+    for (unsigned int i = 0; i < config->numAttrs; i++)
+        if (config->attrs[i].id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
+            const CUlaunchAttributeValue *v = &config->attrs[i].value;
+            size = (uint64_t)v->clusterDim.x * v->clusterDim.y * v->clusterDim.z;
+        }
+    if (size == 0) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+    if (size > SIM_CLUSTER_MAX) { /* none can run: no GPC holds it */
+        *numClusters = 0;
+        return CUDA_SUCCESS;
+    }
+    int per_sm = blocks_per_sm((int)(config->blockDimX * config->blockDimY * config->blockDimZ), config->sharedMemBytes);
+    unsigned int sms = simgpu_node()->gpus[c->phys].cfg.sm_count;
+    uint64_t n = 0;
+    for (unsigned int done = 0; done < sms; done += SIM_GPC_SMS) {
+        unsigned int in_gpc = sms - done < SIM_GPC_SMS ? sms - done : SIM_GPC_SMS;
+        n += (uint64_t)in_gpc * (uint64_t)per_sm / size;
+    }
+    *numClusters = n > INT32_MAX ? INT32_MAX : (int)n;
     return CUDA_SUCCESS;
 }
 
@@ -173,10 +199,11 @@ CUresult cuFuncGetModule(CUmodule *hmod, CUfunction hfunc) {
     return CUDA_SUCCESS;
 }
 
-/* Modules load eagerly: nothing is deferred to a kernel's first launch. */
+/* Lazy (kernels' code loads at their first launch, cuda_exec.c) unless CUDA_MODULE_LOADING=EAGER,
+ * as the driver does since CUDA 12.2. */
 CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {
     if (!mode) return CUDA_ERROR_INVALID_VALUE;
-    *mode = CU_MODULE_EAGER_LOADING;
+    *mode = sim_module_loading_eager() ? CU_MODULE_EAGER_LOADING : CU_MODULE_LAZY_LOADING;
     return CUDA_SUCCESS;
 }
 

@@ -7,8 +7,10 @@
  * context number" and report a size slot and 94 entries (driver 595). The 13.5.37 runtime only
  * needs the table to exist: over initialisation, allocation (cudaMalloc and the stream-ordered
  * pools), copies, PyTorch's kernel launches and out-of-memory handling it reads none of its
- * slots (measured by handing it an unreadable page instead). So every slot is one that says
- * so: SIMGPU_TRACE=1 names it with its first arguments, and it answers
+ * slots (measured by handing it an unreadable page instead). cuBLASLt 12.9 reads slot 4
+ * (context, u64 *number) for the current context (from the tools TLS table's slot 2) to key its
+ * caches: it gets the context's unique id, as cuCtxGetId gives it. Every other slot is one that
+ * says so: SIMGPU_TRACE=1 names it with its first arguments, and it answers
  * CUDA_ERROR_NOT_SUPPORTED. */
 #include <stdio.h>
 
@@ -27,7 +29,16 @@ static CUresult tools_ctx_unknown(int slot, uintptr_t a0, uintptr_t a1, uintptr_
 #define U(n) \
     static CUresult tc_##n(uintptr_t a0, uintptr_t a1, uintptr_t a2) { return tools_ctx_unknown(n, a0, a1, a2); }
 #define U10(t) U(t##0) U(t##1) U(t##2) U(t##3) U(t##4) U(t##5) U(t##6) U(t##7) U(t##8) U(t##9)
-U(1) U(2) U(3) U(4) U(5) U(6) U(7) U(8) U(9)
+U(1) U(2) U(3) U(5) U(6) U(7) U(8) U(9)
+
+/* Slot 4: the context's number (its unique id). */
+static CUresult tc_4(CUcontext ctx, unsigned long long *number) {
+    CUresult rc = sim_ctx_valid(ctx);
+    if (rc != CUDA_SUCCESS) return rc;
+    if (!number) return CUDA_ERROR_INVALID_VALUE;
+    *number = ctx->id;
+    return CUDA_SUCCESS;
+}
 U10(1) U10(2) U10(3) U10(4) U10(5) U10(6) U10(7) U10(8)
 U(90) U(91) U(92) U(93) U(94)
 

@@ -13,12 +13,14 @@ from pathlib import Path
 import grpc
 import pytest
 from kubelet.test_server_lifecycle import RESOURCE, FakeBackend, make_devices
+from prometheus_client import generate_latest
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.kubelet import peers, servicer
 from vgpu_plugin.kubelet.peers import PeerErrors, StreamSlots
 from vgpu_plugin.kubelet.server import DevicePluginServer
+from vgpu_plugin.node.metrics import new_registry
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 
 # The kubelet gives a device plugin call no deadline of its own; this is far beyond what an
@@ -260,3 +262,16 @@ def test_stream_slots_release_once_and_refuse_past_the_limit() -> None:
 def test_streams_may_not_take_every_thread(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="fewer than max_workers"):
         DevicePluginServer(FakeBackend([]), RESOURCE, tmp_path, max_workers=8, max_streams=8)
+
+
+def test_peer_errors_are_counted_in_the_metrics_by_kind() -> None:
+    metrics = new_registry()
+    errors = PeerErrors(clock=FakeClock())
+    errors.add_listener(metrics.peer_error)
+    for _ in range(3):
+        errors.note(peers.MALFORMED_REQUEST, "bad")
+    errors.note(peers.STREAMS_OVER_LIMIT, "too many")
+    text = generate_latest(metrics.registry).decode()
+    assert 'vgpu_grpc_peer_errors_total{kind="malformed_request"} 3.0' in text
+    assert 'vgpu_grpc_peer_errors_total{kind="streams_over_limit"} 1.0' in text
+    assert 'vgpu_grpc_peer_errors_total{kind="prepare_queue_full"} 0.0' in text  # from the start

@@ -21,22 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from vgpu_plugin.node.metrics import PEER_ERROR_KINDS
+
 log = logging.getLogger(__name__)
 
-MALFORMED_REQUEST: Final = "malformed_request"
-HANDLER_ERROR: Final = "handler_error"
-STREAM_ERROR: Final = "stream_error"
-STREAMS_OVER_LIMIT: Final = "streams_over_limit"
-PREPARE_QUEUE_FULL: Final = "prepare_queue_full"
-OTHER: Final = "other"
-KINDS: Final = (
-    MALFORMED_REQUEST,
-    HANDLER_ERROR,
-    STREAM_ERROR,
-    STREAMS_OVER_LIMIT,
-    PREPARE_QUEUE_FULL,
-    OTHER,
+MALFORMED_REQUEST, HANDLER_ERROR, STREAM_ERROR, STREAMS_OVER_LIMIT, PREPARE_QUEUE_FULL, OTHER = (
+    PEER_ERROR_KINDS
 )
+KINDS: Final = PEER_ERROR_KINDS
 
 # grpcio's server-side loggers and the beginnings of the messages they log per call.
 GRPC_LOGGERS: Final = ("grpc._server", "grpc._common")

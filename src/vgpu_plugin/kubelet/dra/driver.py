@@ -143,12 +143,17 @@ class DraDriver:
             done = self._claims.get(claim.uid)
             if done is not None:
                 return done.devices
-            try:
-                body = self._reader.get_claim(claim.namespace, claim.name)
-            except ApiError as exc:
-                raise ValueError(
-                    f"cannot read claim {claim.namespace}/{claim.name}: {exc}"
-                ) from exc
+        # The read takes what the API server takes: outside the lock, so that unprepares
+        # and answers from the record never wait on it (the server's queue keeps a claim's
+        # prepare and unprepare apart).
+        try:
+            body = self._reader.get_claim(claim.namespace, claim.name)
+        except ApiError as exc:
+            raise ValueError(f"cannot read claim {claim.namespace}/{claim.name}: {exc}") from exc
+        with self._lock:
+            done = self._claims.get(claim.uid)
+            if done is not None:  # prepared meanwhile, by a retry
+                return done.devices
             prepared = self._prepare(claim, body)
             self._claims.add(prepared)
             g = prepared.limits

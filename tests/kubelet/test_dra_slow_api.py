@@ -24,7 +24,6 @@ from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config, DraConfig
 from vgpu_plugin.kubelet import peers
-from vgpu_plugin.kubelet.dra import server as dra_server
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.kubelet.peers import PeerErrors
@@ -112,7 +111,6 @@ def eventually(condition: Callable[[], bool]) -> bool:
 @pytest.fixture
 def errors(monkeypatch: pytest.MonkeyPatch) -> PeerErrors:
     fresh = PeerErrors()
-    monkeypatch.setattr(dra_server, "PEER_ERRORS", fresh, raising=False)
     monkeypatch.setattr(peers, "PEER_ERRORS", fresh)
     return fresh
 

@@ -39,21 +39,13 @@ class FakeClock:
 
 
 @pytest.fixture
-def errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[PeerErrors, FakeClock]]:
+def errors(monkeypatch: pytest.MonkeyPatch) -> tuple[PeerErrors, FakeClock]:
     """A fresh PeerErrors, with a clock of the test's, where the servers and grpcio's
     loggers use it."""
     clock = FakeClock()
     fresh = PeerErrors(burst=5, window=60.0, clock=clock)
-    process_wide = peers.PEER_ERRORS
-    monkeypatch.setattr(servicer, "PEER_ERRORS", fresh)
     monkeypatch.setattr(peers, "PEER_ERRORS", fresh)
-    loggers = [logging.getLogger(name) for name in peers.GRPC_LOGGERS]
-    for logger in loggers:
-        logger.removeFilter(process_wide)
-    peers.tame_grpc_logs(fresh)
-    yield fresh, clock
-    for logger in loggers:
-        logger.removeFilter(fresh)
+    return fresh, clock
 
 
 @pytest.fixture

@@ -128,14 +128,22 @@ PEER_ERRORS: Final = PeerErrors()
 """The process's one counter of peer errors (grpcio's loggers are process-wide too)."""
 
 
-def tame_grpc_logs(errors: PeerErrors | None = None) -> None:
-    """Routes grpcio's per-call error records through ``errors`` (``PEER_ERRORS`` when not
-    given); idempotent."""
-    errors = PEER_ERRORS if errors is None else errors
+class _ToPeerErrors(logging.Filter):
+    """On grpcio's loggers: hands each record to whatever ``PEER_ERRORS`` is when it comes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return PEER_ERRORS.filter(record)
+
+
+_TO_PEER_ERRORS: Final = _ToPeerErrors()
+
+
+def tame_grpc_logs() -> None:
+    """Routes grpcio's per-call error records through ``PEER_ERRORS``; idempotent."""
     for name in GRPC_LOGGERS:
         logger = logging.getLogger(name)
-        if errors not in logger.filters:
-            logger.addFilter(errors)
+        if _TO_PEER_ERRORS not in logger.filters:
+            logger.addFilter(_TO_PEER_ERRORS)
 
 
 class StreamSlots:

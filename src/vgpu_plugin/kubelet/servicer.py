@@ -19,8 +19,9 @@ import grpc
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.backend import Backend, BackendError
-from vgpu_plugin.kubelet.peers import PEER_ERRORS, STREAMS_OVER_LIMIT, StreamSlots
+from vgpu_plugin.kubelet.peers import STREAMS_OVER_LIMIT, StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         is refused with RESOURCE_EXHAUSTED, and Allocate keeps the other threads."""
         release = self._streams.acquire()
         if release is None:
-            PEER_ERRORS.note(
+            peers.PEER_ERRORS.note(
                 STREAMS_OVER_LIMIT,
                 "ListAndWatch refused: %d streams are open on this socket, the limit"
                 " (the kubelet opens one)",

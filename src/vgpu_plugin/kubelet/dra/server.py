@@ -33,6 +33,7 @@ from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.dra.driver import ClaimRef, DraDriver
 from vgpu_plugin.kubelet.dra.queue import (
     KUBELET_DEADLINE_S,
@@ -40,12 +41,7 @@ from vgpu_plugin.kubelet.dra.queue import (
     QueueFull,
     StillPreparing,
 )
-from vgpu_plugin.kubelet.peers import (
-    PEER_ERRORS,
-    PREPARE_QUEUE_FULL,
-    server_limits,
-    tame_grpc_logs,
-)
+from vgpu_plugin.kubelet.peers import PREPARE_QUEUE_FULL, server_limits, tame_grpc_logs
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +74,7 @@ class _Calls:
                     job = self.queue.submit(c.uid, partial(self.driver.prepare, ref), left)
                 except QueueFull as exc:
                     entry.error = f"cannot prepare claim {c.namespace}/{c.name} now: {exc}; retry"
-                    PEER_ERRORS.note(PREPARE_QUEUE_FULL, "%s", entry.error)
+                    peers.PEER_ERRORS.note(PREPARE_QUEUE_FULL, "%s", entry.error)
                     continue
                 jobs.append((ref, entry, job))
             for ref, entry, job in jobs:

@@ -4,6 +4,7 @@ that would overcommit a GPU is refused naming both numbers, and amounts only rou
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from kubelet.test_dra_driver import DEV_A, DRIVER, Node, make_driver, start_serv
 
 from vgpu_plugin.core.devices import MIB
 from vgpu_plugin.core.limits import parse_limits
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
@@ -98,3 +100,17 @@ def test_a_fractional_amount_rounds_up_to_the_policys_step(dra_node: Node) -> No
     assert prepare_error(dra_node, claim) == ""
     (g,) = parse_limits(limits_files(dra_node)[0].read_text()).gpus
     assert (g.memory_bytes, g.compute_percent) == (256 * MIB, 13)
+
+
+def test_refused_claims_are_counted_and_logged_at_a_bounded_rate(
+    dra_node: Node, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    errors = peers.PeerErrors()
+    monkeypatch.setattr(peers, "PEER_ERRORS", errors)
+    caplog.set_level(logging.DEBUG)
+    pending = [dra_node.api.add_claim("ml", f"p{k}", {"gpu": {}}) for k in range(20)]
+    resp = dra_node.kubelet.prepare(DRIVER, *pending)
+    assert all("is not allocated" in resp.claims[c["metadata"]["uid"]].error for c in pending)
+    lines = [r for r in caplog.records if "is not allocated" in r.getMessage()]
+    assert len(lines) == 5  # before: one line per claim, whoever asked
+    assert errors.count(peers.INVALID_REQUEST) == 20

@@ -286,3 +286,30 @@ def test_peer_errors_are_counted_in_the_metrics_by_kind() -> None:
     assert 'vgpu_grpc_peer_errors_total{kind="malformed_request"} 3.0' in text
     assert 'vgpu_grpc_peer_errors_total{kind="streams_over_limit"} 1.0' in text
     assert 'vgpu_grpc_peer_errors_total{kind="prepare_queue_full"} 0.0' in text  # from the start
+
+
+def test_invalid_requests_are_rate_limited_lines_of_bounded_length(
+    plugin: tuple[KubeletEmulator, DevicePluginServer],
+    errors: tuple[PeerErrors, FakeClock],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, server = plugin
+    caplog.set_level(logging.DEBUG)
+    unknown = [f"GPU-nope-{k:06d}" for k in range(20_000)]
+    with channel_to(server) as channel:
+        stub = pb_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+        request = pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=unknown)]
+        )
+        for _ in range(20):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Allocate(request, timeout=ALLOCATE_DEADLINE_S)
+            # The reason reaches the caller, cut short: whole, it would pass a header's
+            # 16 KiB and the caller would see RESOURCE_EXHAUSTED instead.
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "unknown device IDs: GPU-nope-000000" in err.value.details()
+            assert err.value.details().endswith(" characters)")
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == 5  # before: one line per call, each naming all 20,000 IDs
+    assert all(len(line) < 700 and "characters)" in line for line in lines)
+    assert errors[0].count(peers.INVALID_REQUEST) == 20

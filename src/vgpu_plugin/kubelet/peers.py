@@ -25,9 +25,15 @@ from vgpu_plugin.node.metrics import PEER_ERROR_KINDS
 
 log = logging.getLogger(__name__)
 
-MALFORMED_REQUEST, HANDLER_ERROR, STREAM_ERROR, STREAMS_OVER_LIMIT, PREPARE_QUEUE_FULL, OTHER = (
-    PEER_ERROR_KINDS
-)
+(
+    MALFORMED_REQUEST,
+    INVALID_REQUEST,
+    HANDLER_ERROR,
+    STREAM_ERROR,
+    STREAMS_OVER_LIMIT,
+    PREPARE_QUEUE_FULL,
+    OTHER,
+) = PEER_ERROR_KINDS
 KINDS: Final = PEER_ERROR_KINDS
 
 # grpcio's server-side loggers and the beginnings of the messages they log per call.
@@ -40,6 +46,7 @@ _GRPC_KINDS: Final = (
     ("Exception serializing response", HANDLER_ERROR),
 )
 _MAX_DETAIL = 200  # characters of a peer-controlled message kept in a line
+_MAX_LINE = 500  # characters of a line, whatever a request put in its message
 
 
 @dataclass
@@ -105,6 +112,8 @@ class PeerErrors(logging.Filter):
             return
         text = message % args if args else message
         text = " ".join(text.split())  # one line, whatever the peer put in it
+        if len(text) > _MAX_LINE:
+            text = f"{text[:_MAX_LINE]}... ({len(text)} characters)"
         if left_out:
             text += f" ({left_out} more {kind} errors in the last {self.window:g} s not logged)"
         log.warning("gRPC peer error (%s): %s", kind, text, extra={"peer_error": kind})

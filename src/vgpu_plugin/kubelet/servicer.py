@@ -21,7 +21,7 @@ from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.backend import Backend, BackendError
-from vgpu_plugin.kubelet.peers import STREAMS_OVER_LIMIT, StreamSlots
+from vgpu_plugin.kubelet.peers import INVALID_REQUEST, STREAMS_OVER_LIMIT, StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,16 @@ class DeviceFeed:
 
 
 _Resp = TypeVar("_Resp")
+
+# A status's details travel in a header, which the peer refuses past 16 KiB (it would see
+# RESOURCE_EXHAUSTED instead of the reason): a refusal naming 20,000 IDs is cut short.
+_MAX_DETAILS = 4096
+
+
+def _details(message: str) -> str:
+    if len(message) <= _MAX_DETAILS:
+        return message
+    return f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
 
 
 class DevicePluginService(pb_grpc.DevicePluginServicer):
@@ -203,13 +213,16 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             return call()
         except BackendError as err:
             code = err.code.name
-            log.warning("%s refused: %s", method, err.message, extra={"grpc_code": code})
-            context.abort(err.code, err.message)
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's fault: any peer's
+                peers.PEER_ERRORS.note(INVALID_REQUEST, "%s refused: %s", method, err.message)
+            else:
+                log.warning("%s refused: %s", method, err.message, extra={"grpc_code": code})
+            context.abort(err.code, _details(err.message))
             raise  # abort raises; this keeps the type checker and readers sure of it
         except Exception as err:
             code = grpc.StatusCode.INTERNAL.name
             log.exception("%s failed", method)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+            context.abort(grpc.StatusCode.INTERNAL, _details(f"{method} failed: {err}"))
             raise
         finally:
             elapsed = time.perf_counter() - start

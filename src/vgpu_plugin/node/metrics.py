@@ -521,6 +521,7 @@ class PluginRegistry(CollectorRegistry):
 # The kinds of vgpu_grpc_peer_errors_total (kubelet/peers.py tells them apart; docs/metrics.md).
 PEER_ERROR_KINDS: Final = (
     "malformed_request",
+    "invalid_request",
     "handler_error",
     "stream_error",
     "streams_over_limit",

@@ -41,7 +41,12 @@ from vgpu_plugin.kubelet.dra.queue import (
     QueueFull,
     StillPreparing,
 )
-from vgpu_plugin.kubelet.peers import PREPARE_QUEUE_FULL, server_limits, tame_grpc_logs
+from vgpu_plugin.kubelet.peers import (
+    INVALID_REQUEST,
+    PREPARE_QUEUE_FULL,
+    server_limits,
+    tame_grpc_logs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,16 @@ class _Calls:
                         " server is slow to answer); a retry gets the result"
                     )
                     log.warning("%s", entry.error)
+                    continue
+                except dra.ClaimError as exc:  # what the claim says: any peer can name one
+                    peers.PEER_ERRORS.note(
+                        INVALID_REQUEST,
+                        "cannot prepare claim %s/%s: %s",
+                        ref.namespace,
+                        ref.name,
+                        exc,
+                    )
+                    entry.error = str(exc)
                     continue
                 except ValueError as exc:
                     log.error("cannot prepare claim %s/%s: %s", ref.namespace, ref.name, exc)

@@ -149,7 +149,7 @@ def node_factory() -> Iterator[Callable[..., Node]]:
 
 
 def test_a_claim_is_answered_before_the_deadline_while_the_api_server_hangs(
-    node_factory: Callable[..., Node], errors: PeerErrors
+    node_factory: Callable[..., Node], errors: PeerErrors, caplog: pytest.LogCaptureFixture
 ) -> None:
     node = node_factory()
     claim = node.claim("slow")
@@ -157,6 +157,10 @@ def test_a_claim_is_answered_before_the_deadline_while_the_api_server_hangs(
     entry = node.prepare(claim)[uid(claim)]
     assert "ml/slow is still being prepared" in entry.error and "retry" in entry.error
     assert list(entry.devices) == []
+    # A retry while it still hangs: the same answer, the same one job, no second line.
+    again = node.prepare(claim, timeout=SHORT_DEADLINE_S)[uid(claim)]
+    assert again.error == entry.error and node.server.queue.in_flight() == 1
+    assert len([r for r in caplog.records if "still being prepared" in r.getMessage()]) == 1
     # The prepare went on; once the API server answers, the kubelet's retry gets the result
     # from the record, without reading the claim again.
     node.gated.gate.set()

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,22 @@ class _Calls:
         self.driver = driver
         self.queue = queue
         self._waiters = threading.BoundedSemaphore(waiters)
+        self._told: set[str] = set()  # claims whose slow prepare was logged
+        self._told_lock = threading.Lock()
+
+    def _tell_once(self, uid: str, job: Future[Any], message: str) -> None:
+        """Logs a slow prepare once per job, not once per call: retries, or a peer asking in
+        a loop, add no lines."""
+        with self._told_lock:
+            if uid in self._told:
+                return
+            self._told.add(uid)
+        job.add_done_callback(lambda _: self._forget_told(uid))
+        log.warning("%s", message)
+
+    def _forget_told(self, uid: str) -> None:
+        with self._told_lock:
+            self._told.discard(uid)
 
     def prepare(self, request: Any, pb: Any, with_share_id: bool, context: Any) -> Any:
         answer_by = _answer_by(context)
@@ -91,7 +107,7 @@ class _Calls:
                         f"claim {ref.namespace}/{ref.name} is still being prepared (the API"
                         " server is slow to answer); a retry gets the result"
                     )
-                    log.warning("%s", entry.error)
+                    self._tell_once(ref.uid, job, entry.error)
                     continue
                 except dra.ClaimError as exc:  # what the claim says: any peer can name one
                     peers.PEER_ERRORS.note(
@@ -129,18 +145,24 @@ class _Calls:
     def unprepare(self, request: Any, pb: Any, context: Any) -> Any:
         answer_by = _answer_by(context)
         out = pb.NodeUnprepareResourcesResponse()
-        for c in request.claims:
-            entry = out.claims[c.uid]
-            try:
-                # A prepare still in flight would land after this unprepare: settle it first.
-                self.queue.settle(c.uid, answer_by - time.monotonic())
-                self.driver.unprepare(ClaimRef(c.namespace, c.uid, c.name))
-            except StillPreparing:
-                entry.error = f"claim {c.namespace}/{c.name} is still being prepared; retry"
-                log.warning("cannot unprepare yet: %s", entry.error)
-            except (OSError, ValueError) as exc:
-                log.error("cannot unprepare claim %s/%s: %s", c.namespace, c.name, exc)
-                entry.error = str(exc)
+        waiting = self._waiters.acquire(blocking=False)  # waits count as prepares' do
+        try:
+            for c in request.claims:
+                entry = out.claims[c.uid]
+                try:
+                    # A prepare still in flight would land after this unprepare: settle it.
+                    left = answer_by - time.monotonic() if waiting else 0.0
+                    self.queue.settle(c.uid, left)
+                    self.driver.unprepare(ClaimRef(c.namespace, c.uid, c.name))
+                except StillPreparing:
+                    entry.error = f"claim {c.namespace}/{c.name} is still being prepared; retry"
+                    log.warning("cannot unprepare yet: %s", entry.error)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot unprepare claim %s/%s: %s", c.namespace, c.name, exc)
+                    entry.error = str(exc)
+        finally:
+            if waiting:
+                self._waiters.release()
         return out
 
 

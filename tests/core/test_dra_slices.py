@@ -4,6 +4,7 @@ from their allocation, and grants by amount through the same builder as Allocate
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -55,6 +56,119 @@ def test_a_bad_quantity_is_one_line(text: object) -> None:
     with pytest.raises(ValueError, match="is not a Kubernetes quantity") as err:
         dra.parse_quantity(text, "memory")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        # Kubernetes keeps milli precision and rounds a finer fraction up, away from zero.
+        ("0.1m", Fraction(1, 1000)),
+        ("1.0001", Fraction(1001, 1000)),
+        ("-1.0001", Fraction(-1001, 1000)),
+        ("1n", Fraction(1, 1000)),
+        ("1.5", Fraction(3, 2)),
+        ("5.", 5),
+        (".5", Fraction(1, 2)),
+        ("+2k", 2000),
+        ("2Ki", 2048),
+        ("1.5Mi", 3 << 19),
+        ("3E", 3 * 10**18),
+        ("12e-3", Fraction(12, 1000)),
+        ("1E+3", 1000),
+        # ... and caps a magnitude at 2^63-1; an exponent costs nothing however large.
+        ("9Ei", dra.QUANTITY_MAX),
+        ("1e999999999", dra.QUANTITY_MAX),
+        ("1e-999999999", Fraction(1, 1000)),
+        ("0e999999999", 0),
+        ("0.0000000001e50", dra.QUANTITY_MAX),
+        (1 << 70, dra.QUANTITY_MAX),
+    ],
+)
+def test_quantities_parse_as_kubernetes_parses_them(text: object, value: Fraction) -> None:
+    assert dra.parse_quantity(text) == value
+
+
+def test_an_overlong_quantity_is_refused_without_being_parsed() -> None:
+    with pytest.raises(ValueError, match="is not a Kubernetes quantity") as err:
+        dra.parse_quantity("1" * 100_000, "memory")
+    assert len(str(err.value)) < 120
+
+
+@pytest.mark.parametrize(
+    ("consumed", "memory", "compute"),
+    [
+        ({"memory": "6Gi", "compute": "30"}, 6 * GIB, 30),
+        # Only ever up, to the policy's minimum plus whole steps (256Mi; 1 %):
+        ({"memory": "1.5", "compute": "0.1"}, 256 * MIB, 1),  # not a 2-byte limit
+        ({"memory": "6Gi", "compute": "30.001"}, 6 * GIB, 31),
+        ({"memory": "6442450945", "compute": "30"}, 6 * GIB + 256 * MIB, 30),
+        ({"memory": "1G", "compute": "1e1"}, 1024 * MIB, 10),  # 10^9 bytes -> 4 steps of 256Mi
+        ({"memory": "0.3Gi", "compute": "100"}, 512 * MIB, 100),
+    ],
+)
+def test_consumed_capacity_rounds_only_up_to_the_policys_step(
+    consumed: dict[str, str], memory: int, compute: int
+) -> None:
+    (d,) = dra.claim_devices(claim([{**RESULT, "consumedCapacity": consumed}]), dra.DRIVER_NAME)
+    assert (d.memory_bytes, d.compute_percent) == (memory, compute)
+
+
+def test_rounding_follows_the_policy_given() -> None:
+    policy = dra.CapacityPolicy(default=1 << 30, minimum=1 << 30, step=1 << 30)
+    body = claim([consuming(memory="1025Mi")])
+    (d,) = dra.claim_devices(body, dra.DRIVER_NAME, memory=policy)
+    assert d.memory_bytes == 2 << 30
+
+
+def test_a_result_without_consumed_capacity_is_refused_not_the_whole_gpu() -> None:
+    with pytest.raises(dra.ClaimError, match="no consumedCapacity 'memory'") as err:
+        dra.claim_devices(
+            claim([{k: v for k, v in RESULT.items() if k != "consumedCapacity"}]), dra.DRIVER_NAME
+        )
+    assert "device gpu-aaaaaaaa" in str(err.value) and "\n" not in str(err.value)
+
+
+def _limit(uuid: str, memory: int, compute: int) -> Amount:
+    return Amount(uuid, memory, compute)
+
+
+def test_a_claim_that_fits_beside_the_prepared_ones_passes() -> None:
+    totals = {"GPU-a": 16 * GIB, "GPU-b": 16 * GIB}
+    prepared = [_limit("GPU-a", 10 * GIB, 60), _limit("GPU-b", 16 * GIB, 0)]
+    dra.check_fits("ml/x", totals, prepared, [_limit("GPU-a", 6 * GIB, 40)])
+
+
+@pytest.mark.parametrize(
+    ("prepared", "new", "message"),
+    [
+        (
+            [_limit("GPU-a", 12 * GIB, 30)],
+            [_limit("GPU-a", 12 * GIB, 30)],
+            "ml/x: GPU GPU-a has 16Gi of memory; prepared claims promise 12Gi and this one"
+            " asks 12Gi",
+        ),
+        (
+            [_limit("GPU-a", GIB, 70), _limit("GPU-b", 15 * GIB, 100)],
+            [_limit("GPU-a", GIB, 31)],
+            "GPU GPU-a has 100% of compute; prepared claims promise 70% and this one asks 31%",
+        ),
+        # 0 is "not limited": the whole GPU's compute, for the one holding it and the new one.
+        ([_limit("GPU-a", GIB, 0)], [_limit("GPU-a", GIB, 1)], "promise 100% and this one asks 1%"),
+        ([_limit("GPU-a", GIB, 1)], [_limit("GPU-a", GIB, 0)], "promise 1% and this one asks 100%"),
+        # two requests of one claim on one GPU add up
+        (
+            [],
+            [_limit("GPU-a", 9 * GIB, 1), _limit("GPU-a", 8 * GIB, 1)],
+            "promise 0 and this one asks 17Gi",
+        ),
+    ],
+)
+def test_a_claim_that_would_overcommit_a_gpu_names_both_numbers(
+    prepared: list[Amount], new: list[Amount], message: str
+) -> None:
+    totals = {"GPU-a": 16 * GIB, "GPU-b": 16 * GIB}
+    with pytest.raises(dra.ClaimError, match=re.escape(message)):
+        dra.check_fits("ml/x", totals, prepared, new)
 
 
 def test_bytes_format_as_the_shortest_exact_binary_quantity() -> None:
@@ -169,6 +283,12 @@ RESULT = {
 }
 
 
+def consuming(**caps: str | None) -> dict[str, Any]:
+    """RESULT with its consumedCapacity changed: a value replaces, None removes."""
+    consumed = {**RESULT["consumedCapacity"], **caps}
+    return {**RESULT, "consumedCapacity": {k: v for k, v in consumed.items() if v is not None}}
+
+
 def test_the_claim_used_in_these_tests_is_a_valid_resource_claim() -> None:
     k8s_validate(claim([RESULT]))
 
@@ -185,8 +305,13 @@ def test_a_claims_devices_are_read_from_its_allocation() -> None:
         ({**claim([RESULT]), "status": {}}, "u-1", "is not allocated"),
         (claim([RESULT]), "u-2", "is not the kubelet's"),
         (claim([{**RESULT, "driver": "x.io"}]), "u-1", "has no device of driver"),
-        (claim([{**RESULT, "consumedCapacity": {"compute": "130"}}]), "u-1", "outside 1..100"),
-        (claim([{**RESULT, "consumedCapacity": {"memory": "lots"}}]), "u-1", "not a Kubernetes"),
+        (claim([consuming(compute="130")]), "u-1", "outside 1..100"),
+        (claim([consuming(memory="lots")]), "u-1", "not a Kubernetes"),
+        (claim([consuming(memory="0")]), "u-1", "memory '0' is not positive"),
+        (claim([consuming(compute="-5")]), "u-1", "compute '-5' is not positive"),
+        (claim([consuming(memory=None)]), "u-1", "no consumedCapacity 'memory'"),
+        (claim([consuming(compute=None)]), "u-1", "no consumedCapacity 'compute'"),
+        (claim([{**RESULT, "consumedCapacity": None}]), "u-1", "no consumedCapacity 'memory'"),
     ],
 )
 def test_a_claim_that_cannot_be_prepared_says_why_in_one_line(

@@ -27,6 +27,7 @@ from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
 from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.backend import ListTooLargeError
 from vgpu_plugin.kubelet.checkpoint import read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
@@ -279,8 +280,11 @@ class Plugin:
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
         )
         self._metrics = new_registry(
-            lambda: prepare()(), min_interval=METRICS_MIN_INTERVAL, forked=prepare
+            lambda: prepare()(),
+            min_interval=METRICS_MIN_INTERVAL,
+            forked=prepare,
         )
+        peers.PEER_ERRORS.add_listener(self._metrics.peer_error)
         with contextlib.suppress(Exception):  # a region that cannot be read is reported as such
             region.bind()  # once here, not again in each forked build
         try:
@@ -401,6 +405,8 @@ class Plugin:
             self._cleaner.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self._metrics is not None:
+            peers.PEER_ERRORS.remove_listener(self._metrics.peer_error)
         if self._server is not None:
             self._server.stop()
         if self._health is not None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from vgpu_plugin.core.devices import PhysicalGpu
 
@@ -58,20 +58,38 @@ _SUFFIX: Final[Mapping[str, Fraction]] = {
 }
 
 
+# Kubernetes keeps no more than milli precision (``0.1m`` reads as ``1m``) and caps a
+# quantity at 2^63-1; exponents beyond these bounds only reach the cap or the first milli, so
+# they are clamped before any power is computed (``1e999999999`` costs nothing).
+QUANTITY_MAX: Final = (1 << 63) - 1
+_EXPONENT_BOUND = 40
+_MAX_TEXT = 100  # characters; longer text is refused, not parsed
+
+
 def parse_quantity(text: object, what: str = "quantity") -> Fraction:
-    """A Kubernetes quantity (``6Gi``, ``30``, ``1.5G``, ``500m``, ``1e3``) as an exact number;
-    ValueError in one line otherwise."""
+    """A Kubernetes quantity (``6Gi``, ``30``, ``1.5G``, ``500m``, ``1e3``) as Kubernetes reads
+    it: exact to the milli, a finer fraction rounded up (away from zero) to the next milli, a
+    magnitude over 2^63-1 capped there. ValueError in one line when it is no quantity."""
     if isinstance(text, int) and not isinstance(text, bool):
-        return Fraction(text)
-    m = _QUANTITY.match(text) if isinstance(text, str) else None
+        return Fraction(max(-QUANTITY_MAX, min(QUANTITY_MAX, text)))
+    m = _QUANTITY.match(text) if isinstance(text, str) and len(text) <= _MAX_TEXT else None
     if m is None:
-        raise ValueError(f"{what}: {text!r} is not a Kubernetes quantity (e.g. 6Gi, 30, 500m)")
+        shown = text if not isinstance(text, str) or len(text) <= _MAX_TEXT else text[:20] + "..."
+        raise ValueError(f"{what}: {shown!r} is not a Kubernetes quantity (e.g. 6Gi, 30, 500m)")
     sign, number, suffix = m.group(1), m.group(2), m.group(3) or ""
     value = Fraction(number)
-    if suffix[:1] in ("e", "E"):
-        value *= Fraction(10) ** int(suffix[1:])
+    if suffix not in _SUFFIX:  # an exponent (a bare "E" is exa, a suffix)
+        # Past this bound a non-zero number is over the cap or under one milli either way.
+        bound = _EXPONENT_BOUND + len(number)
+        digits = suffix[1:].lstrip("+-").lstrip("0") or "0"
+        exponent = min(bound, int(digits) if len(digits) <= 4 else bound)
+        if suffix[1:2] == "-":
+            exponent = -exponent
+        value *= Fraction(10) ** exponent
     else:
         value *= _SUFFIX[suffix]
+    value = Fraction(math.ceil(value * 1000), 1000)  # up to the next milli
+    value = min(value, Fraction(QUANTITY_MAX))
     return -value if sign == "-" else value
 
 
@@ -102,6 +120,13 @@ class CapacityPolicy:
         if (self.default - self.minimum) % self.step:
             return f"{what}: default {self.default} is not minimum + a multiple of step"
         return None
+
+    def round_up(self, value: Fraction) -> int:
+        """What a claim of ``value`` consumes under this policy: the minimum, or minimum plus
+        the least whole number of steps that holds ``value``; never less than asked."""
+        if value <= self.minimum:
+            return self.minimum
+        return self.minimum + math.ceil((value - self.minimum) / self.step) * self.step
 
 
 MEMORY_POLICY: Final = CapacityPolicy(default=1 << 30, minimum=256 << 20, step=256 << 20)
@@ -223,13 +248,13 @@ def resource_slice(
 @dataclass(frozen=True)
 class ClaimDevice:
     """One device of a claim's allocation that is this driver's, with what the claim consumed
-    of it (memory in bytes, compute in percent; None: the claim consumed it whole)."""
+    of it (memory in bytes, compute in percent), rounded up to the request policies."""
 
     request: str
     pool: str
     device: str
-    memory_bytes: int | None
-    compute_percent: int | None
+    memory_bytes: int
+    compute_percent: int
     share_id: str = ""
 
 
@@ -237,8 +262,34 @@ class ClaimError(ValueError):
     """The claim cannot be prepared as it stands; the message says why, in one line."""
 
 
-def claim_devices(claim: Mapping[str, Any], driver: str, uid: str = "") -> list[ClaimDevice]:
-    """This driver's devices in the claim's allocation (``status.allocation.devices.results``);
+def _consumed(consumed: Mapping[str, Any], name: str, policy: CapacityPolicy, where: str) -> int:
+    """One capacity of a result's ``consumedCapacity``, rounded up to ``policy``. The slice
+    gives every device a request policy for each capacity, so the scheduler writes both into
+    every result: one missing is a malformed result (a scheduler without consumable capacity,
+    a hand-written status), refused rather than read as the whole GPU."""
+    if name not in consumed:
+        raise ClaimError(
+            f"{where}: no consumedCapacity {name!r}, which this driver's slice requires"
+            " (is the DRAConsumableCapacity feature off in the scheduler?)"
+        )
+    try:
+        value = parse_quantity(consumed[name], name)
+    except ValueError as exc:
+        raise ClaimError(f"{where}: {exc}") from exc
+    if value <= 0:
+        raise ClaimError(f"{where}: {name} {consumed[name]!r} is not positive")
+    return policy.round_up(value)
+
+
+def claim_devices(
+    claim: Mapping[str, Any],
+    driver: str,
+    uid: str = "",
+    memory: CapacityPolicy = MEMORY_POLICY,
+    compute: CapacityPolicy = COMPUTE_POLICY,
+) -> list[ClaimDevice]:
+    """This driver's devices in the claim's allocation (``status.allocation.devices.results``),
+    each with its consumed memory and compute rounded up to ``memory`` and ``compute``;
     ClaimError when the claim is another one than asked (``uid``), not allocated, or says
     something this driver cannot read."""
     meta = claim.get("metadata") or {}
@@ -253,35 +304,76 @@ def claim_devices(claim: Mapping[str, Any], driver: str, uid: str = "") -> list[
     for r in results:
         if r.get("driver") != driver:
             continue
-        consumed = r.get("consumedCapacity") or {}
-        try:
-            memory = (
-                math.ceil(parse_quantity(consumed[MEMORY], "memory"))
-                if MEMORY in consumed
-                else None
-            )
-            compute = (
-                math.ceil(parse_quantity(consumed[COMPUTE], "compute"))
-                if COMPUTE in consumed
-                else None
-            )
-        except ValueError as exc:
-            raise ClaimError(f"claim {ref}: {exc}") from exc
-        if compute is not None and not 1 <= compute <= 100:
-            raise ClaimError(f"claim {ref}: compute {compute} is outside 1..100")
-        if memory is not None and memory < 1:
-            raise ClaimError(f"claim {ref}: memory {memory} is not positive")
         for key in ("request", "pool", "device"):
             if not isinstance(r.get(key), str) or not r[key]:
                 raise ClaimError(f"claim {ref}: an allocation result has no {key}")
+        consumed = r.get("consumedCapacity")
+        if not isinstance(consumed, Mapping):
+            consumed = {}
+        where = f"claim {ref}, device {r['device']}"
+        mem = _consumed(consumed, MEMORY, memory, where)
+        share = _consumed(consumed, COMPUTE, compute, where)
+        if share > 100:
+            raise ClaimError(f"claim {ref}: compute {share} is outside 1..100")
         out.append(
             ClaimDevice(
-                r["request"], r["pool"], r["device"], memory, compute, str(r.get("shareID") or "")
+                r["request"], r["pool"], r["device"], mem, share, str(r.get("shareID") or "")
             )
         )
     if not out:
         raise ClaimError(f"claim {ref} has no device of driver {driver}")
     return out
+
+
+class Promise(Protocol):
+    """What a claim holds of one GPU: memory in bytes, compute in percent (0: all of it)."""
+
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def compute_percent(self) -> int: ...
+
+
+def check_fits(
+    ref: str,
+    totals: Mapping[str, int],
+    prepared: Iterable[Promise],
+    new: Iterable[Promise],
+) -> None:
+    """ClaimError unless, on every GPU the new claim uses, what the prepared claims promise
+    plus what the new one asks stays within the GPU (``totals``: its memory in bytes; compute
+    100 %). The scheduler keeps these sums too; this holds them when it did not (a bug, a
+    stale slice, consumable capacity off), so the node never promises more than it has."""
+
+    def percent(p: Promise) -> int:
+        return p.compute_percent or 100
+
+    asked_mem: dict[str, int] = {}
+    asked_cpu: dict[str, int] = {}
+    for p in new:
+        asked_mem[p.uuid] = asked_mem.get(p.uuid, 0) + p.memory_bytes
+        asked_cpu[p.uuid] = asked_cpu.get(p.uuid, 0) + percent(p)
+    held_mem = dict.fromkeys(asked_mem, 0)
+    held_cpu = dict.fromkeys(asked_mem, 0)
+    for p in prepared:
+        if p.uuid in held_mem:
+            held_mem[p.uuid] += p.memory_bytes
+            held_cpu[p.uuid] += percent(p)
+    for uuid in sorted(asked_mem):
+        total = totals.get(uuid, 0)
+        if held_mem[uuid] + asked_mem[uuid] > total:
+            raise ClaimError(
+                f"claim {ref}: GPU {uuid} has {format_bytes(total)} of memory; prepared claims"
+                f" promise {format_bytes(held_mem[uuid])} and this one asks"
+                f" {format_bytes(asked_mem[uuid])}"
+            )
+        if held_cpu[uuid] + asked_cpu[uuid] > 100:
+            raise ClaimError(
+                f"claim {ref}: GPU {uuid} has 100% of compute; prepared claims promise"
+                f" {held_cpu[uuid]}% and this one asks {asked_cpu[uuid]}%"
+            )
 
 
 def allocation_id(claim_uid: str) -> str:

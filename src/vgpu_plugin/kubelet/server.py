@@ -35,7 +35,13 @@ from vgpu_plugin.kubelet.backend import (
     Backend,
     check_list_size,
 )
-from vgpu_plugin.kubelet.servicer import DeviceFeed, DevicePluginService, ServerHooks
+from vgpu_plugin.kubelet.peers import StreamSlots, server_limits, tame_grpc_logs
+from vgpu_plugin.kubelet.servicer import (
+    DEFAULT_MAX_STREAMS,
+    DeviceFeed,
+    DevicePluginService,
+    ServerHooks,
+)
 from vgpu_plugin.kubelet.watch import FileId, RestartDetector, file_id
 
 log = logging.getLogger(__name__)
@@ -89,8 +95,14 @@ class DevicePluginServer:
         backoff_initial: float = 0.5,
         backoff_max: float = 10.0,
         max_workers: int = 16,
+        max_streams: int = DEFAULT_MAX_STREAMS,
         hooks: ServerHooks | None = None,
     ) -> None:
+        if not 1 <= max_streams < max_workers:
+            raise ValueError(
+                f"max_streams {max_streams} must be 1 or more and fewer than max_workers"
+                f" {max_workers}: unary calls need threads the streams cannot take"
+            )
         self.backend = backend
         self.resource_name = resource_name
         self.plugin_dir = Path(plugin_dir)
@@ -104,7 +116,9 @@ class DevicePluginServer:
         self._stopping = threading.Event()
         self._registered = threading.Event()
         self._feed = DeviceFeed(backend)
-        self._service = DevicePluginService(backend, self._feed, self.hooks, self._stopping)
+        self._service = DevicePluginService(
+            backend, self._feed, self.hooks, self._stopping, StreamSlots(max_streams)
+        )
         self._detector = RestartDetector(self.kubelet_socket)
         self._grpc: Any = None  # grpc.Server; grpc ships no type information
         self._executor: ThreadPoolExecutor | None = None
@@ -148,6 +162,7 @@ class DevicePluginServer:
             size,
             extra={"resource": self.resource_name, "list_bytes": size},
         )
+        tame_grpc_logs()
         for stale in remove_stale_sockets(self.plugin_dir):
             log.info("removed %s, the socket of a plugin instance that is gone", stale)
         self._stopping.clear()
@@ -202,7 +217,7 @@ class DevicePluginServer:
                 f"use a shorter device plugin directory"
             )
         executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="vgpu-grpc")
-        server = grpc.server(executor)
+        server = grpc.server(executor, **server_limits(self._max_workers))
         # The generated gRPC module is untyped (protoc writes no stub for it).
         pb_grpc.add_DevicePluginServicer_to_server(self._service, server)  # type: ignore[no-untyped-call]
         try:

@@ -19,12 +19,17 @@ import grpc
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.backend import Backend, BackendError
+from vgpu_plugin.kubelet.peers import INVALID_REQUEST, STREAMS_OVER_LIMIT, StreamSlots
 
 log = logging.getLogger(__name__)
 
 # Streams re-check for a dead peer at least this often, even with no device change.
 _STREAM_RECHECK_S = 1.0
+# ListAndWatch streams one socket serves at once: the kubelet's, and room for a restarting
+# kubelet's or a status tool's; each holds a server thread for its life.
+DEFAULT_MAX_STREAMS = 4
 
 RpcHook = Callable[[str, float, "str | None"], None]
 """Called after each unary RPC with (method, seconds, gRPC code name or None if it succeeded)."""
@@ -104,6 +109,16 @@ class DeviceFeed:
 
 _Resp = TypeVar("_Resp")
 
+# A status's details travel in a header, which the peer refuses past 16 KiB (it would see
+# RESOURCE_EXHAUSTED instead of the reason): a refusal naming 20,000 IDs is cut short.
+_MAX_DETAILS = 4096
+
+
+def _details(message: str) -> str:
+    if len(message) <= _MAX_DETAILS:
+        return message
+    return f"{message[:_MAX_DETAILS]}... ({len(message)} characters)"
+
 
 class DevicePluginService(pb_grpc.DevicePluginServicer):
     """The five DevicePlugin RPCs, backed by a ``Backend``."""
@@ -114,11 +129,13 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         feed: DeviceFeed,
         hooks: ServerHooks,
         stopping: threading.Event,
+        streams: StreamSlots | None = None,
     ) -> None:
         self._backend = backend
         self._feed = feed
         self._hooks = hooks
         self._stopping = stopping
+        self._streams = streams or StreamSlots(DEFAULT_MAX_STREAMS)
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return self._unary("GetDevicePluginOptions", context, self._backend.options)
@@ -143,11 +160,29 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         )
 
     def ListAndWatch(self, request: pb.Empty, context: Any) -> Iterator[pb.ListAndWatchResponse]:
-        """The full list now and after every change, until the peer or the server goes."""
+        """The full list now and after every change, until the peer or the server goes.
+
+        Each open stream holds one of the server's threads for its life, so only
+        ``streams.limit`` may be open at once (the kubelet opens one): past it a new stream
+        is refused with RESOURCE_EXHAUSTED, and Allocate keeps the other threads."""
+        release = self._streams.acquire()
+        if release is None:
+            peers.PEER_ERRORS.note(
+                STREAMS_OVER_LIMIT,
+                "ListAndWatch refused: %d streams are open on this socket, the limit"
+                " (the kubelet opens one)",
+                self._streams.limit,
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._streams.limit} ListAndWatch streams are open, the limit",
+            )
+            return
         ended = threading.Event()
 
         def on_end() -> None:
             ended.set()
+            release()
             self._feed.poke()
 
         context.add_callback(on_end)
@@ -156,17 +191,20 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             return ended.is_set() or self._stopping.is_set()
 
         last_sent: bytes | None = None
-        while not done():
-            # Read the generation before the list: a change after this read wakes us below.
-            seen = self._feed.generation
-            response = pb.ListAndWatchResponse(devices=self._backend.devices())
-            wire = response.SerializeToString(deterministic=True)
-            if wire != last_sent:
-                yield response
-                last_sent = wire
-            while not done() and self._feed.wait_newer(seen, _STREAM_RECHECK_S, done) <= seen:
-                if not context.is_active():
-                    return
+        try:
+            while not done():
+                # Read the generation before the list: a change after this read wakes us.
+                seen = self._feed.generation
+                response = pb.ListAndWatchResponse(devices=self._backend.devices())
+                wire = response.SerializeToString(deterministic=True)
+                if wire != last_sent:
+                    yield response
+                    last_sent = wire
+                while not done() and self._feed.wait_newer(seen, _STREAM_RECHECK_S, done) <= seen:
+                    if not context.is_active():
+                        return
+        finally:
+            release()
 
     def _unary(self, method: str, context: Any, call: Callable[[], _Resp]) -> _Resp:
         start = time.perf_counter()
@@ -175,13 +213,16 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             return call()
         except BackendError as err:
             code = err.code.name
-            log.warning("%s refused: %s", method, err.message, extra={"grpc_code": code})
-            context.abort(err.code, err.message)
+            if err.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request's fault: any peer's
+                peers.PEER_ERRORS.note(INVALID_REQUEST, "%s refused: %s", method, err.message)
+            else:
+                log.warning("%s refused: %s", method, err.message, extra={"grpc_code": code})
+            context.abort(err.code, _details(err.message))
             raise  # abort raises; this keeps the type checker and readers sure of it
         except Exception as err:
             code = grpc.StatusCode.INTERNAL.name
             log.exception("%s failed", method)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+            context.abort(grpc.StatusCode.INTERNAL, _details(f"{method} failed: {err}"))
             raise
         finally:
             elapsed = time.perf_counter() - start

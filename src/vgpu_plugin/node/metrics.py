@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, Final
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -587,6 +587,18 @@ class PluginRegistry(CollectorRegistry):
         return _Own()
 
 
+# The kinds of vgpu_grpc_peer_errors_total (kubelet/peers.py tells them apart; docs/metrics.md).
+PEER_ERROR_KINDS: Final = (
+    "malformed_request",
+    "invalid_request",
+    "handler_error",
+    "stream_error",
+    "streams_over_limit",
+    "prepare_queue_full",
+    "other",
+)
+
+
 @dataclass(frozen=True)
 class PluginMetrics:
     """The plugin's own instruments, for the code paths that count."""
@@ -597,6 +609,10 @@ class PluginMetrics:
     registrations: Counter
     config_reloads: Counter  # label result: ok | error
     health_changes: Counter  # label healthy: true | false
+    peer_errors: Counter  # label kind: PEER_ERROR_KINDS
+
+    def peer_error(self, kind: str) -> None:
+        self.peer_errors.labels(kind=kind).inc()
 
     def config_reloaded(self, ok: bool) -> None:
         self.config_reloads.labels(result="ok" if ok else "error").inc()
@@ -665,12 +681,21 @@ def new_registry(
             labelnames=["healthy"],
             registry=registry,
         ),
+        peer_errors=Counter(
+            "vgpu_grpc_peer_errors",
+            "errors a peer of the plugin's gRPC sockets caused, by kind (each logged in one"
+            " rate-limited line)",
+            labelnames=["kind"],
+            registry=registry,
+        ),
     )
     # Zero series up front, so a rate() over them works before the first event.
     for result in ("ok", "error"):
         metrics.config_reloads.labels(result=result)
     for state in ("true", "false"):
         metrics.health_changes.labels(healthy=state)
+    for kind in PEER_ERROR_KINDS:
+        metrics.peer_errors.labels(kind=kind)
     return metrics
 
 

@@ -152,14 +152,19 @@ class DraDriver:
             done = self._record(claim.uid)
             if done is not None and done.state == PREPARED:
                 return claim_of(done).devices
+        # The read takes what the API server takes: outside the lock, so that unprepares
+        # and answers from the record never wait on it (the server's queue keeps a claim's
+        # prepare and unprepare apart).
+        try:
+            body = self._reader.get_claim(claim.namespace, claim.name)
+        except ApiError as exc:
+            raise ValueError(f"cannot read claim {claim.namespace}/{claim.name}: {exc}") from exc
+        with self._lock:
+            done = self._record(claim.uid)
+            if done is not None and done.state == PREPARED:  # prepared meanwhile, by a retry
+                return claim_of(done).devices
             if done is not None:  # a crash left it half-way: start again from nothing
                 self._release(done)
-            try:
-                body = self._reader.get_claim(claim.namespace, claim.name)
-            except ApiError as exc:
-                raise ValueError(
-                    f"cannot read claim {claim.namespace}/{claim.name}: {exc}"
-                ) from exc
             prepared = self._prepare(claim, body)
             try:
                 self._claims.put(prepared, PREPARED)
@@ -178,7 +183,14 @@ class DraDriver:
             return prepared.devices
 
     def _prepare(self, claim: ClaimRef, body: Mapping[str, object]) -> PreparedClaim:
-        results = dra.claim_devices(body, self.driver_name, claim.uid)
+        policies = self._config.dra
+        results = dra.claim_devices(
+            body,
+            self.driver_name,
+            claim.uid,
+            dra.CapacityPolicy(*policies.memory),
+            dra.CapacityPolicy(*policies.compute),
+        )
         amounts: list[Amount] = []
         for r in results:
             gpu = self._by_name.get(r.device)
@@ -187,9 +199,15 @@ class DraDriver:
                     f"claim {claim.namespace}/{claim.name}: device {r.pool}/{r.device} is not"
                     f" one of node {self._node}'s"
                 )
-            memory = gpu.memory_total if r.memory_bytes is None else r.memory_bytes
-            compute = 0 if r.compute_percent in (None, 100) else r.compute_percent
-            amounts.append(Amount(gpu.uuid, memory, compute))
+            compute = 0 if r.compute_percent == 100 else r.compute_percent
+            amounts.append(Amount(gpu.uuid, r.memory_bytes, compute))
+        # Fail closed: never promise a GPU more than it has, whatever the scheduler summed.
+        dra.check_fits(
+            f"{claim.namespace}/{claim.name}",
+            {g.uuid: g.memory_total for g in self._gpus},
+            (x for c in self._claims.all() if c.uid != claim.uid for x in c.limits),
+            amounts,
+        )
         aid = dra.allocation_id(claim.uid)
         try:
             grant = grant_amounts(self._gpus, amounts, aid)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,68 +33,168 @@ from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
+from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.dra.driver import ClaimRef, DraDriver
+from vgpu_plugin.kubelet.dra.queue import (
+    KUBELET_DEADLINE_S,
+    PrepareQueue,
+    QueueFull,
+    StillPreparing,
+)
+from vgpu_plugin.kubelet.peers import (
+    INVALID_REQUEST,
+    PREPARE_QUEUE_FULL,
+    server_limits,
+    tame_grpc_logs,
+)
 
 log = logging.getLogger(__name__)
 
 SERVICE_SOCKET = "dra.sock"
 
 
-def _prepare(driver: DraDriver, request: Any, pb: Any, with_share_id: bool) -> Any:
-    out = pb.NodePrepareResourcesResponse()
-    for c in request.claims:
-        entry = out.claims[c.uid]
+class _Calls:
+    """NodePrepareResources and NodeUnprepareResources for both API versions: prepares go
+    through the bounded queue (``queue.py``) and every claim is answered before the caller's
+    deadline; at most ``waiters`` calls wait on the queue at once, so the server's other
+    threads stay free for unprepares and registration."""
+
+    def __init__(self, driver: DraDriver, queue: PrepareQueue[Any], waiters: int) -> None:
+        self.driver = driver
+        self.queue = queue
+        self._waiters = threading.BoundedSemaphore(waiters)
+        self._told: set[str] = set()  # claims whose slow prepare was logged
+        self._told_lock = threading.Lock()
+
+    def _tell_once(self, uid: str, job: Future[Any], message: str) -> None:
+        """Logs a slow prepare once per job, not once per call: retries, or a peer asking in
+        a loop, add no lines."""
+        with self._told_lock:
+            if uid in self._told:
+                return
+            self._told.add(uid)
+        job.add_done_callback(lambda _: self._forget_told(uid))
+        log.warning("%s", message)
+
+    def _forget_told(self, uid: str) -> None:
+        with self._told_lock:
+            self._told.discard(uid)
+
+    def prepare(self, request: Any, pb: Any, with_share_id: bool, context: Any) -> Any:
+        answer_by = _answer_by(context)
+        out = pb.NodePrepareResourcesResponse()
+        jobs = []
+        # Only so many calls wait; the others answer at once, so threads stay free.
+        waiting = self._waiters.acquire(blocking=False)
         try:
-            devices = driver.prepare(ClaimRef(c.namespace, c.uid, c.name))
-        except ValueError as exc:
-            log.error("cannot prepare claim %s/%s: %s", c.namespace, c.name, exc)
-            entry.error = str(exc)
-            continue
-        for d in devices:
-            fields: dict[str, Any] = {
-                "request_names": list(d.request_names),
-                "pool_name": d.pool_name,
-                "device_name": d.device_name,
-                "cdi_device_ids": list(d.cdi_device_ids),
-            }
-            if with_share_id and d.share_id:  # optional upstream: unset, not "", when none
-                fields["share_id"] = d.share_id
-            entry.devices.append(pb.Device(**fields))
-    return out
+            for c in request.claims:
+                entry = out.claims[c.uid]
+                ref = ClaimRef(c.namespace, c.uid, c.name)
+                left = answer_by - time.monotonic() if waiting else 0.0
+                try:
+                    job = self.queue.submit(c.uid, partial(self.driver.prepare, ref), left)
+                except QueueFull as exc:
+                    entry.error = f"cannot prepare claim {c.namespace}/{c.name} now: {exc}; retry"
+                    peers.PEER_ERRORS.note(PREPARE_QUEUE_FULL, "%s", entry.error)
+                    continue
+                jobs.append((ref, entry, job))
+            for ref, entry, job in jobs:
+                try:
+                    left = answer_by - time.monotonic() if waiting else 0.0
+                    devices = self.queue.wait(job, left)
+                except StillPreparing:
+                    entry.error = (
+                        f"claim {ref.namespace}/{ref.name} is still being prepared (the API"
+                        " server is slow to answer); a retry gets the result"
+                    )
+                    self._tell_once(ref.uid, job, entry.error)
+                    continue
+                except dra.ClaimError as exc:  # what the claim says: any peer can name one
+                    peers.PEER_ERRORS.note(
+                        INVALID_REQUEST,
+                        "cannot prepare claim %s/%s: %s",
+                        ref.namespace,
+                        ref.name,
+                        exc,
+                    )
+                    entry.error = str(exc)
+                    continue
+                except ValueError as exc:
+                    log.error("cannot prepare claim %s/%s: %s", ref.namespace, ref.name, exc)
+                    entry.error = str(exc)
+                    continue
+                except Exception as exc:  # a bug: the claim fails, the others are answered
+                    log.error("cannot prepare claim %s/%s: %r", ref.namespace, ref.name, exc)
+                    entry.error = f"cannot prepare claim {ref.namespace}/{ref.name}: {exc}"
+                    continue
+                for d in devices:
+                    fields: dict[str, Any] = {
+                        "request_names": list(d.request_names),
+                        "pool_name": d.pool_name,
+                        "device_name": d.device_name,
+                        "cdi_device_ids": list(d.cdi_device_ids),
+                    }
+                    if with_share_id and d.share_id:  # optional upstream: unset, not ""
+                        fields["share_id"] = d.share_id
+                    entry.devices.append(pb.Device(**fields))
+        finally:
+            if waiting:
+                self._waiters.release()
+        return out
+
+    def unprepare(self, request: Any, pb: Any, context: Any) -> Any:
+        answer_by = _answer_by(context)
+        out = pb.NodeUnprepareResourcesResponse()
+        waiting = self._waiters.acquire(blocking=False)  # waits count as prepares' do
+        try:
+            for c in request.claims:
+                entry = out.claims[c.uid]
+                try:
+                    # A prepare still in flight would land after this unprepare: settle it.
+                    left = answer_by - time.monotonic() if waiting else 0.0
+                    self.queue.settle(c.uid, left)
+                    self.driver.unprepare(ClaimRef(c.namespace, c.uid, c.name))
+                except StillPreparing:
+                    entry.error = f"claim {c.namespace}/{c.name} is still being prepared; retry"
+                    log.warning("cannot unprepare yet: %s", entry.error)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot unprepare claim %s/%s: %s", c.namespace, c.name, exc)
+                    entry.error = str(exc)
+        finally:
+            if waiting:
+                self._waiters.release()
+        return out
 
 
-def _unprepare(driver: DraDriver, request: Any, pb: Any) -> Any:
-    out = pb.NodeUnprepareResourcesResponse()
-    for c in request.claims:
-        entry = out.claims[c.uid]
-        try:
-            driver.unprepare(ClaimRef(c.namespace, c.uid, c.name))
-        except (OSError, ValueError) as exc:
-            log.error("cannot unprepare claim %s/%s: %s", c.namespace, c.name, exc)
-            entry.error = str(exc)
-    return out
+def _answer_by(context: Any) -> float:
+    """When (monotonic) to answer: a tenth (at least half a second) before the caller's
+    deadline, the kubelet's 45 s where the call carries none."""
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is None or remaining > KUBELET_DEADLINE_S:
+        remaining = KUBELET_DEADLINE_S
+    return time.monotonic() + remaining - max(0.5, remaining / 10)
 
 
 class _V1(v1_grpc.DRAPluginServicer):
-    def __init__(self, driver: DraDriver) -> None:
-        self._driver = driver
+    def __init__(self, calls: _Calls) -> None:
+        self._calls = calls
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        return _prepare(self._driver, request, v1, with_share_id=True)
+        return self._calls.prepare(request, v1, True, context)
 
     def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        return _unprepare(self._driver, request, v1)
+        return self._calls.unprepare(request, v1, context)
 
 
 class _V1beta1(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, driver: DraDriver) -> None:
-        self._driver = driver
+    def __init__(self, calls: _Calls) -> None:
+        self._calls = calls
 
     def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        return _prepare(self._driver, request, v1beta1, with_share_id=False)
+        return self._calls.prepare(request, v1beta1, False, context)
 
     def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
-        return _unprepare(self._driver, request, v1beta1)
+        return self._calls.unprepare(request, v1beta1, context)
 
 
 class _Registration(reg_grpc.RegistrationServicer):
@@ -124,7 +226,11 @@ class DraServer:
         on_registered: Callable[[], object] | None = None,
         poll_interval: float = 0.5,
         max_workers: int = 8,
+        prepare_workers: int = 2,
+        queue_capacity: int = 64,
     ) -> None:
+        if max_workers < 3:
+            raise ValueError(f"max_workers {max_workers}: the DRA server needs at least 3")
         self.driver = driver
         self.registry_dir = Path(registry_dir)
         self.service_socket = Path(plugins_dir) / driver.driver_name / SERVICE_SOCKET
@@ -137,6 +243,9 @@ class DraServer:
         self._registered = threading.Event()
         self._supervisor: threading.Thread | None = None
         self.registrations = 0
+        self.queue: PrepareQueue[Any] = PrepareQueue(prepare_workers, queue_capacity)
+        # Two threads stay free of waiting prepares: for unprepares and registration.
+        self._calls = _Calls(driver, self.queue, max_workers - 2)
 
     @property
     def registered(self) -> bool:
@@ -160,6 +269,7 @@ class DraServer:
     def start(self) -> None:
         if not self.registry_dir.is_dir():
             raise FileNotFoundError(f"plugin registry directory {self.registry_dir} does not exist")
+        tame_grpc_logs()
         self._serve()
         self._stopping.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="dra-server", daemon=True)
@@ -169,9 +279,12 @@ class DraServer:
         self.service_socket.parent.mkdir(parents=True, exist_ok=True)
         for path in (self.service_socket, self.registration_socket):
             path.unlink(missing_ok=True)
-        server = grpc.server(ThreadPoolExecutor(max_workers=self._max_workers))
-        v1_grpc.add_DRAPluginServicer_to_server(_V1(self.driver), server)  # type: ignore[no-untyped-call]
-        v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(self.driver), server)  # type: ignore[no-untyped-call]
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dra-grpc"),
+            **server_limits(self._max_workers),
+        )
+        v1_grpc.add_DRAPluginServicer_to_server(_V1(self._calls), server)  # type: ignore[no-untyped-call]
+        v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(self._calls), server)  # type: ignore[no-untyped-call]
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)  # type: ignore[no-untyped-call]
         for path in (self.service_socket, self.registration_socket):
             if server.add_insecure_port(f"unix://{path}") == 0:
@@ -207,6 +320,7 @@ class DraServer:
         if self._grpc is not None:
             self._grpc.stop(None).wait()
             self._grpc = None
+        self.queue.stop()
         for path in (self.registration_socket, self.service_socket):
             path.unlink(missing_ok=True)
         self._registered.clear()

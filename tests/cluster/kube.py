@@ -166,6 +166,20 @@ class Kube:
                 return json.loads(t.message)  # type: ignore[no-any-return]
         return None
 
+    def probed(self, name: str) -> dict[str, Any] | None:
+        """The probe's JSON from a running pod's log (``python3 -c "$PROBE"; exec sleep``)."""
+        p = self.pod(name)
+        self.fail_on_create_error(p)
+        if p.status.phase != "Running":
+            return None
+        lines = self.core.read_namespaced_pod_log(name, NAMESPACE).strip().splitlines()
+        if not lines:
+            return None
+        result: dict[str, Any] = json.loads(lines[-1])
+        if "error" in result:
+            raise AssertionError(f"pod {name}: CUDA probe failed: {result}")
+        return result
+
     def unschedulable(self, name: str) -> str | None:
         """The scheduler's message when it reports the pod unschedulable."""
         p = self.pod(name)

@@ -1,8 +1,9 @@
 """A CUDA start over simgpu, run inside a workload pod (``python3 -c``; standard library only).
 
 Creates a context on device 0, reads cuMemGetInfo and tries one allocation a MiB past the
-total; writes one JSON line to the termination log (what the test reads from the pod's status)
-and exits 0, or writes the failing call and exits 3.
+total; writes one JSON line to the termination log (what the test reads from an ended pod's
+status) and to stdout (a running pod's log), and exits 0; or writes the failing call and
+exits 3.
 """
 
 import ctypes
@@ -21,6 +22,7 @@ def main() -> int:
     def check(rc: int, what: str) -> None:
         if rc != 0:
             out.write(json.dumps({"error": what, "rc": rc}))
+            print(json.dumps({"error": what, "rc": rc}), flush=True)
             out.close()
             sys.exit(3)
 
@@ -33,7 +35,9 @@ def main() -> int:
     check(cu.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo_v2")
     ptr = ctypes.c_uint64()
     over = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(total.value + (1 << 20)))
-    out.write(json.dumps({"total_mib": total.value >> 20, "over_limit_rc": over}))
+    result = json.dumps({"total_mib": total.value >> 20, "over_limit_rc": over})
+    out.write(result)
+    print(result, flush=True)
     return 0
 
 

@@ -106,7 +106,8 @@ def check_host() -> None:
     for plugin in CNI_PLUGINS:
         if not (CNI_DIR / plugin).is_file():
             raise Missing(
-                f"CNI plugin {CNI_DIR / plugin} missing (apt-get install containernetworking-plugins)"
+                f"CNI plugin {CNI_DIR / plugin} missing "
+                "(apt-get install containernetworking-plugins)"
             )
     if not Path("/sys/fs/cgroup").is_dir():
         raise Missing("no /sys/fs/cgroup")

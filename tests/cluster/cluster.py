@@ -43,11 +43,17 @@ def toolkit_spec(uuids: list[str], libdir: Path, state: Path) -> dict[str, objec
         "containerEdits": {
             "env": [f"LD_LIBRARY_PATH={SIMGPU_IN_CONTAINER}", f"SIMGPU_STATE={STATE_IN_CONTAINER}"],
             "mounts": [
-                {"hostPath": str(libdir), "containerPath": SIMGPU_IN_CONTAINER,
-                 "options": ["ro", "rbind", "nosuid", "nodev"]},
-                {"hostPath": str(state), "containerPath": STATE_IN_CONTAINER,
-                 "options": ["rw", "rbind", "nosuid", "nodev"]},
-            ],  # fmt: skip
+                {
+                    "hostPath": str(libdir),
+                    "containerPath": SIMGPU_IN_CONTAINER,
+                    "options": ["ro", "rbind", "nosuid", "nodev"],
+                },
+                {
+                    "hostPath": str(state),
+                    "containerPath": STATE_IN_CONTAINER,
+                    "options": ["rw", "rbind", "nosuid", "nodev"],
+                },
+            ],
         },
     }
 
@@ -121,14 +127,31 @@ def start(images: Images, bin_dir: Path, gpus: int = 1, memory: str = "16g") -> 
     state = work / "simgpu"
     env = dict(os.environ, VGPU_NATIVE_DIR=str(images.native_dir), PYTHONPATH=str(ROOT / "src"))
     subprocess.run(
-        [sys.executable, "-m", "vgpu_plugin.sim.simgpu", "create", "--state", str(state),
-         "--gpus", str(gpus), "--memory", memory, "--seed", "cluster"],
-        env=env, check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vgpu_plugin.sim.simgpu",
+            "create",
+            "--state",
+            str(state),
+            "--gpus",
+            str(gpus),
+            "--memory",
+            memory,
+            "--seed",
+            "cluster",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     status = subprocess.run(
         [sys.executable, "-m", "vgpu_plugin.sim.simgpu", "status", "--state", str(state)],
-        env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     uuids = [g["uuid"] for g in json.loads(status.stdout)]
     toolkit = work / "toolkit-cdi"
     toolkit.mkdir()
@@ -137,22 +160,27 @@ def start(images: Images, bin_dir: Path, gpus: int = 1, memory: str = "16g") -> 
     runtime = work / "nvidia-runtime"
     runc = shutil.which("runc") or "/usr/sbin/runc"
     runtime.write_text(
-        f'#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / "nvidia_runtime.py"} '
+        f"#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / 'nvidia_runtime.py'} "
         f'{spec} {runc} "$@"\n'
     )
     runtime.chmod(0o755)
     cgroup = f"vgpu-cluster-{os.getpid()}"
     settings = {
-        "workdir": str(work), "bin": str(bin_dir), "node_name": "vgpu-node", "cgroup": cgroup,
-        "images": [str(t) for t in images.tarballs], "toolkit_cdi_dir": str(toolkit),
+        "workdir": str(work),
+        "bin": str(bin_dir),
+        "node_name": "vgpu-node",
+        "cgroup": cgroup,
+        "images": [str(t) for t in images.tarballs],
+        "toolkit_cdi_dir": str(toolkit),
         "runtime": str(runtime),
-    }  # fmt: skip
+    }
     (work / "settings.json").write_text(json.dumps(settings))
     t0 = time.monotonic()
     out = open(work / "launcher.log", "ab")  # noqa: SIM115 - the child holds it
     proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).parent / "launcher.py"), str(work / "settings.json")],
-        stdout=out, stderr=subprocess.STDOUT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
     )
     out.close()
     cluster = Cluster(work, proc, cgroup, gpus=uuids)

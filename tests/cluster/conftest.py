@@ -75,17 +75,29 @@ class Helm:
 
     def __call__(self, *args: str, timeout: float = 300) -> str:
         cmd = [self.binary, "--kubeconfig", str(self.cluster.kubeconfig), *args]
-        env = dict(os.environ, HELM_CACHE_HOME=str(self.cluster.work / "helm"),
-                   HELM_CONFIG_HOME=str(self.cluster.work / "helm"),
-                   HELM_DATA_HOME=str(self.cluster.work / "helm"))  # fmt: skip
+        env = dict(
+            os.environ,
+            HELM_CACHE_HOME=str(self.cluster.work / "helm"),
+            HELM_CONFIG_HOME=str(self.cluster.work / "helm"),
+            HELM_DATA_HOME=str(self.cluster.work / "helm"),
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)}: exit {proc.returncode}:\n{proc.stderr}")
         return proc.stdout
 
     def install(self) -> None:
-        self("upgrade", "--install", RELEASE, str(CHART), "-n", PLUGIN_NS, "--create-namespace",
-             "-f", str(VALUES))  # fmt: skip  (readiness: wait_plugin_ready)
+        self(
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            PLUGIN_NS,
+            "--create-namespace",
+            "-f",
+            str(VALUES),
+        )  # readiness: wait_plugin_ready
 
     def uninstall(self) -> None:
         self("uninstall", RELEASE, "-n", PLUGIN_NS, "--wait", "--timeout", "2m")
@@ -102,8 +114,11 @@ def plugin_pods(kube: Kube) -> list[object]:
 
 def wait_plugin_ready(kube: Kube, cluster: Cluster) -> None:
     """Both front ends up: the node's slice capacity and the driver's ResourceSlice."""
-    wait_for(f"{SPLIT} nvidia.com/gpu allocatable",
-             lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT), 180)  # fmt: skip
+    wait_for(
+        f"{SPLIT} nvidia.com/gpu allocatable",
+        lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT),
+        180,
+    )
     wait_for("the driver's ResourceSlice", kube.resource_slices, 120)
 
 
@@ -116,7 +131,8 @@ def plugin(cluster: Cluster, kube: Kube, helm: Helm) -> Iterator[Helm]:
             helm.install()
         except AssertionError as exc:
             log = "\n".join(
-                f"--- {p.metadata.name}: {p.status.phase}" for p in plugin_pods(kube)  # type: ignore[attr-defined]
+                f"--- {p.metadata.name}: {p.status.phase}"
+                for p in plugin_pods(kube)  # type: ignore[attr-defined]
             )
             raise AssertionError(f"{exc}\n{log}\n{cluster.log('kubelet')[-3000:]}") from exc
         _timing(f"chart installed in {time.monotonic() - t0:.1f}s")

@@ -72,23 +72,45 @@ def base_rootfs() -> Path:
         return out
     tmp = CACHE / "rootfs-bookworm-python3.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    _run(["debootstrap", "--variant=minbase", "--include=python3", "bookworm", str(tmp),
-          "http://deb.debian.org/debian"])  # fmt: skip
+    _run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3",
+            "bookworm",
+            str(tmp),
+            "http://deb.debian.org/debian",
+        ]
+    )
     tmp.rename(out)
     return out
 
 
 def _layer_from_dir(src: Path, out: Path) -> None:
     # Device nodes, /proc and /sys stay empty: the runtime provides them.
-    _run(["tar", "-C", str(src), "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
-          "--exclude=./sys/*", "-cf", str(out), "."])  # fmt: skip
+    _run(
+        [
+            "tar",
+            "-C",
+            str(src),
+            "--numeric-owner",
+            "--exclude=./dev/*",
+            "--exclude=./proc/*",
+            "--exclude=./sys/*",
+            "-cf",
+            str(out),
+            ".",
+        ]
+    )
 
 
 def _source_hash() -> str:
     h = hashlib.sha256()
     files = [ROOT / "pyproject.toml"]
     for top in ("src", "native"):
-        files += sorted(p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        files += sorted(
+            p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        )
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
@@ -107,8 +129,22 @@ def _app_layer(layers: Path) -> tuple[Path, Path]:
     _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels), str(ROOT)])
     shutil.rmtree(stage, ignore_errors=True)
     site = stage / SITE
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-          "--target", str(site), "--no-compile", "vgpu-plugin"])  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            str(site),
+            "--no-compile",
+            "vgpu-plugin",
+        ]
+    )
     shutil.rmtree(site / "bin", ignore_errors=True)
     bindir = stage / "usr" / "local" / "bin"
     bindir.mkdir(parents=True)
@@ -137,19 +173,29 @@ def _pause_layer(layers: Path) -> Path:
     return layer
 
 
-def _docker_archive(out: Path, tag: str, layers: list[Path], cmd: list[str], env: list[str]) -> None:
+def _docker_archive(
+    out: Path, tag: str, layers: list[Path], cmd: list[str], env: list[str]
+) -> None:
     """One image as `docker save` writes it: manifest.json, the config, one tar per layer."""
     diff_ids = [_sha256(layer) for layer in layers]
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Env": env, "Cmd": cmd, "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in diff_ids]},
-    }).encode()  # fmt: skip
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": env, "Cmd": cmd, "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in diff_ids]},
+        }
+    ).encode()
     config_name = hashlib.sha256(config).hexdigest() + ".json"
-    manifest = json.dumps([{
-        "Config": config_name, "RepoTags": [tag],
-        "Layers": [f"{d}/layer.tar" for d in diff_ids],
-    }]).encode()  # fmt: skip
+    manifest = json.dumps(
+        [
+            {
+                "Config": config_name,
+                "RepoTags": [tag],
+                "Layers": [f"{d}/layer.tar" for d in diff_ids],
+            }
+        ]
+    ).encode()
     tmp = out.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
         for d, layer in zip(diff_ids, layers, strict=True):

@@ -31,7 +31,9 @@ def wait_for(what: str, get: Callable[[], T | None], timeout: float = 120, poll:
             if last:
                 return last  # type: ignore[return-value]
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last})")
+            raise AssertionError(
+                f"timed out after {timeout:.0f}s waiting for {what} (last: {last})"
+            )
         time.sleep(poll)
 
 
@@ -47,15 +49,20 @@ def pod(
     """A workload pod of the plugin image (python3) running ``sh -c command``; the probe's
     source is in $PROBE."""
     container: dict[str, Any] = {
-        "name": "main", "image": IMAGE, "imagePullPolicy": "Never",
-        "command": ["sh", "-c", command], "env": [{"name": "PROBE", "value": PROBE}],
+        "name": "main",
+        "image": IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", command],
+        "env": [{"name": "PROBE", "value": PROBE}],
         "resources": {},
-    }  # fmt: skip
+    }
     spec: dict[str, Any] = {
-        "restartPolicy": restart, "terminationGracePeriodSeconds": 1,
-        "enableServiceLinks": False, "automountServiceAccountToken": False,
+        "restartPolicy": restart,
+        "terminationGracePeriodSeconds": 1,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
         "containers": [container],
-    }  # fmt: skip
+    }
     if claims:
         spec["resourceClaims"] = claims
         container["resources"]["claims"] = [{"name": c["name"]} for c in claims]
@@ -69,12 +76,23 @@ def pod(
 
 def claim(name: str, memory: str, compute: str) -> dict[str, Any]:
     return {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": "gpu.vgpu-plugin.io",
-            "capacity": {"requests": {"memory": memory, "compute": compute}},
-        }}]}},
-    }  # fmt: skip
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": "gpu.vgpu-plugin.io",
+                            "capacity": {"requests": {"memory": memory, "compute": compute}},
+                        },
+                    }
+                ]
+            }
+        },
+    }
 
 
 class Kube:
@@ -100,7 +118,9 @@ class Kube:
         )
 
     def resource_slices(self) -> list[dict[str, Any]]:
-        got = self.custom.list_cluster_custom_object(RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices")
+        got = self.custom.list_cluster_custom_object(
+            RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices"
+        )
         return got["items"]  # type: ignore[no-any-return]
 
     def delete_pods(self, *names: str, wait: bool = True) -> None:
@@ -147,8 +167,12 @@ class Kube:
     def fail_on_create_error(p: Any) -> None:
         for s in p.status.container_statuses or []:
             w = s.state.waiting
-            if w is not None and w.reason in ("CreateContainerError", "RunContainerError",
-                                              "CreateContainerConfigError", "ErrImageNeverPull"):  # fmt: skip
+            if w is not None and w.reason in (
+                "CreateContainerError",
+                "RunContainerError",
+                "CreateContainerConfigError",
+                "ErrImageNeverPull",
+            ):
                 raise AssertionError(f"pod {p.metadata.name}: {w.reason}: {w.message}")
 
     def finished(self, name: str) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ Only the standard library: the launcher runs before anything else is set up.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -84,8 +85,23 @@ class Launcher:
         run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
         for chain in ("PREROUTING", "OUTPUT"):
-            run("iptables", "-t", "nat", "-A", chain, "-d", f"{SERVICE_IP}/32", "-p", "tcp",
-                "--dport", "443", "-j", "DNAT", "--to-destination", f"{NODE_IP}:{API_PORT}")  # fmt: skip
+            run(
+                "iptables",
+                "-t",
+                "nat",
+                "-A",
+                chain,
+                "-d",
+                f"{SERVICE_IP}/32",
+                "-p",
+                "tcp",
+                "--dport",
+                "443",
+                "-j",
+                "DNAT",
+                "--to-destination",
+                f"{NODE_IP}:{API_PORT}",
+            )
 
     def hierarchies(self) -> list[Path]:
         found = []
@@ -116,40 +132,98 @@ class Launcher:
             "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
             f"extendedKeyUsage={usage}\n" + (f"subjectAltName={sans}\n" if sans else "")
         )
-        run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(self.pki / "ca.crt"),
-            "-CAkey", str(self.pki / "ca.key"), "-CAcreateserial", "-days", "2",
-            "-extfile", str(ext), "-out", str(crt))  # fmt: skip
+        run(
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(self.pki / "ca.crt"),
+            "-CAkey",
+            str(self.pki / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+            "-out",
+            str(crt),
+        )
 
     def make_pki(self) -> None:
         self.pki.mkdir(parents=True, exist_ok=True)
         ca_key, ca = self.pki / "ca.key", self.pki / "ca.crt"
         run("openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(ca_key))
-        run("openssl", "req", "-x509", "-new", "-key", str(ca_key), "-subj", "/CN=vgpu-test-ca",
-            "-days", "2", "-out", str(ca))  # fmt: skip
-        sans = (f"IP:{NODE_IP},IP:{SERVICE_IP},IP:127.0.0.1,DNS:kubernetes,"
-                "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:localhost")  # fmt: skip
+        run(
+            "openssl",
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            str(ca_key),
+            "-subj",
+            "/CN=vgpu-test-ca",
+            "-days",
+            "2",
+            "-out",
+            str(ca),
+        )
+        sans = (
+            f"IP:{NODE_IP},IP:{SERVICE_IP},IP:127.0.0.1,DNS:kubernetes,"
+            "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:localhost"
+        )
         self.cert("apiserver", "/CN=kube-apiserver", sans, server=True)
         self.cert("admin", "/O=system:masters/CN=admin")
         self.cert("node", f"/O=system:nodes/CN=system:node:{self.node}")
-        run("openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout",
-            "-out", str(self.pki / "sa.key"))  # fmt: skip
-        run("openssl", "ec", "-in", str(self.pki / "sa.key"), "-pubout",
-            "-out", str(self.pki / "sa.pub"))  # fmt: skip
+        run(
+            "openssl",
+            "ecparam",
+            "-name",
+            "prime256v1",
+            "-genkey",
+            "-noout",
+            "-out",
+            str(self.pki / "sa.key"),
+        )
+        run(
+            "openssl",
+            "ec",
+            "-in",
+            str(self.pki / "sa.key"),
+            "-pubout",
+            "-out",
+            str(self.pki / "sa.pub"),
+        )
         for name, user, server in (
             ("admin", "admin", f"https://{NODE_IP}:{API_PORT}"),
             ("node", "node", f"https://{NODE_IP}:{API_PORT}"),
             ("host", "admin", f"https://127.0.0.1:{self.s['port']}"),
         ):
             (self.work / f"{name}.kubeconfig").write_text(
-                json.dumps({
-                    "apiVersion": "v1", "kind": "Config", "current-context": "c",
-                    "clusters": [{"name": "c", "cluster": {
-                        "server": server, "certificate-authority": str(ca)}}],
-                    "users": [{"name": "u", "user": {
-                        "client-certificate": str(self.pki / f"{user}.crt"),
-                        "client-key": str(self.pki / f"{user}.key")}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-                })  # fmt: skip
+                json.dumps(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "current-context": "c",
+                        "clusters": [
+                            {
+                                "name": "c",
+                                "cluster": {"server": server, "certificate-authority": str(ca)},
+                            }
+                        ],
+                        "users": [
+                            {
+                                "name": "u",
+                                "user": {
+                                    "client-certificate": str(self.pki / f"{user}.crt"),
+                                    "client-key": str(self.pki / f"{user}.key"),
+                                },
+                            }
+                        ],
+                        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                    }
+                )
             )
         (self.work / "host.kubeconfig").chmod(0o600)
 
@@ -157,13 +231,28 @@ class Launcher:
         self.etc.mkdir(parents=True, exist_ok=True)
         cni = Path("/run/cni/net.d")
         cni.mkdir(parents=True)
-        (cni / "10-bridge.conflist").write_text(json.dumps({
-            "cniVersion": "1.0.0", "name": "vgpu-test",
-            "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": False,
-                         "hairpinMode": True,
-                         "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
-                                  "routes": [{"dst": "0.0.0.0/0"}]}}],
-        }))  # fmt: skip
+        (cni / "10-bridge.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "1.0.0",
+                    "name": "vgpu-test",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": "cni0",
+                            "isGateway": True,
+                            "ipMasq": False,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": POD_SUBNET}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                            },
+                        }
+                    ],
+                }
+            )
+        )
         cdi_dirs = [self.s["toolkit_cdi_dir"], "/var/run/cdi"]
         (self.etc / "containerd.toml").write_text(f"""version = 3
 root = '/var/lib/containerd'
@@ -188,22 +277,41 @@ state = '/run/containerd'
   bin_dirs = ['/usr/lib/cni']
   conf_dir = '/run/cni/net.d'
 """)
-        (self.etc / "kubelet.yaml").write_text(json.dumps({
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
-                               "x509": {"clientCAFile": str(self.pki / "ca.crt")}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "cgroupDriver": "cgroupfs", "cgroupRoot": "/" + self.cgroup, "failCgroupV1": False,
-            "failSwapOn": False,
-            "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
-            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "localStorageCapacityIsolation": False, "resolvConf": "",
-            "serializeImagePulls": False, "nodeStatusUpdateFrequency": "5s",
-            "syncFrequency": "10s", "fileCheckFrequency": "5s",
-            "address": NODE_IP, "healthzBindAddress": "127.0.0.1",
-        }))  # fmt: skip
+        (self.etc / "kubelet.yaml").write_text(
+            json.dumps(
+                {
+                    "apiVersion": "kubelet.config.k8s.io/v1beta1",
+                    "kind": "KubeletConfiguration",
+                    "authentication": {
+                        "anonymous": {"enabled": False},
+                        "webhook": {"enabled": False},
+                        "x509": {"clientCAFile": str(self.pki / "ca.crt")},
+                    },
+                    "authorization": {"mode": "AlwaysAllow"},
+                    "cgroupDriver": "cgroupfs",
+                    "cgroupRoot": "/" + self.cgroup,
+                    "failCgroupV1": False,
+                    "failSwapOn": False,
+                    "containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock",
+                    "evictionHard": {
+                        "memory.available": "1Mi",
+                        "nodefs.available": "1%",
+                        "imagefs.available": "1%",
+                        "nodefs.inodesFree": "1%",
+                    },
+                    "imageGCHighThresholdPercent": 100,
+                    "imageGCLowThresholdPercent": 99,
+                    "localStorageCapacityIsolation": False,
+                    "resolvConf": "",
+                    "serializeImagePulls": False,
+                    "nodeStatusUpdateFrequency": "5s",
+                    "syncFrequency": "10s",
+                    "fileCheckFrequency": "5s",
+                    "address": NODE_IP,
+                    "healthzBindAddress": "127.0.0.1",
+                }
+            )
+        )
 
     # -- daemons --------------------------------------------------------------------------
 
@@ -256,54 +364,91 @@ state = '/run/containerd'
 
     def start_kubelet(self) -> None:
         self.start(
-            "kubelet", str(self.bin / "kubelet"), f"--config={self.etc / 'kubelet.yaml'}",
-            f"--kubeconfig={self.work / 'node.kubeconfig'}", f"--hostname-override={self.node}",
-            f"--node-ip={NODE_IP}", "--node-labels=nvidia.com/gpu.present=true", "--v=2",
-        )  # fmt: skip
+            "kubelet",
+            str(self.bin / "kubelet"),
+            f"--config={self.etc / 'kubelet.yaml'}",
+            f"--kubeconfig={self.work / 'node.kubeconfig'}",
+            f"--hostname-override={self.node}",
+            f"--node-ip={NODE_IP}",
+            "--node-labels=nvidia.com/gpu.present=true",
+            "--v=2",
+        )
 
     def bring_up(self) -> None:
         t0 = time.monotonic()
         pki, b = self.pki, self.bin
-        self.start("etcd", "etcd", "--data-dir=/var/lib/etcd",
-                   "--listen-client-urls=http://127.0.0.1:2379",
-                   "--advertise-client-urls=http://127.0.0.1:2379",
-                   "--listen-peer-urls=http://127.0.0.1:2380")  # fmt: skip
         self.start(
-            "kube-apiserver", str(b / "kube-apiserver"),
-            "--etcd-servers=http://127.0.0.1:2379", f"--advertise-address={NODE_IP}",
-            f"--secure-port={API_PORT}", f"--tls-cert-file={pki / 'apiserver.crt'}",
+            "etcd",
+            "etcd",
+            "--data-dir=/var/lib/etcd",
+            "--listen-client-urls=http://127.0.0.1:2379",
+            "--advertise-client-urls=http://127.0.0.1:2379",
+            "--listen-peer-urls=http://127.0.0.1:2380",
+        )
+        self.start(
+            "kube-apiserver",
+            str(b / "kube-apiserver"),
+            "--etcd-servers=http://127.0.0.1:2379",
+            f"--advertise-address={NODE_IP}",
+            f"--secure-port={API_PORT}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_RANGE}",
-            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
-            "--allow-privileged=true", f"--kubelet-client-certificate={pki / 'admin.crt'}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--allow-privileged=true",
+            f"--kubelet-client-certificate={pki / 'admin.crt'}",
             f"--kubelet-client-key={pki / 'admin.key'}",
             "--kubelet-preferred-address-types=InternalIP",
-        )  # fmt: skip
+        )
         # containerd and the images meanwhile: the API server takes 20-40 s on 2 cores.
         self.start("containerd", str(b / "containerd"), f"--config={self.etc / 'containerd.toml'}")
         sock = Path("/run/containerd/containerd.sock")
         self.wait("containerd's socket", sock.exists, 60, "containerd")
         for image in self.s["images"]:
-            run(str(b / "ctr"), "--address", str(sock), "-n", "k8s.io", "images", "import",
-                "--no-unpack=false", image, env=self.env)  # fmt: skip
+            run(
+                str(b / "ctr"),
+                "--address",
+                str(sock),
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                "--no-unpack=false",
+                image,
+                env=self.env,
+            )
         log(f"images imported at {time.monotonic() - t0:.1f}s")
-        self.wait("the API server", lambda: self.api_get("/readyz")[0] == 200, 180,
-                  "etcd", "kube-apiserver")  # fmt: skip
+        self.wait(
+            "the API server",
+            lambda: self.api_get("/readyz")[0] == 200,
+            180,
+            "etcd",
+            "kube-apiserver",
+        )
         log(f"API server ready at {time.monotonic() - t0:.1f}s")
         admin = str(self.work / "admin.kubeconfig")
         self.start(
-            "kube-controller-manager", str(b / "kube-controller-manager"),
-            f"--kubeconfig={admin}", "--leader-elect=false",
+            "kube-controller-manager",
+            str(b / "kube-controller-manager"),
+            f"--kubeconfig={admin}",
+            "--leader-elect=false",
             f"--service-account-private-key-file={pki / 'sa.key'}",
-            f"--root-ca-file={pki / 'ca.crt'}", "--use-service-account-credentials=true",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            "--use-service-account-credentials=true",
             "--bind-address=127.0.0.1",
-        )  # fmt: skip
-        self.start("kube-scheduler", str(b / "kube-scheduler"), f"--kubeconfig={admin}",
-                   "--leader-elect=false", "--bind-address=127.0.0.1")  # fmt: skip
+        )
+        self.start(
+            "kube-scheduler",
+            str(b / "kube-scheduler"),
+            f"--kubeconfig={admin}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+        )
         self.start_kubelet()
         self.wait("the node to be Ready", self.node_ready, 120, "kubelet", "containerd")
         log(f"node Ready at {time.monotonic() - t0:.1f}s")
@@ -382,10 +527,8 @@ state = '/run/containerd'
             top = h / self.cgroup
             if top.is_dir():
                 for procs in top.rglob("cgroup.procs"):
-                    try:
+                    with contextlib.suppress(OSError):
                         pids.update(int(p) for p in procs.read_text().split())
-                    except OSError:
-                        pass
         pids.discard(os.getpid())
         return pids
 
@@ -398,16 +541,16 @@ state = '/run/containerd'
         deadline = time.monotonic() + 60
         while (left := self.cgroup_pids()) and time.monotonic() < deadline:
             for pid in left:  # shims, pause and the pods' processes: all ours, by their pids
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.2)
         for h in self.hierarchies():
             top = h / self.cgroup
             (h / "cgroup.procs").write_text(str(os.getpid()))
             if top.is_dir():
-                for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                for d in sorted(
+                    (p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
+                ):
                     d.rmdir()
                 top.rmdir()
         log("torn down")

@@ -35,8 +35,11 @@ def _bundle(args: list[str]) -> str | None:
 
 
 def apply(config: dict, spec: dict) -> dict:
-    ids = [m["destination"][len(PREFIX) :] for m in config.get("mounts", [])
-           if m.get("destination", "").startswith(PREFIX)]  # fmt: skip
+    ids = [
+        m["destination"][len(PREFIX) :]
+        for m in config.get("mounts", [])
+        if m.get("destination", "").startswith(PREFIX)
+    ]
     if not ids:
         return config
     devices = {d["name"]: d["containerEdits"] for d in spec["devices"]}
@@ -52,8 +55,14 @@ def apply(config: dict, spec: dict) -> dict:
             key = item.split("=", 1)[0] + "="
             env[:] = [x for x in env if not x.startswith(key)] + [item]
         for m in e.get("mounts", []):
-            config["mounts"].append({"destination": m["containerPath"], "source": m["hostPath"],
-                                     "type": "bind", "options": m.get("options", ["rbind"])})  # fmt: skip
+            config["mounts"].append(
+                {
+                    "destination": m["containerPath"],
+                    "source": m["hostPath"],
+                    "type": "bind",
+                    "options": m.get("options", ["rbind"]),
+                }
+            )
     return config
 
 

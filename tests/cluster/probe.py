@@ -3,12 +3,13 @@
 Creates a context on device 0, reads cuMemGetInfo and tries one allocation a MiB past the
 total; writes one JSON line to the termination log (what the test reads from an ended pod's
 status) and to stdout (a running pod's log), and exits 0; or writes the failing call and
-exits 3.
+exits 3. With the argument ``hold`` it keeps its context (a live CUDA process) until killed.
 """
 
 import ctypes
 import json
 import sys
+import time
 
 
 def main() -> int:
@@ -38,6 +39,9 @@ def main() -> int:
     result = json.dumps({"total_mib": total.value >> 20, "over_limit_rc": over})
     out.write(result)
     print(result, flush=True)
+    out.close()
+    while sys.argv[1:] == ["hold"]:
+        time.sleep(3600)
     return 0
 
 

@@ -42,8 +42,9 @@ def test_slices_add_up_and_the_next_one_is_pending(
         kube.create_pod(pod("slices-last", PROBE_THEN_SLEEP, limits={"nvidia.com/gpu": "1"}))
         wait_for("the last slice's pod running", lambda: kube.probed("slices-last"), 120)
         kube.create_pod(pod("slices-over", "exec sleep 3600", limits={"nvidia.com/gpu": "1"}))
-        reason = wait_for("the pod past the capacity unschedulable",
-                          lambda: kube.unschedulable("slices-over"), 60)  # fmt: skip
+        reason = wait_for(
+            "the pod past the capacity unschedulable", lambda: kube.unschedulable("slices-over"), 60
+        )
         assert "Insufficient nvidia.com/gpu" in reason, reason
     finally:
         kube.delete_pods("slices-2", "slices-1", "slices-last", "slices-over")

@@ -13,7 +13,9 @@ GRACE = 4.0  # values.yaml cleanupGraceSeconds
 PAST_GRACE = 5 * GRACE  # several sweeps (every grace/4) after the grace ran out
 
 
-def test_slice_published_and_claims_packed_exactly(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+def test_slice_published_and_claims_packed_exactly(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
     slices = kube.resource_slices()
     devices = [d for s in slices for d in s["spec"].get("devices", [])]
     assert len(devices) == 1, slices  # GPU 0 only: GPU 1 is the device plugin's
@@ -22,8 +24,13 @@ def test_slice_published_and_claims_packed_exactly(cluster: Cluster, kube: Kube,
     try:
         for name, (memory, compute) in shapes.items():
             kube.create_claim(claim(f"pack-{name}", memory, compute))
-            kube.create_pod(pod(f"pack-{name}", "sleep 3600",
-                                claims=[{"name": "gpu", "resourceClaimName": f"pack-{name}"}]))  # fmt: skip
+            kube.create_pod(
+                pod(
+                    f"pack-{name}",
+                    "sleep 3600",
+                    claims=[{"name": "gpu", "resourceClaimName": f"pack-{name}"}],
+                )
+            )
             if name == "d":
                 break
             wait_for(f"pod pack-{name} running", lambda n=name: kube.running(f"pack-{n}"), 120)
@@ -39,8 +46,13 @@ def test_claim_limits_hold_in_the_container(cluster: Cluster, kube: Kube, plugin
     """A CUDA start right after prepare sees its claim's memory as the GPU's and is refused
     past it."""
     kube.create_claim(claim("fresh", "6Gi", "30"))
-    kube.create_pod(pod("fresh", 'exec python3 -c "$PROBE"',
-                        claims=[{"name": "gpu", "resourceClaimName": "fresh"}]))  # fmt: skip
+    kube.create_pod(
+        pod(
+            "fresh",
+            'exec python3 -c "$PROBE"',
+            claims=[{"name": "gpu", "resourceClaimName": "fresh"}],
+        )
+    )
     try:
         result = wait_for("the pod's CUDA start", lambda: kube.finished("fresh"), 120)
         assert result["total_mib"] == 6 * 1024, result
@@ -54,8 +66,13 @@ def test_cuda_start_after_the_cleanup_grace(cluster: Cluster, kube: Kube, plugin
     """An idle pod whose claim was prepared more than the grace ago still starts CUDA, inside
     its claim's limit."""
     kube.create_claim(claim("idle", "6Gi", "30"))
-    kube.create_pod(pod("idle", f'sleep {PAST_GRACE}; exec python3 -c "$PROBE"',
-                        claims=[{"name": "gpu", "resourceClaimName": "idle"}]))  # fmt: skip
+    kube.create_pod(
+        pod(
+            "idle",
+            f'sleep {PAST_GRACE}; exec python3 -c "$PROBE"',
+            claims=[{"name": "gpu", "resourceClaimName": "idle"}],
+        )
+    )
     try:
         result = wait_for("the idle pod's CUDA start", lambda: kube.finished("idle"), 180)
         assert result["total_mib"] == 6 * 1024, result
@@ -73,11 +90,20 @@ def test_container_restarting_after_the_grace_starts_again(
     kube.create_claim(claim("restart", "4Gi", "20"))
     first_run = f"touch /scratch/ran; sleep {PAST_GRACE}; exit 1"
     command = f'if [ -e /scratch/ran ]; then exec python3 -c "$PROBE"; else {first_run}; fi'
-    kube.create_pod(pod("restart", command, restart="OnFailure", volumes=True,
-                        claims=[{"name": "gpu", "resourceClaimName": "restart"}]))  # fmt: skip
+    kube.create_pod(
+        pod(
+            "restart",
+            command,
+            restart="OnFailure",
+            volumes=True,
+            claims=[{"name": "gpu", "resourceClaimName": "restart"}],
+        )
+    )
     t0 = time.monotonic()
     try:
-        result = wait_for("the restarted container's CUDA start", lambda: kube.finished("restart"), 240)
+        result = wait_for(
+            "the restarted container's CUDA start", lambda: kube.finished("restart"), 240
+        )
         assert time.monotonic() - t0 > PAST_GRACE
         assert kube.pod("restart").status.container_statuses[0].restart_count >= 1
         assert result["total_mib"] == 4 * 1024, result

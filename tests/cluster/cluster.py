@@ -72,8 +72,22 @@ class Cluster:
         return self.work / "host.kubeconfig"
 
     def node_path(self, path: str) -> Path:
-        """A path as the node (the launcher's mount namespace) sees it."""
-        return Path(f"/proc/{self.proc.pid}/root") / path.lstrip("/")
+        """A path as the node (the launcher's mount namespace) sees it. Absolute symlinks on
+        the way (/var/run -> /run) are followed inside the node's root, not the host's."""
+        root = Path(f"/proc/{self.proc.pid}/root")
+        parts = [p for p in path.split("/") if p]
+        resolved: list[str] = []
+        for _ in range(40):  # symlink hops
+            if not parts:
+                break
+            resolved.append(parts.pop(0))
+            here = root.joinpath(*resolved)
+            if here.is_symlink():
+                target = os.readlink(here)
+                base = [] if target.startswith("/") else resolved[:-1]
+                parts = [p for p in target.split("/") if p] + parts
+                resolved = base
+        return root.joinpath(*resolved)
 
     def log(self, name: str) -> str:
         path = self.work / "logs" / f"{name}.log"

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -115,12 +116,19 @@ class Cluster:
         return client.ApiClient(cfg)
 
     def leftovers(self) -> list[str]:
-        """What is left of the cluster on the host: its cgroups (the process tree's home)."""
+        """What is left of the cluster on the host: its cgroups (the process tree's home, so
+        any process of it), mounts under its work dir or of its runtime, the API port."""
         found = []
         for line in Path("/proc/self/mounts").read_text().splitlines():
             _, mountpoint, fstype, *_ = line.split()
             if fstype == "cgroup" and (Path(mountpoint) / self.cgroup).exists():
-                found.append(str(Path(mountpoint) / self.cgroup))
+                found.append(f"cgroup {Path(mountpoint) / self.cgroup}")
+            elif mountpoint.startswith(str(self.work)) or "/containerd/" in mountpoint:
+                found.append(f"mount {mountpoint}")
+        if self.port:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    found.append(f"listening 127.0.0.1:{self.port}")
         return found
 
     def stop(self) -> None:

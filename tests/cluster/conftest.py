@@ -37,7 +37,7 @@ def _timing(msg: str) -> None:
     sys.stderr.write(f"\n[cluster tier] {msg}\n")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     try:
         check_host()
@@ -57,7 +57,7 @@ def cluster() -> Iterator[Cluster]:
             pytest.fail(f"cluster teardown: launcher exit {c.proc.returncode}, left behind: {left}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube(cluster: Cluster) -> Kube:
     return Kube(cluster.api())
 
@@ -103,7 +103,7 @@ class Helm:
         self("uninstall", RELEASE, "-n", PLUGIN_NS, "--wait", "--timeout", "2m")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def helm(cluster: Cluster) -> Helm:
     return Helm(helm_binary(), cluster)
 

@@ -190,13 +190,14 @@ class Kube:
                 return json.loads(t.message)  # type: ignore[no-any-return]
         return None
 
-    def probed(self, name: str) -> dict[str, Any] | None:
+    def probed(self, name: str, container: str = "main") -> dict[str, Any] | None:
         """The probe's JSON from a running pod's log (``python3 -c "$PROBE"; exec sleep``)."""
         p = self.pod(name)
         self.fail_on_create_error(p)
         if p.status.phase != "Running":
             return None
-        lines = self.core.read_namespaced_pod_log(name, NAMESPACE).strip().splitlines()
+        log = self.core.read_namespaced_pod_log(name, NAMESPACE, container=container)
+        lines = log.strip().splitlines()
         if not lines:
             return None
         result: dict[str, Any] = json.loads(lines[-1])

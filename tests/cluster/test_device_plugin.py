@@ -48,3 +48,15 @@ def test_slices_add_up_and_the_next_one_is_pending(
         assert "Insufficient nvidia.com/gpu" in reason, reason
     finally:
         kube.delete_pods("slices-2", "slices-1", "slices-last", "slices-over")
+
+
+def test_non_root_pod_holds_its_limit(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    body = pod("non-root", 'exec python3 -c "$PROBE"', limits={"nvidia.com/gpu": "1"})
+    body["spec"]["securityContext"] = {"runAsUser": 1000, "runAsGroup": 1000}
+    kube.create_pod(body)
+    try:
+        result = wait_for("the non-root pod's CUDA start", lambda: kube.finished("non-root"), 120)
+        assert result["total_mib"] == SLICE_MIB, result
+        assert result["over_limit_rc"] == 2, result
+    finally:
+        kube.delete_pods("non-root")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from .cluster import Cluster
-from .conftest import Helm
+from .conftest import PLUGIN_NS, Helm, plugin_pods
 from .kube import Kube, claim, pod, wait_for
 
 GRACE = 4.0  # values.yaml cleanupGraceSeconds
@@ -110,3 +110,64 @@ def test_container_restarting_after_the_grace_starts_again(
     finally:
         kube.delete_pods("restart")
         kube.delete_claims("restart")
+
+
+def test_two_containers_share_one_claim(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    body = pod("pair", 'exec python3 -c "$PROBE" hold',
+               claims=[{"name": "gpu", "resourceClaimName": "pair"}])  # fmt: skip
+    main = body["spec"]["containers"][0]
+    body["spec"]["containers"].append({**main, "name": "sidecar"})
+    kube.create_claim(claim("pair", "6Gi", "30"))
+    kube.create_pod(body)
+    try:
+        for container in ("main", "sidecar"):
+            result = wait_for(f"{container}'s probe", lambda c=container: kube.probed("pair", c))
+            assert result["total_mib"] == 6 * 1024, (container, result)
+    finally:
+        kube.delete_pods("pair")
+        kube.delete_claims("pair")
+
+
+def test_plugin_token_refused_for_another_nodes_slice(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """The plugin's own credentials (a token bound to its pod, so naming its node) may read its
+    node's ResourceSlice but not write one for another node (the chart's admission policy)."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    (plugin_pod,) = plugin_pods(kube)
+    token = kube.core.create_namespaced_service_account_token(
+        plugin_pod.spec.service_account_name,
+        PLUGIN_NS,
+        {"spec": {"expirationSeconds": 600, "boundObjectRef": {
+            "kind": "Pod", "apiVersion": "v1", "name": plugin_pod.metadata.name,
+            "uid": plugin_pod.metadata.uid}}},
+    ).status.token  # fmt: skip
+    cfg = client.Configuration()
+    cfg.host = f"https://127.0.0.1:{cluster.port}"
+    cfg.ssl_ca_cert = str(cluster.work / "pki" / "ca.crt")
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    as_plugin = client.CustomObjectsApi(client.ApiClient(cfg))
+    own = kube.resource_slices()[0]
+    got = as_plugin.get_cluster_custom_object(
+        "resource.k8s.io", "v1", "resourceslices", own["metadata"]["name"]
+    )
+    assert got["spec"]["nodeName"] == "vgpu-node"
+    other = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": "other-node-gpu.vgpu-plugin.io"},
+        "spec": {"driver": own["spec"]["driver"], "nodeName": "other-node",
+                 "pool": {"name": "other-node", "generation": 1, "resourceSliceCount": 1},
+                 "devices": own["spec"]["devices"]},
+    }  # fmt: skip
+    try:
+        as_plugin.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", other)
+    except ApiException as exc:
+        assert exc.status in (403, 422), exc
+        assert "own-node" in str(exc.body), exc.body
+    else:
+        kube.custom.delete_cluster_custom_object(
+            "resource.k8s.io", "v1", "resourceslices", other["metadata"]["name"]
+        )
+        raise AssertionError("the plugin's token wrote another node's ResourceSlice")

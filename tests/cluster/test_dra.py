@@ -171,3 +171,16 @@ def test_plugin_token_refused_for_another_nodes_slice(
             "resource.k8s.io", "v1", "resourceslices", other["metadata"]["name"]
         )
         raise AssertionError("the plugin's token wrote another node's ResourceSlice")
+
+
+def test_extended_resource_form(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """A pod asking for the DeviceClass's extended resource gets a claim with the defaults
+    (values: dra.memory.default 1Gi) from the scheduler, and its limit inside."""
+    kube.create_pod(pod("extended", 'exec python3 -c "$PROBE"', limits={"vgpu-plugin.io/gpu": "1"}))
+    try:
+        result = wait_for(
+            "the extended-resource pod's CUDA start", lambda: kube.finished("extended")
+        )
+        assert result["total_mib"] == 1024, result
+    finally:
+        kube.delete_pods("extended")

@@ -1,0 +1,141 @@
+"""The cluster tier's fixtures: one real single-node Kubernetes per session (docs/testing.md),
+the plugin installed into it by helm from deploy/helm/vgpu-plugin."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from deployment import helm as deployment_helm
+
+from .assets import ROOT, Missing, binaries, check_host
+from .cluster import Cluster, start
+from .images import build as build_images
+from .kube import Kube, wait_for
+
+CHART = ROOT / "deploy" / "helm" / "vgpu-plugin"
+VALUES = Path(__file__).parent / "values.yaml"
+RELEASE, PLUGIN_NS = "vgpu", "vgpu-system"
+GPUS = 2  # GPU 0: DRA (values.yaml dra.gpus), GPU 1: the device plugin's slices
+SPLIT = 4
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/cluster/" in str(item.path).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.cluster)
+            # The first test also waits for the images and the bring-up.
+            item.add_marker(pytest.mark.timeout(900))
+
+
+def _timing(msg: str) -> None:
+    sys.stderr.write(f"\n[cluster tier] {msg}\n")
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[Cluster]:
+    try:
+        check_host()
+        bin_dir = binaries()
+    except Missing as exc:
+        pytest.skip(str(exc))
+    images = build_images()
+    _timing(f"images built in {images.seconds:.1f}s")
+    c = start(images, bin_dir, gpus=GPUS)
+    _timing(f"cluster up in {c.bring_up_seconds:.1f}s (port {c.port})")
+    try:
+        yield c
+    finally:
+        c.stop()
+        left = c.leftovers()
+        if c.proc.returncode != 0 or left:
+            pytest.fail(f"cluster teardown: launcher exit {c.proc.returncode}, left behind: {left}")
+
+
+@pytest.fixture(scope="package")
+def kube(cluster: Cluster) -> Kube:
+    return Kube(cluster.api())
+
+
+def helm_binary() -> str:
+    """helm 4, found as the chart tests find it (VGPU_HELM4, .ci/install-helm.sh's, PATH)."""
+    found = deployment_helm.find(4)
+    if found is None:
+        pytest.skip(deployment_helm.missing_reason(4))
+    return found.path
+
+
+class Helm:
+    def __init__(self, binary: str, cluster: Cluster) -> None:
+        self.binary, self.cluster = binary, cluster
+
+    def __call__(self, *args: str, timeout: float = 300) -> str:
+        cmd = [self.binary, "--kubeconfig", str(self.cluster.kubeconfig), *args]
+        env = dict(
+            os.environ,
+            HELM_CACHE_HOME=str(self.cluster.work / "helm"),
+            HELM_CONFIG_HOME=str(self.cluster.work / "helm"),
+            HELM_DATA_HOME=str(self.cluster.work / "helm"),
+        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)}: exit {proc.returncode}:\n{proc.stderr}")
+        return proc.stdout
+
+    def install(self) -> None:
+        self(
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(CHART),
+            "-n",
+            PLUGIN_NS,
+            "--create-namespace",
+            "-f",
+            str(VALUES),
+        )  # readiness: wait_plugin_ready
+
+    def uninstall(self) -> None:
+        self("uninstall", RELEASE, "-n", PLUGIN_NS, "--wait", "--timeout", "2m")
+
+
+@pytest.fixture(scope="package")
+def helm(cluster: Cluster) -> Helm:
+    return Helm(helm_binary(), cluster)
+
+
+def plugin_pods(kube: Kube) -> list[object]:
+    return list(kube.core.list_namespaced_pod(PLUGIN_NS).items)
+
+
+def wait_plugin_ready(kube: Kube, cluster: Cluster) -> None:
+    """Both front ends up: the node's slice capacity and the driver's ResourceSlice."""
+    wait_for(
+        f"{SPLIT} nvidia.com/gpu allocatable",
+        lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT),
+        180,
+    )
+    wait_for("the driver's ResourceSlice", kube.resource_slices, 120)
+
+
+@pytest.fixture
+def plugin(cluster: Cluster, kube: Kube, helm: Helm) -> Iterator[Helm]:
+    """The chart installed (once; again after a test uninstalled it) and both front ends up."""
+    if not plugin_pods(kube):
+        t0 = time.monotonic()
+        try:
+            helm.install()
+        except AssertionError as exc:
+            log = "\n".join(
+                f"--- {p.metadata.name}: {p.status.phase}"
+                for p in plugin_pods(kube)  # type: ignore[attr-defined]
+            )
+            raise AssertionError(f"{exc}\n{log}\n{cluster.log('kubelet')[-3000:]}") from exc
+        _timing(f"chart installed in {time.monotonic() - t0:.1f}s")
+    wait_plugin_ready(kube, cluster)
+    yield helm

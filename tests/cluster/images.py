@@ -1,0 +1,234 @@
+"""Container images for the cluster tier, built without a registry.
+
+- ``vgpu-plugin:cluster-test``: Debian bookworm (``debootstrap --variant=minbase
+  --include=python3``, cached under build/cluster/) plus the project's wheel and its
+  dependency wheels (``pip wheel`` of this checkout), installed offline into the root
+  filesystem's dist-packages. It is the plugin's image as the chart runs it, and the workload
+  pods' image (python3 over simgpu's libcuda through ctypes).
+- ``registry.k8s.io/pause:3.10``: a static ``pause`` (a few lines of C), containerd's pinned
+  sandbox image.
+
+Each is written as a docker-archive tarball (``ctr images import`` reads it). Layers are cached:
+the base rootfs once, the wheel layer per content hash of src/, native/ and pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .assets import CACHE, ROOT
+
+PLUGIN_IMAGE = "vgpu-plugin:cluster-test"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+SITE = "usr/lib/python3/dist-packages"
+PAUSE_C = r"""
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void reap(int s) { (void)s; while (waitpid(-1, 0, WNOHANG) > 0) {} }
+static void quit(int s) { (void)s; _exit(0); }
+int main(void) {
+    signal(SIGINT, quit);
+    signal(SIGTERM, quit);
+    signal(SIGCHLD, reap);
+    for (;;) pause();
+}
+"""
+
+
+@dataclass(frozen=True)
+class Images:
+    tarballs: tuple[Path, ...]
+    native_dir: Path  # the wheel's vgpu_plugin/_native: simgpu's libraries for the node
+    seconds: float  # build time of this call (cached parts are cheap)
+
+
+def _run(cmd: list[str], **kw: object) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def base_rootfs() -> Path:
+    """Debian bookworm minbase with python3 (minutes the first time, then cached)."""
+    out = CACHE / "rootfs-bookworm-python3"
+    if (out / "usr" / "bin" / "python3").exists():
+        return out
+    tmp = CACHE / "rootfs-bookworm-python3.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _run(
+        [
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3",
+            "bookworm",
+            str(tmp),
+            "http://deb.debian.org/debian",
+        ]
+    )
+    tmp.rename(out)
+    return out
+
+
+def _layer_from_dir(src: Path, out: Path) -> None:
+    # Device nodes, /proc and /sys stay empty: the runtime provides them.
+    _run(
+        [
+            "tar",
+            "-C",
+            str(src),
+            "--numeric-owner",
+            "--exclude=./dev/*",
+            "--exclude=./proc/*",
+            "--exclude=./sys/*",
+            "-cf",
+            str(out),
+            ".",
+        ]
+    )
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    files = [ROOT / "pyproject.toml"]
+    for top in ("src", "native"):
+        files += sorted(
+            p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
+        )
+    for p in files:
+        h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _app_layer(layers: Path) -> tuple[Path, Path]:
+    """The wheel layer and the staged tree's _native dir, built once per source hash."""
+    key = _source_hash()
+    stage = layers / f"app-{key}"
+    layer = layers / f"app-{key}.tar"
+    native = stage / SITE / "vgpu_plugin" / "_native"
+    if layer.exists() and native.is_dir():
+        return layer, native
+    wheels = layers / f"wheels-{key}"
+    shutil.rmtree(wheels, ignore_errors=True)
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels), str(ROOT)])
+    shutil.rmtree(stage, ignore_errors=True)
+    site = stage / SITE
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            str(site),
+            "--no-compile",
+            "vgpu-plugin",
+        ]
+    )
+    shutil.rmtree(site / "bin", ignore_errors=True)
+    bindir = stage / "usr" / "local" / "bin"
+    bindir.mkdir(parents=True)
+    script = bindir / "vgpu-plugin"
+    script.write_text(
+        "#!/usr/bin/python3\nimport sys\nfrom vgpu_plugin.commands.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    script.chmod(0o755)
+    _layer_from_dir(stage, layer)
+    shutil.rmtree(wheels, ignore_errors=True)
+    return layer, native
+
+
+def _pause_layer(layers: Path) -> Path:
+    layer = layers / "pause.tar"
+    if layer.exists():
+        return layer
+    stage = layers / "pause"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    (stage / "pause.c").write_text(PAUSE_C)
+    _run(["gcc", "-static", "-O2", "-o", str(stage / "pause"), str(stage / "pause.c")])
+    (stage / "pause.c").unlink()
+    _layer_from_dir(stage, layer)
+    return layer
+
+
+def _docker_archive(
+    out: Path, tag: str, layers: list[Path], cmd: list[str], env: list[str]
+) -> None:
+    """One image as `docker save` writes it: manifest.json, the config, one tar per layer."""
+    diff_ids = [_sha256(layer) for layer in layers]
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": env, "Cmd": cmd, "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in diff_ids]},
+        }
+    ).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    manifest = json.dumps(
+        [
+            {
+                "Config": config_name,
+                "RepoTags": [tag],
+                "Layers": [f"{d}/layer.tar" for d in diff_ids],
+            }
+        ]
+    ).encode()
+    tmp = out.with_suffix(".tmp")
+    with tarfile.open(tmp, "w") as tar:
+        for d, layer in zip(diff_ids, layers, strict=True):
+            tar.add(layer, arcname=f"{d}/layer.tar")
+        for name, data in ((config_name, config), ("manifest.json", manifest)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, __import__("io").BytesIO(data))
+    tmp.rename(out)
+
+
+def build() -> Images:
+    t0 = time.monotonic()
+    layers = CACHE / "layers"
+    layers.mkdir(parents=True, exist_ok=True)
+    base = layers / "base.tar"
+    if not base.exists():
+        _layer_from_dir(base_rootfs(), base.with_suffix(".tmp"))
+        base.with_suffix(".tmp").rename(base)
+    app, native = _app_layer(layers)
+    pause = _pause_layer(layers)
+    images = CACHE / "images"
+    images.mkdir(exist_ok=True)
+    plugin_tar = images / f"plugin-{app.stem}.tar"
+    if not plugin_tar.exists():
+        for old in images.glob("plugin-*.tar"):
+            old.unlink()
+        path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        _docker_archive(plugin_tar, PLUGIN_IMAGE, [base, app], ["/bin/sh"], [path])
+    pause_tar = images / "pause.tar"
+    if not pause_tar.exists():
+        _docker_archive(pause_tar, PAUSE_IMAGE, [pause], ["/pause"], [])
+    for old in layers.glob("app-*"):
+        if old.name not in (app.name, app.stem):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    return Images((pause_tar, plugin_tar), native, time.monotonic() - t0)

@@ -1,0 +1,186 @@
+"""DRA on a real cluster: the driver's ResourceSlice, claims placed by the stock scheduler, and
+prepared claims that outlive the plugin's cleanup grace (issue 20)."""
+
+from __future__ import annotations
+
+import time
+
+from .cluster import Cluster
+from .conftest import PLUGIN_NS, Helm, plugin_pods
+from .kube import Kube, claim, pod, wait_for
+
+GRACE = 4.0  # values.yaml cleanupGraceSeconds
+PAST_GRACE = 5 * GRACE  # several sweeps (every grace/4) after the grace ran out
+
+
+def test_slice_published_and_claims_packed_exactly(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    slices = kube.resource_slices()
+    devices = [d for s in slices for d in s["spec"].get("devices", [])]
+    assert len(devices) == 1, slices  # GPU 0 only: GPU 1 is the device plugin's
+    assert devices[0]["capacity"]["memory"]["value"] == "16Gi", devices[0]
+    shapes = {"a": ("6Gi", "30"), "b": ("6Gi", "30"), "c": ("4Gi", "40"), "d": ("1Gi", "1")}
+    try:
+        for name, (memory, compute) in shapes.items():
+            kube.create_claim(claim(f"pack-{name}", memory, compute))
+            kube.create_pod(
+                pod(
+                    f"pack-{name}",
+                    "sleep 3600",
+                    claims=[{"name": "gpu", "resourceClaimName": f"pack-{name}"}],
+                )
+            )
+            if name == "d":
+                break
+            wait_for(f"pod pack-{name} running", lambda n=name: kube.running(f"pack-{n}"), 120)
+        reason = wait_for("pack-d unschedulable", lambda: kube.unschedulable("pack-d"), 60)
+        assert "cannot allocate all claims" in reason or "claim" in reason, reason
+        assert not kube.pod("pack-d").spec.node_name
+    finally:
+        kube.delete_pods(*(f"pack-{n}" for n in shapes))
+        kube.delete_claims(*(f"pack-{n}" for n in shapes))
+
+
+def test_claim_limits_hold_in_the_container(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """A CUDA start right after prepare sees its claim's memory as the GPU's and is refused
+    past it."""
+    kube.create_claim(claim("fresh", "6Gi", "30"))
+    kube.create_pod(
+        pod(
+            "fresh",
+            'exec python3 -c "$PROBE"',
+            claims=[{"name": "gpu", "resourceClaimName": "fresh"}],
+        )
+    )
+    try:
+        result = wait_for("the pod's CUDA start", lambda: kube.finished("fresh"), 120)
+        assert result["total_mib"] == 6 * 1024, result
+        assert result["over_limit_rc"] == 2, result  # CUDA_ERROR_OUT_OF_MEMORY
+    finally:
+        kube.delete_pods("fresh")
+        kube.delete_claims("fresh")
+
+
+def test_cuda_start_after_the_cleanup_grace(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """An idle pod whose claim was prepared more than the grace ago still starts CUDA, inside
+    its claim's limit."""
+    kube.create_claim(claim("idle", "6Gi", "30"))
+    kube.create_pod(
+        pod(
+            "idle",
+            f'sleep {PAST_GRACE}; exec python3 -c "$PROBE"',
+            claims=[{"name": "gpu", "resourceClaimName": "idle"}],
+        )
+    )
+    try:
+        result = wait_for("the idle pod's CUDA start", lambda: kube.finished("idle"), 180)
+        assert result["total_mib"] == 6 * 1024, result
+        assert result["over_limit_rc"] == 2, result  # CUDA_ERROR_OUT_OF_MEMORY
+    finally:
+        kube.delete_pods("idle")
+        kube.delete_claims("idle")
+
+
+def test_container_restarting_after_the_grace_starts_again(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """A container that exits past the grace is restarted by the kubelet: its CDI devices must
+    still resolve and its limits still hold."""
+    kube.create_claim(claim("restart", "4Gi", "20"))
+    first_run = f"touch /scratch/ran; sleep {PAST_GRACE}; exit 1"
+    command = f'if [ -e /scratch/ran ]; then exec python3 -c "$PROBE"; else {first_run}; fi'
+    kube.create_pod(
+        pod(
+            "restart",
+            command,
+            restart="OnFailure",
+            volumes=True,
+            claims=[{"name": "gpu", "resourceClaimName": "restart"}],
+        )
+    )
+    t0 = time.monotonic()
+    try:
+        result = wait_for(
+            "the restarted container's CUDA start", lambda: kube.finished("restart"), 240
+        )
+        assert time.monotonic() - t0 > PAST_GRACE
+        assert kube.pod("restart").status.container_statuses[0].restart_count >= 1
+        assert result["total_mib"] == 4 * 1024, result
+    finally:
+        kube.delete_pods("restart")
+        kube.delete_claims("restart")
+
+
+def test_two_containers_share_one_claim(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    body = pod("pair", 'exec python3 -c "$PROBE" hold',
+               claims=[{"name": "gpu", "resourceClaimName": "pair"}])  # fmt: skip
+    main = body["spec"]["containers"][0]
+    body["spec"]["containers"].append({**main, "name": "sidecar"})
+    kube.create_claim(claim("pair", "6Gi", "30"))
+    kube.create_pod(body)
+    try:
+        for container in ("main", "sidecar"):
+            result = wait_for(f"{container}'s probe", lambda c=container: kube.probed("pair", c))
+            assert result["total_mib"] == 6 * 1024, (container, result)
+    finally:
+        kube.delete_pods("pair")
+        kube.delete_claims("pair")
+
+
+def test_plugin_token_refused_for_another_nodes_slice(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """The plugin's own credentials (a token bound to its pod, so naming its node) may read its
+    node's ResourceSlice but not write one for another node (the chart's admission policy)."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    (plugin_pod,) = plugin_pods(kube)
+    token = kube.core.create_namespaced_service_account_token(
+        plugin_pod.spec.service_account_name,
+        PLUGIN_NS,
+        {"spec": {"expirationSeconds": 600, "boundObjectRef": {
+            "kind": "Pod", "apiVersion": "v1", "name": plugin_pod.metadata.name,
+            "uid": plugin_pod.metadata.uid}}},
+    ).status.token  # fmt: skip
+    cfg = client.Configuration()
+    cfg.host = f"https://127.0.0.1:{cluster.port}"
+    cfg.ssl_ca_cert = str(cluster.work / "pki" / "ca.crt")
+    cfg.api_key = {"authorization": f"Bearer {token}"}
+    as_plugin = client.CustomObjectsApi(client.ApiClient(cfg))
+    own = kube.resource_slices()[0]
+    got = as_plugin.get_cluster_custom_object(
+        "resource.k8s.io", "v1", "resourceslices", own["metadata"]["name"]
+    )
+    assert got["spec"]["nodeName"] == "vgpu-node"
+    other = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": "other-node-gpu.vgpu-plugin.io"},
+        "spec": {"driver": own["spec"]["driver"], "nodeName": "other-node",
+                 "pool": {"name": "other-node", "generation": 1, "resourceSliceCount": 1},
+                 "devices": own["spec"]["devices"]},
+    }  # fmt: skip
+    try:
+        as_plugin.create_cluster_custom_object("resource.k8s.io", "v1", "resourceslices", other)
+    except ApiException as exc:
+        assert exc.status in (403, 422), exc
+        assert "own-node" in str(exc.body), exc.body
+    else:
+        kube.custom.delete_cluster_custom_object(
+            "resource.k8s.io", "v1", "resourceslices", other["metadata"]["name"]
+        )
+        raise AssertionError("the plugin's token wrote another node's ResourceSlice")
+
+
+def test_extended_resource_form(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """A pod asking for the DeviceClass's extended resource gets a claim with the defaults
+    (values: dra.memory.default 1Gi) from the scheduler, and its limit inside."""
+    kube.create_pod(pod("extended", 'exec python3 -c "$PROBE"', limits={"vgpu-plugin.io/gpu": "1"}))
+    try:
+        result = wait_for(
+            "the extended-resource pod's CUDA start", lambda: kube.finished("extended")
+        )
+        assert result["total_mib"] == 1024, result
+    finally:
+        kube.delete_pods("extended")

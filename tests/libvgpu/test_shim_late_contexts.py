@@ -25,7 +25,9 @@ from vgpu_plugin.sim.simgpu import Node
 LATE = Path(__file__).resolve().parent / "late_client.py"
 LIMIT = 2 * GIB
 CHUNK = 64 * MIB
-ALLOC_ERROR = 2  # cudaErrorMemoryAllocation
+# What NVIDIA's runtime makes of its context refused with CUDA_ERROR_OUT_OF_MEMORY: the same
+# as on a GPU that is physically full without the shim (cudaErrorInitializationError).
+RUNTIME_REFUSED = 3
 
 
 @pytest.fixture
@@ -79,12 +81,8 @@ def release(p: subprocess.Popen[str]) -> Result:
 
 
 CLIENTS = ["cudart12", "cudart13", "cupy"]
-PAST_THE_SHIM = pytest.mark.xfail(
-    strict=True, reason="the runtime's private-table context is made before the shim sees it"
-)
 
 
-@PAST_THE_SHIM
 @pytest.mark.parametrize("client", CLIENTS)
 def test_a_late_process_in_a_full_container_gets_no_context_past_the_limit(
     shim: Shim, full: subprocess.Popen[str], client: str
@@ -96,15 +94,14 @@ def test_a_late_process_in_a_full_container_gets_no_context_past_the_limit(
     finally:
         r = release(p)
     assert r.rc == 0, r.stderr
-    assert int(out["init"]) == ALLOC_ERROR  # out of memory, as the container is
+    assert int(out["init"]) == RUNTIME_REFUSED
     if client == "cupy":
         assert out["error"] == "cupy_backends.cuda.api.runtime.CUDARuntimeError"
-        assert "cudaErrorMemoryAllocation" in out["message"]
+        assert out["message"] == "cudaErrorInitializationError: initialization error"
     # The shim's line names the container's limit.
     assert f"memory limit of {LIMIT} bytes" in r.stderr, r.stderr
 
 
-@PAST_THE_SHIM
 @pytest.mark.parametrize("client", CLIENTS)
 def test_three_late_processes_that_stay_alive_leave_the_gpu_within_the_limit(
     shim: Shim, full: subprocess.Popen[str], client: str
@@ -113,10 +110,28 @@ def test_three_late_processes_that_stay_alive_leave_the_gpu_within_the_limit(
     try:
         outs = [read_until(p, "ready") for p in late]
         assert used(shim) <= LIMIT
-        assert [int(o["init"]) for o in outs] == [ALLOC_ERROR] * 3
+        assert [int(o["init"]) for o in outs] == [RUNTIME_REFUSED] * 3
     finally:
         results = [release(p) for p in late]
     assert all(r.rc == 0 for r in results), [r.stderr for r in results]
+
+
+@pytest.mark.parametrize("mode", ["handle", "default", "getproc"])
+def test_every_route_to_a_context_is_refused_before_it_is_made(
+    shim: Shim, full: subprocess.Popen[str], mode: str
+) -> None:
+    """cuCtxCreate, cuDevicePrimaryCtxRetain and the runtime table's slot, each reached by
+    dlsym on libcuda, the exported symbol or cuGetProcAddress: CUDA_ERROR_OUT_OF_MEMORY, and
+    nothing made."""
+    p = shim.start("shim_ctx", mode, "late", env=env(shim))
+    try:
+        out = read_until(p, "ready")
+        assert used(shim) <= LIMIT
+    finally:
+        r = finish(p)
+    assert r.rc == 0, r.stderr
+    assert (out["create"], out["retain"], out["table"]) == (str(OOM),) * 3
+    assert r.stderr.count(f"memory limit of {LIMIT} bytes") == 3, r.stderr
 
 
 @pytest.mark.parametrize("client", ["cudart12", "cudart13"])

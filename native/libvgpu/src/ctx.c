@@ -371,10 +371,11 @@ struct measure {
     int fd, how, have_free;
     uint64_t proc_before, free_before;
     int64_t own_before;
+    uint64_t held; /* reserved for the context being made: in own_committed, not yet held */
 };
 
-/* g_ctx.measure_mu held. */
-static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
+/* g_ctx.measure_mu held. held: what was reserved for a context about to be made (0 else). */
+static void measure_begin(struct measure *m, const struct vgpu_dev *d, uint64_t held) {
     int listed = g_listed[d->ordinal];
     uint64_t before = 0;
     int st = listed >= 0 ? proc_used(d, &before) : -1;
@@ -386,7 +387,7 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
         st = -1;
     }
     *m = (struct measure){.fd = -1, .how = st >= 0 ? BY_PROCESS : BY_NONE, .proc_before = before,
-                          .own_before = own_committed(d)};
+                          .own_before = own_committed(d), .held = held};
     if (listed != 1) { /* the device's drop, in case this process turns out not to be listed */
         m->fd = lock_gpu(d->uuid);
         m->free_before = gpu_free(d, &m->have_free);
@@ -406,7 +407,7 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
         /* Not listed under getpid(), now found by the probe: what we had before this call is not
          * known, so the charge is what the driver says we hold beyond what the shim charged. */
         g_listed[d->ordinal] = 1;
-        int64_t extra = (int64_t)after - own_committed(d);
+        int64_t extra = (int64_t)after - (own_committed(d) - (int64_t)m->held);
         delta = extra > 0 ? (uint64_t)extra : 0;
     } else {
         if (st == 0) g_listed[d->ordinal] = -1; /* a new context, yet not listed: another pid */
@@ -420,14 +421,18 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
     return delta;
 }
 
-/* Charge `bytes` to ctx's record on d (made if new): 0, or -1 when the limit refuses it. */
-static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, const char *what) {
-    if (vgpu_charge(d, bytes) != CUDA_SUCCESS) {
-        VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit: "
-             "refused", what, d->uuid, (unsigned long long)bytes);
+/* Charge `bytes` to ctx's record on d (made if new), `held` of them reserved already (and
+ * given back if the rest is refused): 0, or -1 when the limit refuses it. */
+static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held, const char *what) {
+    if (bytes > held && vgpu_charge(d, bytes - held) != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+        VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit of "
+             "%llu bytes: refused", what, d->uuid, (unsigned long long)bytes,
+             (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
         return -1;
     }
-    vgpu_commit(d, bytes);
+    if (bytes > held) vgpu_commit(d, bytes - held);
+    else vgpu_uncharge(d, held - bytes);
     if (d->accounted) {
         struct vgpu_rec r;
         uint64_t key = (uint64_t)(uintptr_t)ctx, had = vgpu_tab_take(VGPU_OBJ_CTX, key, &r) ? r.bytes : 0;
@@ -459,10 +464,45 @@ static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev
         if (st != 1)
             VLOG(VGPU_LOG_INFO, "context %p on GPU %s was made out of the shim's sight and NVML does "
                  "not list this process: charged nothing", (void *)ctx, d->uuid);
-        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, "a context made by the runtime");
+        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, 0, "a context made by the runtime");
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
+}
+
+/* --- reserved before the driver makes a context -------------------------------------------
+ * A context's size is known only once it is made, yet one made in a full container and then
+ * undone has the GPU hold more than the limit meanwhile (and the runtime's private path makes
+ * it where nothing can undo it). So before the driver is asked, the shim reserves what a context
+ * of this GPU last took in the container (the region's context_bytes; 1 byte before any process
+ * measured one): where that does not fit the context is refused without being made. The
+ * reservation is then settled to what the context was measured to take. */
+
+static uint64_t expected_ctx_bytes(const struct vgpu_dev *d) {
+    uint64_t e = vgpu_region_context_bytes(vgpu.region, d->rdev);
+    return e ? e : 1;
+}
+
+/* Reserve (and commit, so that measures see it as before) a new context's expected size on
+ * d: the bytes held, or 0 when refused (logged, naming the limit). */
+static uint64_t reserve_ctx(struct vgpu_dev *d) {
+    uint64_t e = expected_ctx_bytes(d);
+    if (vgpu_charge(d, e) != CUDA_SUCCESS) {
+        VLOG(VGPU_LOG_WARN, "a new context on GPU %s takes about %llu bytes, over the container's "
+             "memory limit of %llu bytes (%llu in use): refused, not made", d->uuid,
+             (unsigned long long)e, (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev),
+             (unsigned long long)vgpu_used(d));
+        return 0;
+    }
+    vgpu_commit(d, e);
+    return e;
+}
+
+/* A new context measured: settle its reservation `held` to `bytes` and remember the size for
+ * the container's next contexts. 0, or -1 refused (the reservation given back). */
+static int settle_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held) {
+    if (bytes && bytes <= MAX_CONTEXT_CHARGE) vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
+    return charge_ctx(d, ctx, bytes, held, "a new context");
 }
 
 /* --- creation and destruction hooks ---------------------------------------------------------- */
@@ -504,12 +544,19 @@ static CUresult create_ctx(CUcontext *pctx, const struct create_args *a) {
     if (!d) return real_create(pctx, a);
     struct measure m;
     pthread_mutex_lock(&g_ctx.measure_mu);
-    measure_begin(&m, d);
+    uint64_t held = reserve_ctx(d);
+    if (!held) {
+        pthread_mutex_unlock(&g_ctx.measure_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    measure_begin(&m, d, held);
     CUresult rc = real_create(pctx, a);
     uint64_t bytes = measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
-    if (rc == CUDA_SUCCESS) {
+    if (rc != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+    } else {
         remember(*pctx, d->ordinal);
-        if (charge_ctx(d, *pctx, bytes, "a new context") != 0) {
+        if (settle_ctx(d, *pctx, bytes, held) != 0) {
             vgpu.real.cuCtxDestroy_v2(*pctx);
             gone(*pctx);
             *pctx = NULL;
@@ -573,42 +620,58 @@ static int primary_active(CUdevice dev) {
                : -1;
 }
 
-VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    NEED(cuDevicePrimaryCtxRetain);
+/* A primary context got by `get`: the driver's retain (retain 1: it takes a reference), or
+ * the runtime table's slot (rtable.c; retain 0: it activates an inactive context holding one
+ * reference, and returns an active one without a new one). Activating one is reserved before,
+ * measured across and settled after; over the limit it is refused without being made. */
+CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev, CUresult (*get)(CUcontext *, CUdevice), int retain) {
     int refuse;
     struct vgpu_dev *d = pctx ? creating_on(dev, &refuse) : NULL;
     if (pctx && refuse) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d) return vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
+    if (!d) return get(pctx, dev);
     struct measure m;
+    uint64_t held = 0;
     pthread_mutex_lock(&g_ctx.measure_mu);
     int was_active = primary_active(dev) == 1;
-    if (!was_active) measure_begin(&m, d);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
+    if (!was_active) {
+        held = reserve_ctx(d);
+        if (!held) {
+            pthread_mutex_unlock(&g_ctx.measure_mu);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        measure_begin(&m, d, held);
+    }
+    CUresult rc = get(pctx, dev);
     uint64_t bytes = was_active ? 0 : measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
-    if (rc == CUDA_SUCCESS) {
+    if (rc != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+    } else {
         CUcontext ctx = *pctx;
         g_ctx.primary[d->ordinal] = ctx;
         if (!was_active) {
             remember(ctx, d->ordinal);
-            if (charge_ctx(d, ctx, bytes, "a new context") != 0) {
-                vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+            if (settle_ctx(d, ctx, bytes, held) != 0) {
+                vgpu.real.cuDevicePrimaryCtxRelease_v2(dev); /* the one reference it holds */
                 gone(ctx);
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
             }
         }
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
-    /* Already active, maybe by the runtime's own path: charged now if it never was. */
+    /* Already active, maybe by a path out of sight: charged now if it never was. */
     if (rc == CUDA_SUCCESS && was_active) {
-        CUcontext c;
-        (void)c;
         if (!ctx_charged(*pctx) && charge_found(*pctx, d) != 0) {
-            vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+            if (retain) vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         remember(*pctx, d->ordinal);
     }
     return rc;
+}
+
+VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    NEED(cuDevicePrimaryCtxRetain);
+    return vgpu_primary_get(pctx, dev, vgpu.real.cuDevicePrimaryCtxRetain, 1);
 }
 
 /* The runtime makes the primary context current after activating it through its own path:
@@ -633,10 +696,10 @@ VGPU_API CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     int have_old = vgpu.real.cuCtxGetLimit && vgpu.real.cuCtxGetLimit(&old, limit) == CUDA_SUCCESS;
     struct measure m;
     pthread_mutex_lock(&g_ctx.measure_mu);
-    measure_begin(&m, d);
+    measure_begin(&m, d, 0);
     CUresult rc = vgpu.real.cuCtxSetLimit(limit, value);
     uint64_t grew = measure_end(&m, d, ctx);
-    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, "a context's new limit") != 0) {
+    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, "a context's new limit") != 0) {
         if (have_old) vgpu.real.cuCtxSetLimit(limit, old);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }

@@ -53,7 +53,7 @@
     H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode) H(cuGraphInstantiate)                      \
     H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphInstantiateWithParams)    \
     H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
-    H(cuGraphExecDestroy)
+    H(cuGraphExecDestroy) H(cuGetExportTable)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -332,6 +332,10 @@ static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
     if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) return vgpu_ctx_dev_current(ctx_out);
     return vgpu_ctx_dev_slow(ctx, ctx == NULL, ctx_out);
 }
+/* A primary context got by `get` (the driver's retain, retain 1; the runtime table's slot,
+ * retain 0: rtable.c), charged before the driver makes it (refused over the limit). */
+VGPU_HIDDEN CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev,
+                                      CUresult (*get)(CUcontext *, CUdevice), int retain);
 /* The device of a stream (NULL and the special handles: the current context's). */
 VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
 

@@ -35,6 +35,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -55,7 +56,7 @@ uint64_t vgpu_ctx_gen;
 
 static struct {
     pthread_mutex_t mu;
-    unsigned next;
+    unsigned next, hwm; /* known[hwm..] are empty: lookups stop there */
     struct { CUcontext ctx; int ordinal; } known[64];
     CUcontext primary[VGPU_MAX_ORDINALS];
     pthread_mutex_t measure_mu; /* creations and measures of this process, one at a time */
@@ -66,9 +67,12 @@ _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
 
 static void remember(CUcontext ctx, int ordinal) {
     pthread_mutex_lock(&g_ctx.mu);
-    int i = 0;
-    while (i < 64 && g_ctx.known[i].ctx != ctx) i++;
-    if (i == 64) i = (int)(g_ctx.next++ % 64);
+    unsigned i = 0, empty = 64;
+    while (i < g_ctx.hwm && g_ctx.known[i].ctx != ctx) {
+        if (!g_ctx.known[i].ctx && empty == 64) empty = i;
+        i++;
+    }
+    if (i == g_ctx.hwm) i = empty < 64 ? empty : g_ctx.hwm < 64 ? g_ctx.hwm++ : g_ctx.next++ % 64;
     g_ctx.known[i].ctx = ctx;
     g_ctx.known[i].ordinal = ordinal;
     pthread_mutex_unlock(&g_ctx.mu);
@@ -77,7 +81,7 @@ static void remember(CUcontext ctx, int ordinal) {
 static int known_ordinal(CUcontext ctx) {
     int ord = -1;
     pthread_mutex_lock(&g_ctx.mu);
-    for (int i = 0; i < 64 && ord < 0; i++)
+    for (unsigned i = 0; i < g_ctx.hwm && ord < 0; i++)
         if (g_ctx.known[i].ctx == ctx) ord = g_ctx.known[i].ordinal;
     pthread_mutex_unlock(&g_ctx.mu);
     return ord;
@@ -135,16 +139,65 @@ struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out) {
     return vgpu_ctx_dev(ctx, ctx_out);
 }
 
+/* --- each context's own charge ---------------------------------------------------------------
+ * What a context itself was charged (its size, and its growth by cuCtxSetLimit), kept in a
+ * short list of this process's contexts, apart from the allocations' table: a context's going
+ * gives it back with one look here, and the table is scanned only where it holds allocations.
+ * g_ctx.mu held. */
+static struct charged {
+    CUcontext ctx;
+    int ordinal;
+    uint64_t bytes;
+} *g_charged;
+static size_t g_ncharged, g_capcharged;
+
+static long charged_at(CUcontext ctx) {
+    for (size_t i = 0; i < g_ncharged; i++)
+        if (g_charged[i].ctx == ctx) return (long)i;
+    return -1;
+}
+
+/* Add bytes to ctx's own charge (listed if new). */
+static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes) {
+    pthread_mutex_lock(&g_ctx.mu);
+    long i = charged_at(ctx);
+    if (i < 0 && g_ncharged == g_capcharged) {
+        size_t cap = g_capcharged ? g_capcharged * 2 : 8;
+        struct charged *grown = realloc(g_charged, cap * sizeof *grown);
+        if (grown) {
+            g_charged = grown;
+            g_capcharged = cap;
+        }
+    }
+    if (i < 0 && g_ncharged < g_capcharged) {
+        i = (long)g_ncharged++;
+        g_charged[i] = (struct charged){.ctx = ctx, .ordinal = ordinal};
+    }
+    if (i >= 0) g_charged[i].bytes += bytes;
+    pthread_mutex_unlock(&g_ctx.mu);
+    /* Out of memory for the list: the charge stays for the process's life (the safe side). */
+    if (i < 0) VLOG(VGPU_LOG_WARN, "no memory to list context %p: its charge is kept", (void *)ctx);
+}
+
 /* A context went (destroyed, or a primary context's last release or reset): what it owned
  * is freed by the driver, so its charges are given back. */
 static void gone(CUcontext ctx) {
     if (!ctx) return;
     vgpu_launch_forget_ctx(ctx, 0);
-    vgpu_tab_drop_ctx(ctx);
+    struct charged own = {0};
     pthread_mutex_lock(&g_ctx.mu);
-    for (int i = 0; i < 64; i++)
+    long at = charged_at(ctx);
+    if (at >= 0) {
+        own = g_charged[at];
+        g_charged[at] = g_charged[--g_ncharged];
+    }
+    for (unsigned i = 0; i < g_ctx.hwm; i++)
         if (g_ctx.known[i].ctx == ctx) g_ctx.known[i].ctx = NULL;
+    while (g_ctx.hwm && !g_ctx.known[g_ctx.hwm - 1].ctx) g_ctx.hwm--;
     pthread_mutex_unlock(&g_ctx.mu);
+    struct vgpu_dev *d = own.bytes ? vgpu_dev(own.ordinal) : NULL;
+    if (d) vgpu_uncharge(d, own.bytes);
+    vgpu_tab_drop_ctx(ctx);
     __atomic_add_fetch(&vgpu_ctx_gen, 1, __ATOMIC_RELEASE);
 }
 
@@ -372,6 +425,8 @@ struct measure {
     uint64_t proc_before, free_before;
     int64_t own_before;
     uint64_t held; /* reserved for the context being made: in own_committed, not yet held */
+    uint64_t known; /* the context's size as known beforehand: nothing measured */
+    int exact;      /* measure_end read this process's own usage (not the device's drop) */
 };
 
 /* g_ctx.measure_mu held. held: what was reserved for a context about to be made (0 else). */
@@ -399,6 +454,7 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d, uint64_t 
 static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUcontext ctx) {
     uint64_t after = 0, delta = 0;
     int st = m->how == BY_PROCESS ? proc_used(d, &after) : -1;
+    m->exact = st == 1;
     if (st == 1) {
         g_listed[d->ordinal] = 1;
         int64_t grew = (int64_t)(after - m->proc_before) - (own_committed(d) - m->own_before);
@@ -407,6 +463,7 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
         /* Not listed under getpid(), now found by the probe: what we had before this call is not
          * known, so the charge is what the driver says we hold beyond what the shim charged. */
         g_listed[d->ordinal] = 1;
+        m->exact = 1;
         int64_t extra = (int64_t)after - (own_committed(d) - (int64_t)m->held);
         delta = extra > 0 ? (uint64_t)extra : 0;
     } else {
@@ -433,20 +490,18 @@ static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_
     }
     if (bytes > held) vgpu_commit(d, bytes - held);
     else vgpu_uncharge(d, held - bytes);
-    if (d->accounted) {
-        struct vgpu_rec r;
-        uint64_t key = (uint64_t)(uintptr_t)ctx, had = vgpu_tab_take(VGPU_OBJ_CTX, key, &r) ? r.bytes : 0;
-        vgpu_tab_put(VGPU_OBJ_CTX, key, d->ordinal, had + bytes, ctx);
-    }
+    if (d->accounted) charged_add(ctx, d->ordinal, bytes);
     VLOG(VGPU_LOG_DEBUG, "%s %p on GPU %s charged %llu bytes", what, (void *)ctx, d->uuid,
          (unsigned long long)bytes);
     return 0;
 }
 
 static int ctx_charged(CUcontext ctx) {
-    struct vgpu_rec r;
     if (!ctx) return 1;
-    return vgpu_tab_get(VGPU_OBJ_CTX, (uint64_t)(uintptr_t)ctx, &r);
+    pthread_mutex_lock(&g_ctx.mu);
+    int found = charged_at(ctx) >= 0;
+    pthread_mutex_unlock(&g_ctx.mu);
+    return found;
 }
 
 /* A context the shim meets for the first time, already made (the runtime's own path): charge
@@ -478,15 +533,21 @@ static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev
  * measured one): where that does not fit the context is refused without being made. The
  * reservation is then settled to what the context was measured to take. */
 
+/* Per device: what a new context of this process took, measured exactly from its own usage
+ * (0: not yet). A context's size is the driver's per-context overhead, the same for each of a
+ * process's contexts on a GPU, so once known it is charged as is: no NVML process list and
+ * no GPU lock per creation. measure_mu held. */
+static uint64_t g_ctx_bytes[VGPU_MAX_ORDINALS];
+
 static uint64_t expected_ctx_bytes(const struct vgpu_dev *d) {
     uint64_t e = vgpu_region_context_bytes(vgpu.region, d->rdev);
     return e ? e : 1;
 }
 
-/* Reserve (and commit, so that measures see it as before) a new context's expected size on
- * d: the bytes held, or 0 when refused (logged, naming the limit). */
+/* Reserve (and commit, so that measures see it as before) a new context's size on d, known
+ * or expected: the bytes held, or 0 when refused (logged, naming the limit). */
 static uint64_t reserve_ctx(struct vgpu_dev *d) {
-    uint64_t e = expected_ctx_bytes(d);
+    uint64_t e = g_ctx_bytes[d->ordinal] ? g_ctx_bytes[d->ordinal] : expected_ctx_bytes(d);
     if (vgpu_charge(d, e) != CUDA_SUCCESS) {
         VLOG(VGPU_LOG_WARN, "a new context on GPU %s takes about %llu bytes, over the container's "
              "memory limit of %llu bytes (%llu in use): refused, not made", d->uuid,
@@ -498,10 +559,29 @@ static uint64_t reserve_ctx(struct vgpu_dev *d) {
     return e;
 }
 
+/* Before the driver makes a context on d: reserve its size and, unless known, start
+ * measuring it. The bytes held, or 0 when refused. measure_mu held. */
+static uint64_t making_begin(struct measure *m, struct vgpu_dev *d) {
+    uint64_t held = reserve_ctx(d);
+    if (!held) return 0;
+    if (g_ctx_bytes[d->ordinal]) *m = (struct measure){.fd = -1, .known = g_ctx_bytes[d->ordinal]};
+    else measure_begin(m, d, held);
+    return held;
+}
+
+/* After it: what the context takes (0 when it cannot be told; ctx NULL: the call failed). */
+static uint64_t making_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
+    if (m->known) return m->known;
+    uint64_t bytes = measure_end(m, d, ctx);
+    if (ctx && m->exact && bytes && bytes <= MAX_CONTEXT_CHARGE) g_ctx_bytes[d->ordinal] = bytes;
+    return bytes;
+}
+
 /* A new context measured: settle its reservation `held` to `bytes` and remember the size for
  * the container's next contexts. 0, or -1 refused (the reservation given back). */
 static int settle_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held) {
-    if (bytes && bytes <= MAX_CONTEXT_CHARGE) vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
+    if (bytes && bytes <= MAX_CONTEXT_CHARGE && bytes != vgpu_region_context_bytes(vgpu.region, d->rdev))
+        vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
     return charge_ctx(d, ctx, bytes, held, "a new context");
 }
 
@@ -544,14 +624,13 @@ static CUresult create_ctx(CUcontext *pctx, const struct create_args *a) {
     if (!d) return real_create(pctx, a);
     struct measure m;
     pthread_mutex_lock(&g_ctx.measure_mu);
-    uint64_t held = reserve_ctx(d);
+    uint64_t held = making_begin(&m, d);
     if (!held) {
         pthread_mutex_unlock(&g_ctx.measure_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    measure_begin(&m, d, held);
     CUresult rc = real_create(pctx, a);
-    uint64_t bytes = measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
+    uint64_t bytes = making_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
     if (rc != CUDA_SUCCESS) {
         vgpu_uncharge(d, held);
     } else {
@@ -634,15 +713,14 @@ CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev, CUresult (*get)(CUconte
     pthread_mutex_lock(&g_ctx.measure_mu);
     int was_active = primary_active(dev) == 1;
     if (!was_active) {
-        held = reserve_ctx(d);
+        held = making_begin(&m, d);
         if (!held) {
             pthread_mutex_unlock(&g_ctx.measure_mu);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        measure_begin(&m, d, held);
     }
     CUresult rc = get(pctx, dev);
-    uint64_t bytes = was_active ? 0 : measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
+    uint64_t bytes = was_active ? 0 : making_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
     if (rc != CUDA_SUCCESS) {
         vgpu_uncharge(d, held);
     } else {

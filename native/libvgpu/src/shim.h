@@ -253,7 +253,7 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
 
 /* ptrtab.c: what each live allocation charged, so its free gives back exactly that. */
 enum {
-    VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
+    VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_POOL = 5, /* 4 was a context's own charge: ctx.c lists those */
     VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
     VGPU_OBJ_POOLPTR = 7, /* stream-ordered memory of a pool: the pool carries the charge */
     VGPU_OBJ_GRAPH = 8,   /* a graph's allocation nodes (bytes), not charged by themselves */

@@ -344,6 +344,8 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ct
 VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_pace_dev *p, int percent);
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns);
+/* The driver's entry points are loaded: unpaced kernel launches go straight to them. */
+VGPU_HIDDEN void vgpu_launch_loaded(void);
 /* Drop this process's pending timings in ctx (destroying their events if it still exists). */
 VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
 

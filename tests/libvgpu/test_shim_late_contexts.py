@@ -9,6 +9,7 @@ accounting, while the late processes stay alive. Program: late_client.py; A: shi
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,8 +36,8 @@ def shim(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Shim:
     return Shim(native_tree, simgpu_node, tmp_path)
 
 
-@pytest.fixture
-def full(shim: Shim) -> Iterator[subprocess.Popen[str]]:
+@contextlib.contextmanager
+def full_container(shim: Shim) -> Iterator[subprocess.Popen[str]]:
     """Process A, holding its context and 64 MiB chunks until refused: the container is full
     (less than a context left)."""
     p = shim.start("shim_mem", "handle", 0, "alloc", CHUNK, 1000, "hold", env=env(shim))
@@ -47,6 +48,12 @@ def full(shim: Shim) -> Iterator[subprocess.Popen[str]]:
         yield p
     finally:
         assert finish(p).rc == 0
+
+
+@pytest.fixture
+def full(shim: Shim) -> Iterator[subprocess.Popen[str]]:
+    with full_container(shim) as p:
+        yield p
 
 
 def env(shim: Shim) -> dict[str, str]:
@@ -116,7 +123,10 @@ def test_three_late_processes_that_stay_alive_leave_the_gpu_within_the_limit(
     assert all(r.rc == 0 for r in results), [r.stderr for r in results]
 
 
-@pytest.mark.parametrize("mode", ["handle", "default", "getproc"])
+MODES = ["handle", "default", "getproc"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_every_route_to_a_context_is_refused_before_it_is_made(
     shim: Shim, full: subprocess.Popen[str], mode: str
 ) -> None:

@@ -143,6 +143,7 @@ static void reap(int wait) {
 }
 
 void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events) {
+    if (!vgpu.pace_any) return; /* timings are taken only where launches are paced */
     pthread_mutex_lock(&g.mu);
     struct pending keep[RING];
     unsigned n = 0;

@@ -30,7 +30,7 @@ static void place(struct vgpu_stripe *s, const struct vgpu_rec *rec) {
     uint32_t i = vgpu_tab_home(s, vgpu_tab_hash(rec->kind, rec->key));
     while (s->slots[i].used) i = (i + 1) & (s->cap - 1);
     s->slots[i] = *rec;
-    vgpu_stripe_count(s, 1);
+    s->n++;
 }
 
 static int __attribute__((noinline, cold)) grow(struct vgpu_stripe *s) {
@@ -41,7 +41,7 @@ static int __attribute__((noinline, cold)) grow(struct vgpu_stripe *s) {
     s->slots = fresh;
     s->cap = cap;
     s->full = (uint32_t)((uint64_t)cap * 7 / 10); /* the first n with (n + 1) * 10 > cap * 7 */
-    __atomic_store_n(&s->n, 0, __ATOMIC_RELAXED);
+    s->n = 0;
     for (uint32_t i = 0; i < oldcap; i++)
         if (old[i].used) place(s, &old[i]);
     free(old);
@@ -60,7 +60,7 @@ void vgpu_tab_erase_shift(struct vgpu_stripe *s, uint32_t i) {
         }
     }
     s->slots[i].used = 0;
-    vgpu_stripe_count(s, -1);
+    s->n--;
 }
 
 static void release(const struct vgpu_rec *r) {
@@ -98,7 +98,7 @@ int vgpu_tab_put_growing(const struct vgpu_rec *in) {
         vgpu_tab_replace_stale(s, &s->slots[i], in);
         return 0;
     }
-    vgpu_stripe_count(s, 1);
+    s->n++;
     s->slots[i] = *in;
     s->slots[i].used = 1;
     vgpu_stripe_unlock(s);
@@ -152,13 +152,12 @@ void vgpu_tab_drop_ctx(CUcontext ctx) {
     if (!ctx) return;
     for (int k = 0; k < VGPU_TAB_STRIPES; k++) {
         struct vgpu_stripe *s = &vgpu_tab_stripes[k];
-        if (!__atomic_load_n(&s->n, __ATOMIC_RELAXED)) continue; /* holds nothing (of ctx's) */
         struct vgpu_rec batch[64];
         int n;
         do { /* take a batch out under the lock, give its charges back outside it */
             n = 0;
             vgpu_stripe_lock(s);
-            for (uint32_t i = 0; i < s->cap && n < 64;) {
+            for (uint32_t i = 0; s->n && i < s->cap && n < 64;) { /* an empty stripe: not scanned */
                 if (s->slots[i].used && s->slots[i].ctx == ctx) {
                     batch[n++] = s->slots[i];
                     vgpu_tab_erase(s, i); /* slot i now holds a later record, or is empty: look again */

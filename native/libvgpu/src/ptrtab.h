@@ -10,19 +10,12 @@ enum { VGPU_TAB_STRIPES = 64, VGPU_TAB_MIN_CAP = 64 };
 
 struct vgpu_stripe {
     int lock; /* 0 free, 1 held */
-    uint32_t cap, n; /* n: written by the lock's holder only, with vgpu_stripe_count (an atomic
-                      * store, a plain one on x86 and arm64): read without the lock by
-                      * vgpu_tab_drop_ctx to pass empty stripes by */
+    uint32_t cap, n;
     uint32_t full; /* n at which an insert grows the stripe first: 70 % of cap (0: no slots) */
     struct vgpu_rec *slots;
 } __attribute__((aligned(64)));
 
 extern VGPU_HIDDEN struct vgpu_stripe vgpu_tab_stripes[VGPU_TAB_STRIPES];
-
-/* Stripe locked: n moves by delta. */
-static inline void vgpu_stripe_count(struct vgpu_stripe *s, int delta) {
-    __atomic_store_n(&s->n, s->n + (uint32_t)delta, __ATOMIC_RELAXED);
-}
 
 static inline void vgpu_stripe_lock(struct vgpu_stripe *s) {
     while (__atomic_exchange_n(&s->lock, 1, __ATOMIC_ACQUIRE)) {
@@ -62,7 +55,7 @@ VGPU_HIDDEN void __attribute__((cold)) vgpu_tab_replace_stale(struct vgpu_stripe
 static inline __attribute__((always_inline)) void vgpu_tab_erase(struct vgpu_stripe *s, uint32_t i) {
     if (LIKELY(!s->slots[(i + 1) & (s->cap - 1)].used)) {
         s->slots[i].used = 0;
-        vgpu_stripe_count(s, -1);
+        s->n--;
         return;
     }
     vgpu_tab_erase_shift(s, i);
@@ -82,7 +75,7 @@ static inline __attribute__((always_inline)) int vgpu_tab_put_inline(int kind, u
     if (LIKELY(s->n < s->full)) {
         while (slots[i].used && (slots[i].key != key || slots[i].kind != kind)) i = (i + 1) & mask;
         if (LIKELY(!slots[i].used)) {
-            vgpu_stripe_count(s, 1);
+            s->n++;
             struct vgpu_rec *r = &slots[i];
             r->key = key;
             r->bytes = bytes;

@@ -4,10 +4,15 @@
 
 Prints, in one run (with and without the shim interleaved; the best of --repeat runs, since a
 shared machine only ever adds time, except where a median is named):
-- instructions added per cuLaunchKernel (target <= 30) and per cuMemAlloc + cuMemFree pair
-  (target <= 300), counted by callgrind (valgrind) and so repeatable on a loaded machine: the
-  program runs n and 3n calls with and without the shim, and the added count per call is
-  ((shim 3n - shim n) - (plain 3n - plain n)) / 2n, start-up cost cancelled;
+- instructions added per cuLaunchKernel (target <= 20), per cuMemAlloc + cuMemFree pair
+  (target <= 300), per cuCtxCreate + cuCtxDestroy pair (target <= 2,000, also after 20,000
+  allocations made and freed) and per cuMemGetInfo (target <= 200), counted by callgrind
+  (valgrind) and so repeatable on a loaded machine: the program runs n and 3n calls with and
+  without the shim, and the added count per call is ((shim 3n - shim n) - (plain 3n - plain n))
+  / 2n, start-up cost cancelled. One unmeasured run under the shim comes first, so that the
+  container's region already exists in every measured run (equal starting states); and the
+  instructions of /bin/true with the shim, with an empty library and with nothing preloaded.
+  ``--instructions`` prints these figures only;
 - ns added per cuLaunchKernel with no compute limit (target <= 20) and per cuMemAlloc +
   cuMemFree pair under a memory limit (target <= 150): measured in one process under the
   shim, alternating blocks of calls through the hook and straight to the driver's own entry

@@ -25,9 +25,11 @@
  * first creation of a process on a device takes the lock and learns which measure works; a
  * context made out of the shim's sight is then charged nothing.
  *
- * Each context is charged once, whatever created it: cuCtxCreate*, the retain that activates a
- * primary context, or, for a context the shim did not see created (the runtime's private path),
- * the first time the shim meets it (cuCtxSetCurrent, an allocation, a view): then it is charged
+ * Each context is charged once, whatever created it, and before the driver makes it where the
+ * shim sees it coming (below: "reserved before the driver makes a context"): cuCtxCreate*, the
+ * retain that activates a primary context, the runtime table's slot (rtable.c); or, for a
+ * context the shim did not see created (a runtime table it could not wrap), the first time the
+ * shim meets it (cuCtxSetCurrent, an allocation, a view): then it is charged
  * what NVML says this process holds beyond what the shim has charged it. cuCtxSetLimit's growth
  * (heap, stack, printf FIFO) is charged to the context the same way. The charge goes to the
  * region like any allocation (refused over the limit: a new context is undone) and is given

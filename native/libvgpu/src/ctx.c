@@ -575,15 +575,19 @@ static uint64_t making_begin(struct measure *m, struct vgpu_dev *d) {
 static uint64_t making_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
     if (m->known) return m->known;
     uint64_t bytes = measure_end(m, d, ctx);
-    if (ctx && m->exact && bytes && bytes <= MAX_CONTEXT_CHARGE) g_ctx_bytes[d->ordinal] = bytes;
+    /* Only an exact measure is remembered, here and for the container's next contexts: a
+     * device's free-memory drop may include a neighbour's allocation. */
+    if (ctx && m->exact && bytes && bytes <= MAX_CONTEXT_CHARGE) {
+        g_ctx_bytes[d->ordinal] = bytes;
+        if (bytes != vgpu_region_context_bytes(vgpu.region, d->rdev))
+            vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
+    }
     return bytes;
 }
 
-/* A new context measured: settle its reservation `held` to `bytes` and remember the size for
- * the container's next contexts. 0, or -1 refused (the reservation given back). */
+/* A new context measured: settle its reservation `held` to `bytes`. 0, or -1 refused (the
+ * reservation given back). */
 static int settle_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held) {
-    if (bytes && bytes <= MAX_CONTEXT_CHARGE && bytes != vgpu_region_context_bytes(vgpu.region, d->rdev))
-        vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
     return charge_ctx(d, ctx, bytes, held, "a new context");
 }
 

@@ -4,10 +4,15 @@
 
 Prints, in one run (with and without the shim interleaved; the best of --repeat runs, since a
 shared machine only ever adds time, except where a median is named):
-- instructions added per cuLaunchKernel (target <= 30) and per cuMemAlloc + cuMemFree pair
-  (target <= 300), counted by callgrind (valgrind) and so repeatable on a loaded machine: the
-  program runs n and 3n calls with and without the shim, and the added count per call is
-  ((shim 3n - shim n) - (plain 3n - plain n)) / 2n, start-up cost cancelled;
+- instructions added per cuLaunchKernel (target <= 20), per cuMemAlloc + cuMemFree pair
+  (target <= 300), per cuCtxCreate + cuCtxDestroy pair (target <= 2,000, also after 20,000
+  allocations made and freed) and per cuMemGetInfo (target <= 200), counted by callgrind
+  (valgrind) and so repeatable on a loaded machine: the program runs n and 3n calls with and
+  without the shim, and the added count per call is ((shim 3n - shim n) - (plain 3n - plain n))
+  / 2n, start-up cost cancelled. One unmeasured run under the shim comes first, so that the
+  container's region already exists in every measured run (equal starting states); and the
+  instructions of /bin/true with the shim, with an empty library and with nothing preloaded.
+  ``--instructions`` prints these figures only;
 - ns added per cuLaunchKernel with no compute limit (target <= 20) and per cuMemAlloc +
   cuMemFree pair under a memory limit (target <= 150): measured in one process under the
   shim, alternating blocks of calls through the hook and straight to the driver's own entry
@@ -87,24 +92,44 @@ class Bench:
             shim.append(self.run(self.shim, *args)[key])
         return min(plain), min(shim)
 
-    def instructions(self, env: Mapping[str, str], what: str, n: int) -> int:
-        """Instructions the whole program `shim_bench <what> <n>` executes (callgrind)."""
-        out = self.tmp / f"callgrind.{what}.{n}.{len(self.cg_runs)}"
+    def settle(self) -> None:
+        """One unmeasured run under the shim: the container's region exists (and the driver's
+        limit was asked) before any measured run, so every measured run starts from the same
+        state. Without it the first measured run alone pays the region's creation (~14,000
+        instructions), which made the shorter run dearer and the per-call figure too low."""
+        self.run(self.shim, "alloc", 10)
+
+    def callgrind(self, env: Mapping[str, str], cmd: list[str], name: str) -> int:
+        """Instructions `cmd` executes in all (callgrind)."""
+        out = self.tmp / f"callgrind.{name}.{len(self.cg_runs)}"
         self.cg_runs.append(out)
-        prog = str(self.tree / "tests" / "shim_bench")
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", prog, what, str(n)]
-        subprocess.run(cmd, env=dict(env), capture_output=True, check=True)
+        vg = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *cmd]
+        subprocess.run(vg, env=dict(env), capture_output=True, check=True)
         for line in out.read_text().splitlines():
             if line.startswith(("summary:", "totals:")):
                 return int(line.split()[1])
         raise RuntimeError(f"no instruction total in {out}")
 
-    def added_instructions(self, what: str, n: int) -> tuple[float, float]:
+    def instructions(self, env: Mapping[str, str], what: str, n: int, *extra: str) -> int:
+        """Instructions the whole program `shim_bench <what> <n> [extra]` executes."""
+        prog = str(self.tree / "tests" / "shim_bench")
+        return self.callgrind(env, [prog, what, str(n), *extra], f"{what}.{n}")
+
+    def added_instructions(self, what: str, n: int, *extra: str) -> tuple[float, float]:
         """(instructions per call without the shim, instructions the shim adds per call)."""
-        s1, s3 = self.instructions(self.shim, what, n), self.instructions(self.shim, what, 3 * n)
-        p1, p3 = self.instructions(self.plain, what, n), self.instructions(self.plain, what, 3 * n)
+        s1 = self.instructions(self.shim, what, n, *extra)
+        s3 = self.instructions(self.shim, what, 3 * n, *extra)
+        p1 = self.instructions(self.plain, what, n, *extra)
+        p3 = self.instructions(self.plain, what, 3 * n, *extra)
         per_plain = (p3 - p1) / (2 * n)
         return per_plain, (s3 - s1) / (2 * n) - per_plain
+
+    def true_instructions(self, preload: str) -> int:
+        """Instructions of /bin/true with `preload` (padded to the shim's path length, so
+        every variant has the same environment size; blanks: nothing preloaded)."""
+        pad = len(self.shim["LD_PRELOAD"])
+        env = dict(self.plain, LD_PRELOAD=preload.ljust(pad))
+        return self.callgrind(env, ["/bin/true"], "true")
 
     def concurrent_alloc(self, env: Mapping[str, str], procs: int, n: int) -> float:
         prog = str(self.tree / "tests" / "shim_bench")
@@ -185,6 +210,54 @@ def first_calls(b: Bench, repeat: int) -> None:
     )
 
 
+def empty_library(tmp: Path) -> Path | None:
+    """An empty shared library built the default way: what any preload costs."""
+    empty = tmp / "libempty.so"
+    if not empty.exists():
+        (tmp / "empty.c").write_text("int vgpu_bench_empty(void) { return 0; }\n")
+        cc = ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(tmp / "empty.c")]
+        if subprocess.run(cc, capture_output=True, check=False).returncode != 0:
+            return None
+    return empty
+
+
+def instruction_counts(b: Bench, tmp: Path) -> None:
+    """Every callgrind figure, each from equal starting states (Bench.settle)."""
+    b.settle()
+    base, added = b.added_instructions("launch", 1000)
+    print(
+        f"cuLaunchKernel, no compute limit: {base:.0f} instructions/call, "
+        f"added {added:+.0f} (callgrind; target <= 20)"
+    )
+    base, added = b.added_instructions("alloc", 1000)
+    print(
+        f"cuMemAlloc+cuMemFree under a limit: {base:.0f} instructions/pair, "
+        f"added {added:+.0f} (callgrind; target <= 300)"
+    )
+    base, added = b.added_instructions("ctx", 100)
+    print(
+        f"cuCtxCreate+cuCtxDestroy under a limit: {base:.0f} instructions/pair, "
+        f"added {added:+.0f} (callgrind; target <= 2,000)"
+    )
+    base, added = b.added_instructions("ctx", 100, "history")
+    print(
+        f"the same after 20,000 allocations made and freed: {base:.0f} instructions/pair, "
+        f"added {added:+.0f} (callgrind; target <= 2,000, flat)"
+    )
+    base, added = b.added_instructions("meminfo", 1000)
+    print(
+        f"cuMemGetInfo under a limit: {base:.0f} instructions/call, "
+        f"added {added:+.0f} (callgrind; target <= 200)"
+    )
+    none = b.true_instructions("")
+    shim = b.true_instructions(b.shim["LD_PRELOAD"])
+    empty = empty_library(tmp)
+    line = f"/bin/true: {none} instructions, with the shim preloaded {shim - none:+d}"
+    if empty is not None:
+        line += f"; an empty library {b.true_instructions(str(empty)) - none:+d}"
+    print(line + " (callgrind; target: the shim <= an empty library)")
+
+
 def _preload_line(how: str, t: dict[str, float], shim: str, empty: str, note: str) -> str:
     base, with_shim = t["none"], t[shim]
     line = (
@@ -200,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--first-calls", action="store_true", help="the first-calls figures only")
+    ap.add_argument(
+        "--instructions", action="store_true", help="the callgrind instruction counts only"
+    )
     args = ap.parse_args(argv)
     tree = _tree()
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,18 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
 
         if shutil.which("valgrind"):
-            base, added = b.added_instructions("launch", 1000)
-            print(
-                f"cuLaunchKernel, no compute limit: {base:.0f} instructions/call, "
-                f"added {added:+.0f} (callgrind; target <= 30)"
-            )
-            base, added = b.added_instructions("alloc", 1000)
-            print(
-                f"cuMemAlloc+cuMemFree under a limit: {base:.0f} instructions/pair, "
-                f"added {added:+.0f} (callgrind; target <= 300)"
-            )
+            instruction_counts(b, Path(tmp))
         else:
             print("instruction counts: not measured (valgrind is not installed)")
+        if args.instructions:
+            return 0
 
         ab = [b.run(b.shim, "ab-launch", 400000) for _ in range(args.repeat)]
         real, hook = min(r["real_ns"] for r in ab), min(r["hook_ns"] for r in ab)
@@ -248,10 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({s8 / s1:.2f}x, target <= 2x); without {q1:.0f} -> {q8:.0f} ({q8 / q1:.2f}x)"
         )
 
-        empty = Path(tmp) / "libempty.so"
-        (Path(tmp) / "empty.c").write_text("int vgpu_bench_empty(void) { return 0; }\n")
-        cc = ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(Path(tmp) / "empty.c")]
-        have_empty = subprocess.run(cc, capture_output=True, check=False).returncode == 0
+        empty = empty_library(Path(tmp))
+        have_empty = empty is not None
         lib = b.shim["LD_PRELOAD"]
         rounds = 1000 * args.repeat
         variants = ["none", f"env:{lib}"] + ([f"env:{empty}"] if have_empty else [])

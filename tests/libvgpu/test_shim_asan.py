@@ -12,6 +12,7 @@ import pytest
 import test_shim_compute as compute
 import test_shim_hostpid as hostpid
 import test_shim_invariant as invariant
+import test_shim_late_contexts as late
 import test_shim_loading as loading
 import test_shim_memory as memory
 import test_shim_views as views
@@ -185,3 +186,9 @@ def test_own_pid_namespace(asan: Shim, tmp_path: Path, how: str) -> None:
     hostpid.test_a_container_in_its_own_pid_namespace_holds_no_more_than_its_limit(
         asan, tmp_path, how
     )
+
+
+@pytest.mark.parametrize("mode", late.MODES)
+def test_every_route_to_a_context_is_refused_before_it_is_made(asan: Shim, mode: str) -> None:
+    with late.full_container(asan) as full:
+        late.test_every_route_to_a_context_is_refused_before_it_is_made(asan, full, mode)

@@ -3,6 +3,9 @@
  *   shim_bench launch <n>           ns per cuLaunchKernel (a zero-length kernel)
  *   shim_bench alloc <n> <bytes>    ns per cuMemAlloc + cuMemFree pair (wall and CPU); with
  *                                   a line on stdin first when started with "gate" last
+ *   shim_bench ctx <n> [history]    n cuCtxCreate_v2 + cuCtxDestroy_v2 pairs; with "history",
+ *                                   after 20,000 allocations made (all live at once) and freed
+ *   shim_bench meminfo <n>          n cuMemGetInfo_v2 calls
  *   shim_bench init                 us from the first driver call to a first allocation done
  *   shim_bench ab-launch <n>        in one process under the shim: the hooked cuLaunchKernel and
  *   shim_bench ab-alloc <n>         the driver's own (found with libc's dlsym, past the shim's
@@ -89,8 +92,25 @@ int main(int argc, char **argv) {
         return 0;
     }
     long n = argc > 2 ? atol(argv[2]) : 100000;
-    shim_start("default", 0);
-    if (!strcmp(what, "ab-alloc")) {
+    CUdevice dev = shim_start("default", 0);
+    if (!strcmp(what, "ctx")) {
+        if (argc > 3 && !strcmp(argv[3], "history")) {
+            enum { HISTORY = 20000 };
+            static CUdeviceptr ptrs[HISTORY];
+            for (int i = 0; i < HISTORY; i++) CK(C(alloc, cuMemAlloc)(&ptrs[i], 4096));
+            for (int i = 0; i < HISTORY; i++) CK(C(free, cuMemFree)(ptrs[i]));
+        }
+        CUcontext ctx;
+        for (long i = 0; i < n; i++) {
+            CK(C(ctx_create, cuCtxCreate_v4)(&ctx, NULL, 0, dev));
+            CK(C(ctx_destroy, cuCtxDestroy)(ctx));
+        }
+        printf("pairs=%ld\n", n);
+    } else if (!strcmp(what, "meminfo")) {
+        size_t f, t;
+        for (long i = 0; i < n; i++) CK(C(mem_info, cuMemGetInfo)(&f, &t));
+        printf("calls=%ld\n", n);
+    } else if (!strcmp(what, "ab-alloc")) {
         ab_alloc(n, 1 << 20);
     } else if (!strcmp(what, "launch") || !strcmp(what, "ab-launch")) {
         CUmodule mod;

@@ -8,6 +8,11 @@
  *                                  through the shim: free; then a 64 MiB cuMemAlloc: free2
  *   shim_ctx <mode> runtime_alloc  retained and made current past the shim; the first the shim
  *                                  sees of it is a 64 MiB cuMemAlloc: free
+ *   shim_ctx <mode> late           every route to a new context, each tried once in a container
+ *                                  that may be full: create=<rc> (cuCtxCreate_v4), retain=<rc>
+ *                                  (cuDevicePrimaryCtxRetain), table=<rc> (slot 2 of the runtime's
+ *                                  private table, as NVIDIA's runtime makes its context), then
+ *                                  "ready" and a wait for a line on stdin
  *   shim_ctx <mode> limit <bytes>  the primary context's device heap grown to <bytes>:
  *                                  set=<rc>, heap=<the limit after>, free; then destroyed with
  *                                  the context (a reset): end_free
@@ -43,6 +48,24 @@ int main(int argc, char **argv) {
         CK(C(retain, cuDevicePrimaryCtxRetain)(&pctx, dev));
         CK(C(set_current, cuCtxSetCurrent)(pctx));
         printf("end_free=%zu\n", view_free());
+        return 0;
+    }
+    if (!strcmp(how, "late")) {
+        static const CUuuid runtime_table = {{0x6b, (char)0xd5, (char)0xfb, 0x6c, 0x5b, (char)0xf4, (char)0xe7, 0x4a,
+                                              (char)0x89, (char)0x87, (char)0xd9, 0x39, 0x12, (char)0xfd, (char)0x9d, (char)0xf9}};
+        CUcontext ctx = NULL, pctx = NULL;
+        CUresult rc = C(ctx_create, cuCtxCreate_v4)(&ctx, NULL, 0, dev);
+        printf("create=%d\n", (int)rc);
+        rc = C(retain, cuDevicePrimaryCtxRetain)(&pctx, dev);
+        printf("retain=%d\n", (int)rc);
+        if (rc == CUDA_SUCCESS) CK(C(release, cuDevicePrimaryCtxRelease_v2)(dev));
+        void *const *table = NULL;
+        CK(C(export_table, cuGetExportTable)((const void **)&table, &runtime_table));
+        CUresult (*get)(CUcontext *, CUdevice) = (CUresult(*)(CUcontext *, CUdevice))table[2];
+        printf("table=%d\nready\n", (int)get(&pctx, dev));
+        fflush(stdout);
+        while (getchar() != '\n' && !feof(stdin)) {
+        }
         return 0;
     }
     if (!strcmp(how, "limit")) {

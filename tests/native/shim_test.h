@@ -76,7 +76,8 @@
     F(event_record_ptsz, cuEventRecord_ptsz, "cuEventRecord", 1)                               \
     F(event_sync, cuEventSynchronize, "cuEventSynchronize", 0)                                 \
     F(event_query, cuEventQuery, "cuEventQuery", 0)                                            \
-    F(error_name, cuGetErrorName, "cuGetErrorName", 0)
+    F(error_name, cuGetErrorName, "cuGetErrorName", 0)                                         \
+    F(export_table, cuGetExportTable, "cuGetExportTable", 0)
 
 
 #define SHIM_FIELD(field, sym, base, ptds) void *field;

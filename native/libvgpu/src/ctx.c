@@ -25,9 +25,11 @@
  * first creation of a process on a device takes the lock and learns which measure works; a
  * context made out of the shim's sight is then charged nothing.
  *
- * Each context is charged once, whatever created it: cuCtxCreate*, the retain that activates a
- * primary context, or, for a context the shim did not see created (the runtime's private path),
- * the first time the shim meets it (cuCtxSetCurrent, an allocation, a view): then it is charged
+ * Each context is charged once, whatever created it, and before the driver makes it where the
+ * shim sees it coming (below: "reserved before the driver makes a context"): cuCtxCreate*, the
+ * retain that activates a primary context, the runtime table's slot (rtable.c); or, for a
+ * context the shim did not see created (a runtime table it could not wrap), the first time the
+ * shim meets it (cuCtxSetCurrent, an allocation, a view): then it is charged
  * what NVML says this process holds beyond what the shim has charged it. cuCtxSetLimit's growth
  * (heap, stack, printf FIFO) is charged to the context the same way. The charge goes to the
  * region like any allocation (refused over the limit: a new context is undone) and is given
@@ -35,6 +37,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -55,7 +58,7 @@ uint64_t vgpu_ctx_gen;
 
 static struct {
     pthread_mutex_t mu;
-    unsigned next;
+    unsigned next, hwm; /* known[hwm..] are empty: lookups stop there */
     struct { CUcontext ctx; int ordinal; } known[64];
     CUcontext primary[VGPU_MAX_ORDINALS];
     pthread_mutex_t measure_mu; /* creations and measures of this process, one at a time */
@@ -66,9 +69,12 @@ _Thread_local struct vgpu_ctx_last vgpu_ctx_last VGPU_TLS;
 
 static void remember(CUcontext ctx, int ordinal) {
     pthread_mutex_lock(&g_ctx.mu);
-    int i = 0;
-    while (i < 64 && g_ctx.known[i].ctx != ctx) i++;
-    if (i == 64) i = (int)(g_ctx.next++ % 64);
+    unsigned i = 0, empty = 64;
+    while (i < g_ctx.hwm && g_ctx.known[i].ctx != ctx) {
+        if (!g_ctx.known[i].ctx && empty == 64) empty = i;
+        i++;
+    }
+    if (i == g_ctx.hwm) i = empty < 64 ? empty : g_ctx.hwm < 64 ? g_ctx.hwm++ : g_ctx.next++ % 64;
     g_ctx.known[i].ctx = ctx;
     g_ctx.known[i].ordinal = ordinal;
     pthread_mutex_unlock(&g_ctx.mu);
@@ -77,7 +83,7 @@ static void remember(CUcontext ctx, int ordinal) {
 static int known_ordinal(CUcontext ctx) {
     int ord = -1;
     pthread_mutex_lock(&g_ctx.mu);
-    for (int i = 0; i < 64 && ord < 0; i++)
+    for (unsigned i = 0; i < g_ctx.hwm && ord < 0; i++)
         if (g_ctx.known[i].ctx == ctx) ord = g_ctx.known[i].ordinal;
     pthread_mutex_unlock(&g_ctx.mu);
     return ord;
@@ -135,16 +141,65 @@ struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out) {
     return vgpu_ctx_dev(ctx, ctx_out);
 }
 
+/* --- each context's own charge ---------------------------------------------------------------
+ * What a context itself was charged (its size, and its growth by cuCtxSetLimit), kept in a
+ * short list of this process's contexts, apart from the allocations' table: a context's going
+ * gives it back with one look here, and the table is scanned only where it holds allocations.
+ * g_ctx.mu held. */
+static struct charged {
+    CUcontext ctx;
+    int ordinal;
+    uint64_t bytes;
+} *g_charged;
+static size_t g_ncharged, g_capcharged;
+
+static long charged_at(CUcontext ctx) {
+    for (size_t i = 0; i < g_ncharged; i++)
+        if (g_charged[i].ctx == ctx) return (long)i;
+    return -1;
+}
+
+/* Add bytes to ctx's own charge (listed if new). */
+static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes) {
+    pthread_mutex_lock(&g_ctx.mu);
+    long i = charged_at(ctx);
+    if (i < 0 && g_ncharged == g_capcharged) {
+        size_t cap = g_capcharged ? g_capcharged * 2 : 8;
+        struct charged *grown = realloc(g_charged, cap * sizeof *grown);
+        if (grown) {
+            g_charged = grown;
+            g_capcharged = cap;
+        }
+    }
+    if (i < 0 && g_ncharged < g_capcharged) {
+        i = (long)g_ncharged++;
+        g_charged[i] = (struct charged){.ctx = ctx, .ordinal = ordinal};
+    }
+    if (i >= 0) g_charged[i].bytes += bytes;
+    pthread_mutex_unlock(&g_ctx.mu);
+    /* Out of memory for the list: the charge stays for the process's life (the safe side). */
+    if (i < 0) VLOG(VGPU_LOG_WARN, "no memory to list context %p: its charge is kept", (void *)ctx);
+}
+
 /* A context went (destroyed, or a primary context's last release or reset): what it owned
  * is freed by the driver, so its charges are given back. */
 static void gone(CUcontext ctx) {
     if (!ctx) return;
     vgpu_launch_forget_ctx(ctx, 0);
-    vgpu_tab_drop_ctx(ctx);
+    struct charged own = {0};
     pthread_mutex_lock(&g_ctx.mu);
-    for (int i = 0; i < 64; i++)
+    long at = charged_at(ctx);
+    if (at >= 0) {
+        own = g_charged[at];
+        g_charged[at] = g_charged[--g_ncharged];
+    }
+    for (unsigned i = 0; i < g_ctx.hwm; i++)
         if (g_ctx.known[i].ctx == ctx) g_ctx.known[i].ctx = NULL;
+    while (g_ctx.hwm && !g_ctx.known[g_ctx.hwm - 1].ctx) g_ctx.hwm--;
     pthread_mutex_unlock(&g_ctx.mu);
+    struct vgpu_dev *d = own.bytes ? vgpu_dev(own.ordinal) : NULL;
+    if (d) vgpu_uncharge(d, own.bytes);
+    vgpu_tab_drop_ctx(ctx);
     __atomic_add_fetch(&vgpu_ctx_gen, 1, __ATOMIC_RELEASE);
 }
 
@@ -371,10 +426,13 @@ struct measure {
     int fd, how, have_free;
     uint64_t proc_before, free_before;
     int64_t own_before;
+    uint64_t held; /* reserved for the context being made: in own_committed, not yet held */
+    uint64_t known; /* the context's size as known beforehand: nothing measured */
+    int exact;      /* measure_end read this process's own usage (not the device's drop) */
 };
 
-/* g_ctx.measure_mu held. */
-static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
+/* g_ctx.measure_mu held. held: what was reserved for a context about to be made (0 else). */
+static void measure_begin(struct measure *m, const struct vgpu_dev *d, uint64_t held) {
     int listed = g_listed[d->ordinal];
     uint64_t before = 0;
     int st = listed >= 0 ? proc_used(d, &before) : -1;
@@ -386,7 +444,7 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
         st = -1;
     }
     *m = (struct measure){.fd = -1, .how = st >= 0 ? BY_PROCESS : BY_NONE, .proc_before = before,
-                          .own_before = own_committed(d)};
+                          .own_before = own_committed(d), .held = held};
     if (listed != 1) { /* the device's drop, in case this process turns out not to be listed */
         m->fd = lock_gpu(d->uuid);
         m->free_before = gpu_free(d, &m->have_free);
@@ -398,6 +456,7 @@ static void measure_begin(struct measure *m, const struct vgpu_dev *d) {
 static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUcontext ctx) {
     uint64_t after = 0, delta = 0;
     int st = m->how == BY_PROCESS ? proc_used(d, &after) : -1;
+    m->exact = st == 1;
     if (st == 1) {
         g_listed[d->ordinal] = 1;
         int64_t grew = (int64_t)(after - m->proc_before) - (own_committed(d) - m->own_before);
@@ -406,7 +465,8 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
         /* Not listed under getpid(), now found by the probe: what we had before this call is not
          * known, so the charge is what the driver says we hold beyond what the shim charged. */
         g_listed[d->ordinal] = 1;
-        int64_t extra = (int64_t)after - own_committed(d);
+        m->exact = 1;
+        int64_t extra = (int64_t)after - (own_committed(d) - (int64_t)m->held);
         delta = extra > 0 ? (uint64_t)extra : 0;
     } else {
         if (st == 0) g_listed[d->ordinal] = -1; /* a new context, yet not listed: another pid */
@@ -420,28 +480,30 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
     return delta;
 }
 
-/* Charge `bytes` to ctx's record on d (made if new): 0, or -1 when the limit refuses it. */
-static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, const char *what) {
-    if (vgpu_charge(d, bytes) != CUDA_SUCCESS) {
-        VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit: "
-             "refused", what, d->uuid, (unsigned long long)bytes);
+/* Charge `bytes` to ctx's record on d (made if new), `held` of them reserved already (and
+ * given back if the rest is refused): 0, or -1 when the limit refuses it. */
+static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held, const char *what) {
+    if (bytes > held && vgpu_charge(d, bytes - held) != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+        VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit of "
+             "%llu bytes: refused", what, d->uuid, (unsigned long long)bytes,
+             (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
         return -1;
     }
-    vgpu_commit(d, bytes);
-    if (d->accounted) {
-        struct vgpu_rec r;
-        uint64_t key = (uint64_t)(uintptr_t)ctx, had = vgpu_tab_take(VGPU_OBJ_CTX, key, &r) ? r.bytes : 0;
-        vgpu_tab_put(VGPU_OBJ_CTX, key, d->ordinal, had + bytes, ctx);
-    }
+    if (bytes > held) vgpu_commit(d, bytes - held);
+    else vgpu_uncharge(d, held - bytes);
+    if (d->accounted) charged_add(ctx, d->ordinal, bytes);
     VLOG(VGPU_LOG_DEBUG, "%s %p on GPU %s charged %llu bytes", what, (void *)ctx, d->uuid,
          (unsigned long long)bytes);
     return 0;
 }
 
 static int ctx_charged(CUcontext ctx) {
-    struct vgpu_rec r;
     if (!ctx) return 1;
-    return vgpu_tab_get(VGPU_OBJ_CTX, (uint64_t)(uintptr_t)ctx, &r);
+    pthread_mutex_lock(&g_ctx.mu);
+    int found = charged_at(ctx) >= 0;
+    pthread_mutex_unlock(&g_ctx.mu);
+    return found;
 }
 
 /* A context the shim meets for the first time, already made (the runtime's own path): charge
@@ -459,10 +521,74 @@ static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev
         if (st != 1)
             VLOG(VGPU_LOG_INFO, "context %p on GPU %s was made out of the shim's sight and NVML does "
                  "not list this process: charged nothing", (void *)ctx, d->uuid);
-        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, "a context made by the runtime");
+        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, 0, "a context made by the runtime");
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
+}
+
+/* --- reserved before the driver makes a context -------------------------------------------
+ * A context's size is known only once it is made, yet one made in a full container and then
+ * undone has the GPU hold more than the limit meanwhile (and the runtime's private path makes
+ * it where nothing can undo it). So before the driver is asked, the shim reserves what a context
+ * of this GPU last took in the container (the region's context_bytes; 1 byte before any process
+ * measured one): where that does not fit the context is refused without being made. The
+ * reservation is then settled to what the context was measured to take. */
+
+/* Per device: what a new context of this process took, measured exactly from its own usage
+ * (0: not yet). A context's size is the driver's per-context overhead, the same for each of a
+ * process's contexts on a GPU, so once known it is charged as is: no NVML process list and
+ * no GPU lock per creation. measure_mu held. */
+static uint64_t g_ctx_bytes[VGPU_MAX_ORDINALS];
+
+static uint64_t expected_ctx_bytes(const struct vgpu_dev *d) {
+    uint64_t e = vgpu_region_context_bytes(vgpu.region, d->rdev);
+    return e ? e : 1;
+}
+
+/* Reserve (and commit, so that measures see it as before) a new context's size on d, known
+ * or expected: the bytes held, or 0 when refused (logged, naming the limit). */
+static uint64_t reserve_ctx(struct vgpu_dev *d) {
+    uint64_t e = g_ctx_bytes[d->ordinal] ? g_ctx_bytes[d->ordinal] : expected_ctx_bytes(d);
+    if (vgpu_charge(d, e) != CUDA_SUCCESS) {
+        VLOG(VGPU_LOG_WARN, "a new context on GPU %s takes about %llu bytes, over the container's "
+             "memory limit of %llu bytes (%llu in use): refused, not made", d->uuid,
+             (unsigned long long)e, (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev),
+             (unsigned long long)vgpu_used(d));
+        return 0;
+    }
+    vgpu_commit(d, e);
+    return e;
+}
+
+/* Before the driver makes a context on d: reserve its size and, unless known, start
+ * measuring it. The bytes held, or 0 when refused. measure_mu held. */
+static uint64_t making_begin(struct measure *m, struct vgpu_dev *d) {
+    uint64_t held = reserve_ctx(d);
+    if (!held) return 0;
+    if (g_ctx_bytes[d->ordinal]) *m = (struct measure){.fd = -1, .known = g_ctx_bytes[d->ordinal]};
+    else measure_begin(m, d, held);
+    return held;
+}
+
+/* After it: what the context takes (0 when it cannot be told; ctx NULL: the call failed). */
+static uint64_t making_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx) {
+    if (m->known) return m->known;
+    uint64_t bytes = measure_end(m, d, ctx);
+    /* Only an exact measure is remembered, here and for the container's next contexts: a
+     * device's free-memory drop may include a neighbour's allocation. */
+    if (ctx && m->exact && bytes && bytes <= MAX_CONTEXT_CHARGE) {
+        g_ctx_bytes[d->ordinal] = bytes;
+        if (bytes != vgpu_region_context_bytes(vgpu.region, d->rdev))
+            vgpu_region_set_context_bytes(vgpu.region, d->rdev, bytes);
+    }
+    return bytes;
+}
+
+/* A new context measured: settle its reservation `held` to `bytes`. 0, or -1 refused (the
+ * reservation given back). */
+static int settle_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held) {
+    return charge_ctx(d, ctx, bytes, held, "a new context");
 }
 
 /* --- creation and destruction hooks ---------------------------------------------------------- */
@@ -504,12 +630,18 @@ static CUresult create_ctx(CUcontext *pctx, const struct create_args *a) {
     if (!d) return real_create(pctx, a);
     struct measure m;
     pthread_mutex_lock(&g_ctx.measure_mu);
-    measure_begin(&m, d);
+    uint64_t held = making_begin(&m, d);
+    if (!held) {
+        pthread_mutex_unlock(&g_ctx.measure_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     CUresult rc = real_create(pctx, a);
-    uint64_t bytes = measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
-    if (rc == CUDA_SUCCESS) {
+    uint64_t bytes = making_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
+    if (rc != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+    } else {
         remember(*pctx, d->ordinal);
-        if (charge_ctx(d, *pctx, bytes, "a new context") != 0) {
+        if (settle_ctx(d, *pctx, bytes, held) != 0) {
             vgpu.real.cuCtxDestroy_v2(*pctx);
             gone(*pctx);
             *pctx = NULL;
@@ -573,42 +705,57 @@ static int primary_active(CUdevice dev) {
                : -1;
 }
 
-VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    NEED(cuDevicePrimaryCtxRetain);
+/* A primary context got by `get`: the driver's retain (retain 1: it takes a reference), or
+ * the runtime table's slot (rtable.c; retain 0: it activates an inactive context holding one
+ * reference, and returns an active one without a new one). Activating one is reserved before,
+ * measured across and settled after; over the limit it is refused without being made. */
+CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev, CUresult (*get)(CUcontext *, CUdevice), int retain) {
     int refuse;
     struct vgpu_dev *d = pctx ? creating_on(dev, &refuse) : NULL;
     if (pctx && refuse) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!d) return vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
+    if (!d) return get(pctx, dev);
     struct measure m;
+    uint64_t held = 0;
     pthread_mutex_lock(&g_ctx.measure_mu);
     int was_active = primary_active(dev) == 1;
-    if (!was_active) measure_begin(&m, d);
-    CUresult rc = vgpu.real.cuDevicePrimaryCtxRetain(pctx, dev);
-    uint64_t bytes = was_active ? 0 : measure_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
-    if (rc == CUDA_SUCCESS) {
+    if (!was_active) {
+        held = making_begin(&m, d);
+        if (!held) {
+            pthread_mutex_unlock(&g_ctx.measure_mu);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    CUresult rc = get(pctx, dev);
+    uint64_t bytes = was_active ? 0 : making_end(&m, d, rc == CUDA_SUCCESS ? *pctx : NULL);
+    if (rc != CUDA_SUCCESS) {
+        vgpu_uncharge(d, held);
+    } else {
         CUcontext ctx = *pctx;
         g_ctx.primary[d->ordinal] = ctx;
         if (!was_active) {
             remember(ctx, d->ordinal);
-            if (charge_ctx(d, ctx, bytes, "a new context") != 0) {
-                vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+            if (settle_ctx(d, ctx, bytes, held) != 0) {
+                vgpu.real.cuDevicePrimaryCtxRelease_v2(dev); /* the one reference it holds */
                 gone(ctx);
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
             }
         }
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
-    /* Already active, maybe by the runtime's own path: charged now if it never was. */
+    /* Already active, maybe by a path out of sight: charged now if it never was. */
     if (rc == CUDA_SUCCESS && was_active) {
-        CUcontext c;
-        (void)c;
         if (!ctx_charged(*pctx) && charge_found(*pctx, d) != 0) {
-            vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
+            if (retain) vgpu.real.cuDevicePrimaryCtxRelease_v2(dev);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         remember(*pctx, d->ordinal);
     }
     return rc;
+}
+
+VGPU_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    NEED(cuDevicePrimaryCtxRetain);
+    return vgpu_primary_get(pctx, dev, vgpu.real.cuDevicePrimaryCtxRetain, 1);
 }
 
 /* The runtime makes the primary context current after activating it through its own path:
@@ -633,10 +780,10 @@ VGPU_API CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     int have_old = vgpu.real.cuCtxGetLimit && vgpu.real.cuCtxGetLimit(&old, limit) == CUDA_SUCCESS;
     struct measure m;
     pthread_mutex_lock(&g_ctx.measure_mu);
-    measure_begin(&m, d);
+    measure_begin(&m, d, 0);
     CUresult rc = vgpu.real.cuCtxSetLimit(limit, value);
     uint64_t grew = measure_end(&m, d, ctx);
-    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, "a context's new limit") != 0) {
+    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, "a context's new limit") != 0) {
         if (have_old) vgpu.real.cuCtxSetLimit(limit, old);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }

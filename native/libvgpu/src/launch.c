@@ -143,6 +143,7 @@ static void reap(int wait) {
 }
 
 void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events) {
+    if (!vgpu.pace_any) return; /* timings are taken only where launches are paced */
     pthread_mutex_lock(&g.mu);
     struct pending keep[RING];
     unsigned n = 0;
@@ -238,7 +239,7 @@ static void pace_end(struct paced *pc, CUresult rc) {
 /* Everything but the common case, out of line so that the common case (loaded, unpaced) is
  * a plain tail call: load the shim if needed, then pace if the GPU has a compute limit. */
 #define PACED_FN(name, params, args, stream, ptsz, key)                                        \
-    static CUresult __attribute__((noinline)) slow_##name params {                              \
+    VGPU_HIDDEN CUresult __attribute__((noinline, used)) slow_##name params {                   \
         vgpu_ensure();                                                                         \
         if (UNLIKELY(!vgpu.real.name)) return CUDA_ERROR_NOT_INITIALIZED;                      \
         struct paced pc;                                                                       \
@@ -269,8 +270,74 @@ PACED_FN(cuLaunchKernelEx_ptsz, EXARGS, (c, f, p, x), c ? c->hStream : NULL, 1, 
 PACED_FN(cuGraphLaunch, (CUgraphExec g, CUstream st), (g, st), st, 0, key_of(g, 0, 0))
 PACED_FN(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream st), (g, st), st, 1, key_of(g, 0, 0))
 
-/* The common case: loaded, no compute limit anywhere -> straight to the driver. */
-#define HOOK_BODY(name, args)                                                                  \
+/* The kernel launches' common case: loaded, no compute limit anywhere -> straight to the
+ * driver. Where the launch has arguments on the stack (cuLaunchKernel has 11), a C hook's
+ * tail call copies them in place again (GCC: about 20 instructions for nothing), so on x86-64
+ * each hook is 3 instructions of assembly: the driver's entry point from vgpu_launch_fast (set
+ * once with the load, NULL while not loaded or when launches are paced), else a jump to its
+ * slow_ function, which has the driver's prototype (checked below) and the arguments intact. */
+#define VGPU_FAST_LAUNCHES(X)                                                                  \
+    X(0, cuLaunchKernel) X(1, cuLaunchKernel_ptsz) X(2, cuLaunchCooperativeKernel)             \
+    X(3, cuLaunchCooperativeKernel_ptsz) X(4, cuLaunchKernelEx) X(5, cuLaunchKernelEx_ptsz)
+
+VGPU_HIDDEN void *vgpu_launch_fast[6];
+
+#define VGPU_FAST_SET(i, name) __atomic_store_n(&vgpu_launch_fast[i], (void *)vgpu.real.name, __ATOMIC_RELEASE);
+void vgpu_launch_loaded(void) {
+    if (!vgpu.pace_any) { VGPU_FAST_LAUNCHES(VGPU_FAST_SET) }
+}
+
+#define VGPU_FAST_CHECK(i, name)                                                               \
+    _Static_assert(__builtin_types_compatible_p(__typeof__(&name), __typeof__(&slow_##name)),   \
+                   #name " has the driver's prototype");
+VGPU_FAST_LAUNCHES(VGPU_FAST_CHECK)
+
+#if defined(__x86_64__)
+#if defined(__CET__)
+#define VGPU_LAUNCH_ENDBR "endbr64\n"
+#else
+#define VGPU_LAUNCH_ENDBR ""
+#endif
+#define VGPU_FAST_ASM(i, name)                                                                 \
+    __asm__(".text\n"                                                                          \
+            ".globl " #name "\n"                                                               \
+            ".type " #name ", @function\n"                                                     \
+            ".p2align 4\n" #name ":\n"                                                         \
+            ".cfi_startproc\n" VGPU_LAUNCH_ENDBR                                               \
+            "movq vgpu_launch_fast+8*" #i "(%rip), %rax\n"                                      \
+            "testq %rax, %rax\n"                                                               \
+            "jz slow_" #name "\n"                                                              \
+            "jmp *%rax\n"                                                                      \
+            ".cfi_endproc\n"                                                                   \
+            ".size " #name ", .-" #name "\n");
+VGPU_FAST_LAUNCHES(VGPU_FAST_ASM)
+#else
+#define HOOK_BODY(i, name, args)                                                               \
+    do {                                                                                       \
+        __typeof__(name) *real_ = (__typeof__(name) *)__atomic_load_n(&vgpu_launch_fast[i], __ATOMIC_ACQUIRE); \
+        return real_ ? real_ args : slow_##name args;                                          \
+    } while (0)
+
+VGPU_API CUresult cuLaunchKernel(KARGS, void **x) { HOOK_BODY(0, cuLaunchKernel, KCALL); }
+VGPU_API CUresult cuLaunchKernel_ptsz(KARGS, void **x) { HOOK_BODY(1, cuLaunchKernel_ptsz, KCALL); }
+VGPU_API CUresult cuLaunchCooperativeKernel(KARGS) { HOOK_BODY(2, cuLaunchCooperativeKernel, CCALL); }
+VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(KARGS) {
+    HOOK_BODY(3, cuLaunchCooperativeKernel_ptsz, CCALL);
+}
+
+VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                   void **extra) {
+    HOOK_BODY(4, cuLaunchKernelEx, (config, f, kernelParams, extra));
+}
+
+VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                        void **extra) {
+    HOOK_BODY(5, cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra));
+}
+#endif
+
+/* Graph launches (two arguments, in registers: a C tail call is clean). */
+#define GRAPH_BODY(name, args)                                                                 \
     do {                                                                                       \
         __typeof__(name) *real_ = vgpu.real.name;                                              \
         if (LIKELY(__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE) && !vgpu.pace_any && real_))  \
@@ -278,32 +345,15 @@ PACED_FN(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream st), (g, st), st, 1, key_o
         return slow_##name args;                                                               \
     } while (0)
 
-VGPU_API CUresult cuLaunchKernel(KARGS, void **x) { HOOK_BODY(cuLaunchKernel, KCALL); }
-VGPU_API CUresult cuLaunchKernel_ptsz(KARGS, void **x) { HOOK_BODY(cuLaunchKernel_ptsz, KCALL); }
-VGPU_API CUresult cuLaunchCooperativeKernel(KARGS) { HOOK_BODY(cuLaunchCooperativeKernel, CCALL); }
-VGPU_API CUresult cuLaunchCooperativeKernel_ptsz(KARGS) {
-    HOOK_BODY(cuLaunchCooperativeKernel_ptsz, CCALL);
-}
-
-VGPU_API CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                   void **extra) {
-    HOOK_BODY(cuLaunchKernelEx, (config, f, kernelParams, extra));
-}
-
-VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
-                                        void **extra) {
-    HOOK_BODY(cuLaunchKernelEx_ptsz, (config, f, kernelParams, extra));
-}
-
 /* Once the process has made graph allocations, a graph launch also settles their memory. */
 VGPU_API CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
     if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
         return vgpu_graph_launch(hGraphExec, hStream, 0, slow_cuGraphLaunch);
-    HOOK_BODY(cuGraphLaunch, (hGraphExec, hStream));
+    GRAPH_BODY(cuGraphLaunch, (hGraphExec, hStream));
 }
 
 VGPU_API CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
     if (UNLIKELY(__atomic_load_n(&vgpu.graph_mem, __ATOMIC_RELAXED)))
         return vgpu_graph_launch(hGraphExec, hStream, 1, slow_cuGraphLaunch_ptsz);
-    HOOK_BODY(cuGraphLaunch_ptsz, (hGraphExec, hStream));
+    GRAPH_BODY(cuGraphLaunch_ptsz, (hGraphExec, hStream));
 }

@@ -33,8 +33,21 @@ static int cmp_hook(const void *a, const void *b) {
     return strcmp(((const struct vgpu_hook *)a)->name, ((const struct vgpu_hook *)b)->name);
 }
 
-#define VGPU_HOOK_CUDA(n) g_hooks[i++] = (struct vgpu_hook){#n, (void *)&n, (void **)&vgpu.real.n, 0};
-#define VGPU_HOOK_NVML(n) g_hooks[i++] = (struct vgpu_hook){#n, (void *)&n, (void **)&vgpu.real.n, 1};
+/* A hook's own address. `&n` of an exported function is read from a GOT entry, and each such
+ * entry costs every process a relocation at load (the linker does not relax them here); on
+ * x86-64 the address is computed instead (the hooks bind locally: -Bsymbolic-functions). */
+#if defined(__x86_64__)
+#define HOOK_ADDR(n)                                                                           \
+    ({                                                                                         \
+        void *p_;                                                                              \
+        __asm__("leaq " #n "(%%rip), %0" : "=r"(p_));                                          \
+        p_;                                                                                    \
+    })
+#else
+#define HOOK_ADDR(n) ((void *)&n)
+#endif
+#define VGPU_HOOK_CUDA(n) g_hooks[i++] = (struct vgpu_hook){#n, HOOK_ADDR(n), (void **)&vgpu.real.n, 0};
+#define VGPU_HOOK_NVML(n) g_hooks[i++] = (struct vgpu_hook){#n, HOOK_ADDR(n), (void **)&vgpu.real.n, 1};
 static pthread_once_t g_hooks_once = PTHREAD_ONCE_INIT;
 static void build_hooks(void) {
     size_t i = 0;
@@ -76,9 +89,9 @@ static void resolve(void *handle, const char *name, void **slot, const void *hoo
     __atomic_store_n(slot, p, __ATOMIC_RELEASE);
 }
 
-#define VGPU_RESOLVE_HOOK(n) resolve(vgpu.cuda, #n, (void **)&vgpu.real.n, (const void *)&n);
+#define VGPU_RESOLVE_HOOK(n) resolve(vgpu.cuda, #n, (void **)&vgpu.real.n, HOOK_ADDR(n));
 #define VGPU_RESOLVE_USED(n) resolve(vgpu.cuda, #n, (void **)&vgpu.real.n, NULL);
-#define VGPU_RESOLVE_NVML_HOOK(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, (const void *)&n);
+#define VGPU_RESOLVE_NVML_HOOK(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, HOOK_ADDR(n));
 #define VGPU_RESOLVE_NVML_USED(n) resolve(vgpu.nvml, #n, (void **)&vgpu.real.n, NULL);
 
 /* The limits: everything the NVML hooks need. Reads files and envs only (no lookup that
@@ -128,6 +141,7 @@ static void load_once(void) {
                      vgpu.limited && vgpu.real.cuMemAlloc_v2 && vgpu.real.cuMemFree_v2 &&
                          vgpu.real.cuCtxGetCurrent,
                      __ATOMIC_RELEASE);
+    vgpu_launch_loaded();
     t_loading = 0;
 }
 

@@ -106,7 +106,8 @@ uint64_t vgpu_pools_trim(struct vgpu_dev *d) {
 
 void vgpu_pools_reconcile(struct vgpu_dev *d) {
     uint64_t released = 0;
-    for_pools_on(d, 0, &released);
+    /* A process that never made a pool (most, and every view) looks at no pool entry. */
+    if (__atomic_load_n(&g_pools.any, __ATOMIC_ACQUIRE)) for_pools_on(d, 0, &released);
 }
 
 void vgpu_pools_settle(void) {

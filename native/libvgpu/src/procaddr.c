@@ -85,6 +85,7 @@ static const struct variant k_variants[] = {
     {"cuLaunchCooperativeKernel", 9000, 1, "cuLaunchCooperativeKernel_ptsz"},
     {"cuGraphLaunch", 10000, 0, "cuGraphLaunch"},
     {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz"},
+    {"cuGetExportTable", 3000, 0, "cuGetExportTable"},
 };
 enum { N_VARIANTS = sizeof k_variants / sizeof k_variants[0] };
 

@@ -145,6 +145,9 @@ int vgpu_tab_unref(int kind, uint64_t key, int delta, struct vgpu_rec *out) {
     return refs;
 }
 
+/* Every allocation ctx owns, by a scan of the stripes that hold any record at all: a table
+ * grown by a past peak of allocations and now empty costs a look at each stripe's count, not
+ * at its capacity. (A context's own charge is not in the table: ctx.c lists it.) */
 void vgpu_tab_drop_ctx(CUcontext ctx) {
     if (!ctx) return;
     for (int k = 0; k < VGPU_TAB_STRIPES; k++) {
@@ -154,7 +157,7 @@ void vgpu_tab_drop_ctx(CUcontext ctx) {
         do { /* take a batch out under the lock, give its charges back outside it */
             n = 0;
             vgpu_stripe_lock(s);
-            for (uint32_t i = 0; i < s->cap && n < 64;) {
+            for (uint32_t i = 0; s->n && i < s->cap && n < 64;) { /* an empty stripe: not scanned */
                 if (s->slots[i].used && s->slots[i].ctx == ctx) {
                     batch[n++] = s->slots[i];
                     vgpu_tab_erase(s, i); /* slot i now holds a later record, or is empty: look again */

@@ -391,6 +391,14 @@ void vgpu_region_count(struct vgpu_region *r, int dev, enum vgpu_region_counter 
     __atomic_fetch_add(c, n, __ATOMIC_RELAXED);
 }
 
+uint64_t vgpu_region_context_bytes(const struct vgpu_region *r, int dev) {
+    return bad_dev(r, dev) ? 0 : __atomic_load_n(&r->file->stats[dev].context_bytes, __ATOMIC_RELAXED);
+}
+
+void vgpu_region_set_context_bytes(struct vgpu_region *r, int dev, uint64_t bytes) {
+    if (!bad_dev(r, dev)) __atomic_store_n(&r->file->stats[dev].context_bytes, bytes, __ATOMIC_RELAXED);
+}
+
 int vgpu_region_has_pid(const struct vgpu_region *r, int32_t pid) {
     if (!r) return 0;
     const struct vgpu_region_file *f = r->file;

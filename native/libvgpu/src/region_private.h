@@ -18,6 +18,11 @@ VGPU_REGION_HIDDEN int vgpu_region_has_pid(const struct vgpu_region *r, int32_t 
 /* Record in this process's slot the pid NVML lists it by (learned by ctx.c's probe). */
 VGPU_REGION_HIDDEN void vgpu_region_set_node_pid(struct vgpu_region *r, int32_t pid);
 
+/* What a context took on dev as a process of the container last measured it (0: unknown),
+ * and recording a new measure. */
+VGPU_REGION_HIDDEN uint64_t vgpu_region_context_bytes(const struct vgpu_region *r, int dev);
+VGPU_REGION_HIDDEN void vgpu_region_set_context_bytes(struct vgpu_region *r, int dev, uint64_t bytes);
+
 enum vgpu_region_counter { VGPU_COUNT_REFUSED, VGPU_COUNT_FALLBACK, VGPU_COUNT_GPU_NS };
 /* Add n to one of device dev's counters (atomic, no lock). */
 VGPU_REGION_HIDDEN void vgpu_region_count(struct vgpu_region *r, int dev, enum vgpu_region_counter what,

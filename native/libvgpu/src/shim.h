@@ -53,7 +53,7 @@
     H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode) H(cuGraphInstantiate)                      \
     H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphInstantiateWithParams)    \
     H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
-    H(cuGraphExecDestroy)
+    H(cuGraphExecDestroy) H(cuGetExportTable)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -253,7 +253,7 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_dev_by_uuid(const char *uuid);
 
 /* ptrtab.c: what each live allocation charged, so its free gives back exactly that. */
 enum {
-    VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_CTX = 4, VGPU_OBJ_POOL = 5,
+    VGPU_OBJ_PTR = 1, VGPU_OBJ_VMM = 2, VGPU_OBJ_ARRAY = 3, VGPU_OBJ_POOL = 5, /* 4 was a context's own charge: ctx.c lists those */
     VGPU_OBJ_MIPMAP = 6, /* its own kind: a level's CUarray may share a mipmapped array's address */
     VGPU_OBJ_POOLPTR = 7, /* stream-ordered memory of a pool: the pool carries the charge */
     VGPU_OBJ_GRAPH = 8,   /* a graph's allocation nodes (bytes), not charged by themselves */
@@ -332,6 +332,10 @@ static inline struct vgpu_dev *vgpu_ctx_dev(CUcontext ctx, CUcontext *ctx_out) {
     if (ctx == NULL && LIKELY(vgpu.real.cuCtxGetCurrent != NULL)) return vgpu_ctx_dev_current(ctx_out);
     return vgpu_ctx_dev_slow(ctx, ctx == NULL, ctx_out);
 }
+/* A primary context got by `get` (the driver's retain, retain 1; the runtime table's slot,
+ * retain 0: rtable.c), charged before the driver makes it (refused over the limit). */
+VGPU_HIDDEN CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev,
+                                      CUresult (*get)(CUcontext *, CUdevice), int retain);
 /* The device of a stream (NULL and the special handles: the current context's). */
 VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
 
@@ -340,6 +344,8 @@ VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ct
 VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_pace_dev *p, int percent);
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns);
+/* The driver's entry points are loaded: unpaced kernel launches go straight to them. */
+VGPU_HIDDEN void vgpu_launch_loaded(void);
 /* Drop this process's pending timings in ctx (destroying their events if it still exists). */
 VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
 

@@ -111,7 +111,11 @@ struct vgpu_region_device_stats {
      * Reported by the tenant: the host may show it, never trust it. */
     uint64_t driver_limit;       /* _FOUND: the hard limit, bytes; _ERROR: the nvmlReturn_t */
     uint64_t driver_limit_state; /* enum vgpu_driver_limit_state */
-    uint64_t reserved[2];
+    /* What a context took on this GPU, as a process of the container last measured it (0:
+     * none yet): a process reserves this much before the driver makes a context, so that
+     * one that cannot fit is refused without being made. Written by the tenant. */
+    uint64_t context_bytes;
+    uint64_t reserved[1];
 };
 
 enum vgpu_driver_limit_state {

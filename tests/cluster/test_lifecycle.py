@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from .cluster import Cluster
 from .conftest import PLUGIN_NS, SPLIT, Helm, plugin_pods
 from .kube import Kube, claim, pod, wait_for
@@ -113,11 +111,6 @@ def test_plugin_pod_replaced(cluster: Cluster, kube: Kube, plugin: Helm) -> None
         kube.delete_pods("survivor", "newcomer")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 20: nothing removes the nvidia.com/gpu capacity on uninstall (the kubelet "
-    "keeps it, allocatable 0, for its 5-minute endpoint grace); the chart or plugin must",
-)
 def test_uninstall_leaves_no_gpus_behind(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
     plugin.uninstall()
     wait_for("no plugin pods", lambda: not plugin_pods(kube), 120)

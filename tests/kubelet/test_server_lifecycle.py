@@ -452,3 +452,23 @@ def test_start_removes_our_crashed_instances_sockets_and_nothing_else(
     assert ours.name not in left and other_resource.name not in left
     assert {foreign.name, live_path.name, "kubelet.sock"} <= left
     assert regular.exists()
+
+
+@pytest.mark.parametrize("withdraw", [True, False])
+def test_a_withdrawing_stop_leaves_the_kubelet_no_devices(
+    kubelet: KubeletEmulator, backend: FakeBackend, plugin_dir: Path, withdraw: bool
+) -> None:
+    """An uninstalled plugin must not leave its capacity on the node: the kubelet keeps the
+    last list a plugin sent, so the final stop sends an empty one first."""
+    server = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.05)
+    server.start()
+    kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)
+    updates = kubelet.updates(RESOURCE)
+    server.stop(grace=0.2, withdraw=withdraw)
+    if withdraw:
+        # The server is gone: an empty list now can only be what its stop sent.
+        assert kubelet.wait_devices(RESOURCE, lambda d: d == [], timeout=30) == []
+        assert kubelet.updates(RESOURCE) == updates + 1
+    else:
+        assert kubelet.updates(RESOURCE) == updates
+        assert len(kubelet.devices(RESOURCE) or []) == 4

@@ -389,7 +389,7 @@ class Plugin:
             log.info(
                 "resource name %s -> %s: registering again", old_resource, config.resource_name
             )
-            self._server.stop()
+            self._server.stop(withdraw=True)  # the old name leaves no capacity behind
             self._server = self._new_server(config.resource_name)
             self._server.start()
 
@@ -408,7 +408,9 @@ class Plugin:
         if self._metrics is not None:
             peers.PEER_ERRORS.remove_listener(self._metrics.peer_error)
         if self._server is not None:
-            self._server.stop()
+            # Stopped for good (uninstall, node drain, upgrade): the node's capacity goes
+            # to 0 until a plugin registers again, never stays stale.
+            self._server.stop(withdraw=True)
         if self._health is not None:
             self._health.stop()
         if self._dra is not None:

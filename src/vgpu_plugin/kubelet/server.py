@@ -177,8 +177,17 @@ class DevicePluginServer:
         )
         self._supervisor.start()
 
-    def stop(self, grace: float = 1.0) -> None:
-        """Ends every stream, stops serving and removes our socket. Safe to call twice."""
+    def stop(self, grace: float = 1.0, *, withdraw: bool = False) -> None:
+        """Ends every stream, stops serving and removes our socket. Safe to call twice.
+
+        ``withdraw``: first send the kubelet an empty device list, so that the node's
+        capacity for the resource drops to 0 at once (the kubelet otherwise keeps the last
+        count after the plugin is gone: a stale extended resource after an uninstall). Pods
+        already given devices keep them; the kubelet asks nothing of a plugin to run them."""
+        if withdraw and not self._stopping.is_set():
+            told = self._service.withdraw(timeout=max(grace, 0.5) + 1.0)
+            log.info("device plugin for %s: devices withdrawn (%d streams told)",
+                     self.resource_name, told)  # fmt: skip
         self._stopping.set()
         self._feed.poke()
         if self._supervisor is not None:

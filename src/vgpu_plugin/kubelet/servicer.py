@@ -136,6 +136,10 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._hooks = hooks
         self._stopping = stopping
         self._streams = streams or StreamSlots(DEFAULT_MAX_STREAMS)
+        # Set by a stop that takes the devices off the node: streams send an empty list.
+        self.withdrawn = threading.Event()
+        self._sent_empty = 0
+        self._sent_cond = threading.Condition()
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return self._unary("GetDevicePluginOptions", context, self._backend.options)
@@ -195,16 +199,40 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             while not done():
                 # Read the generation before the list: a change after this read wakes us.
                 seen = self._feed.generation
-                response = pb.ListAndWatchResponse(devices=self._backend.devices())
+                withdrawn = self.withdrawn.is_set()
+                devices = [] if withdrawn else self._backend.devices()
+                response = pb.ListAndWatchResponse(devices=devices)
                 wire = response.SerializeToString(deterministic=True)
                 if wire != last_sent:
                     yield response
                     last_sent = wire
+                if withdrawn:
+                    with self._sent_cond:
+                        self._sent_empty += 1
+                        self._sent_cond.notify_all()
+                    return
                 while not done() and self._feed.wait_newer(seen, _STREAM_RECHECK_S, done) <= seen:
                     if not context.is_active():
                         return
         finally:
             release()
+
+    def withdraw(self, timeout: float) -> int:
+        """Sends every open stream an empty device list and ends it; returns how many were
+        told within ``timeout``. The kubelet then counts none of our devices on the node."""
+        with self._sent_cond:
+            before = self._sent_empty
+        open_streams = self._streams.open
+        self.withdrawn.set()
+        self._feed.bump()
+        deadline = time.monotonic() + timeout
+        with self._sent_cond:
+            while self._sent_empty - before < open_streams:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._sent_cond.wait(left)
+            return self._sent_empty - before
 
     def _unary(self, method: str, context: Any, call: Callable[[], _Resp]) -> _Resp:
         start = time.perf_counter()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -85,6 +87,28 @@ EXIT_CONFIG = 2
 EXIT_NODE = 3
 
 
+def config_digest(config: Config) -> str:
+    """A short sha256 of the effective config's canonical form (JSON, sorted keys): two
+    nodes that log the same digest run the same config, whatever its file's layout."""
+    canonical = json.dumps(
+        dataclasses.asdict(config), sort_keys=True, separators=(",", ":"), default=str
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def start_line(node_name: str, config: Config) -> str:
+    """The one line ``serve`` logs first: what runs (version, shim build id, config digest),
+    where (node name) and which front ends, so one grep of the node logs tells them apart."""
+    from vgpu_plugin.node.metrics import build_ids
+
+    version, shim = build_ids()
+    fronts = "device-plugin, dra" if config.dra.enabled else "device-plugin"
+    return (
+        f"vgpu-plugin {version} (shim {shim}) starting on node {node_name}: "
+        f"config sha256 {config_digest(config)}, front ends: {fronts}"
+    )
+
+
 class StartupError(RuntimeError):
     """The plugin cannot start on this node; the message says what to fix. ``wait``: rather
     than exit, wait to be stopped (NVIDIA's ``failOnInitError: false``)."""
@@ -144,6 +168,7 @@ class Plugin:
         s = self.settings
         config, labels = _load_config(s, self._watcher)
         config = _with_host_root(config, s.host_root)
+        log.info("%s", start_line(s.node_name, config))
         for line in config.ignored_flags:
             log.warning("NVIDIA flag %s", line)
         try:
@@ -279,7 +304,10 @@ class Plugin:
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
         )
         self._metrics = new_registry(
-            lambda: prepare()(), min_interval=METRICS_MIN_INTERVAL, forked=prepare
+            lambda: prepare()(),
+            min_interval=METRICS_MIN_INTERVAL,
+            forked=prepare,
+            hostname=self.settings.node_name,  # dcgm-exporter's Hostname: --node-name
         )
         with contextlib.suppress(Exception):  # a region that cannot be read is reported as such
             region.bind()  # once here, not again in each forked build

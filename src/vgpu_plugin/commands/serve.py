@@ -44,6 +44,7 @@ from vgpu_plugin.node.cleanup import (
     store_release_marker,
     store_releasing_marker,
 )
+from vgpu_plugin.node.coexist import coexistence_line, find_hami
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
@@ -109,6 +110,20 @@ def start_line(node_name: str, config: Config) -> str:
     )
 
 
+def log_hami_files(host_root: Path, lock_dir: Path, root: Path = Path("/")) -> None:
+    """One line where HAMi's files are on the node (node/coexist.py): what, and that they
+    stay as they are. Never fails the start: it only looks."""
+    try:
+        line = coexistence_line(find_hami(host_root, lock_dir, root))
+    except (OSError, RuntimeError) as exc:  # a permission or a symlink loop: only a look
+        log.warning("cannot look for HAMi's files: %s", exc)
+        return
+    if line is None:
+        log.debug("no HAMi files seen")
+    else:
+        log.info("%s", line)
+
+
 class StartupError(RuntimeError):
     """The plugin cannot start on this node; the message says what to fix. ``wait``: rather
     than exit, wait to be stopped (NVIDIA's ``failOnInitError: false``)."""
@@ -169,6 +184,7 @@ class Plugin:
         config, labels = _load_config(s, self._watcher)
         config = _with_host_root(config, s.host_root)
         log.info("%s", start_line(s.node_name, config))
+        log_hami_files(Path(config.host_root), Path(s.lock_dir))
         for line in config.ignored_flags:
             log.warning("NVIDIA flag %s", line)
         try:

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
-from commands.test_serve import Served, sample, scrape, served  # noqa: F401 (the fixture)
+from commands.test_serve import (  # noqa: F401 (served: the fixture)
+    Served,
+    sample,
+    scrape,
+    serve_once,
+    served,
+)
 
 from vgpu_plugin.commands.serve import config_digest, start_line
 from vgpu_plugin.core.config import DraConfig, Sharing, default_config, parse_config
 from vgpu_plugin.node.metrics import build_ids
+from vgpu_plugin.sim.simgpu import Node
 
 
 def test_the_digest_is_of_the_config_not_of_its_layout() -> None:
@@ -43,3 +51,20 @@ def test_serve_logs_the_start_line_once_and_its_node_name_is_the_hostname(
     assert re.search(r"config sha256 [0-9a-f]{12}, front ends: device-plugin$", line), line
     a, _ = served.uuids()
     assert sample(scrape(served), "vgpu_gpu_memory_total_bytes", UUID=a, Hostname="node-1") > 0
+
+
+def test_serve_names_hamis_files_in_its_host_root_at_start(
+    simgpu_node: Node, tmp_path: Path
+) -> None:
+    """Before anything can refuse the start (here: no shim installed), serve logs its start
+    line and the one line about HAMi's files, which it leaves as they are."""
+    host = tmp_path / "empty"  # serve_once's --host-root
+    pod_dir = host / "containers" / "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0_server"
+    pod_dir.mkdir(parents=True)
+    (host / "libvgpu.so").write_bytes(b"HAMi-core")
+    proc = serve_once(simgpu_node, tmp_path, "version: v1\n")
+    assert proc.returncode == 3, proc.stderr
+    assert "starting on node" in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "HAMi's files are on this node" in x]
+    assert f"HAMi-core's library {host / 'libvgpu.so'}" in line and pod_dir.name in line
+    assert (host / "libvgpu.so").read_bytes() == b"HAMi-core" and pod_dir.is_dir()

@@ -112,6 +112,18 @@ def test_the_kubernetes_client_is_imported_in_one_module() -> None:
     assert users == {"node/kubeapi.py"}
 
 
+def test_the_kubernetes_client_is_imported_only_inside_functions() -> None:
+    """It comes with the ``dra`` extra only (pyproject.toml): a top-level import would make
+    every module that imports node/kubeapi.py (the DRA driver, serve) need it."""
+    top = [
+        str(path.relative_to(PACKAGE))
+        for path in sources()
+        for module, top_level in imports(path)
+        if module.split(".")[0] == "kubernetes" and top_level
+    ]
+    assert top == []
+
+
 # The "may import" column of docs/architecture.md's table, for the package's own layers.
 ALLOWED_LAYERS = {
     "core": {"core"},

@@ -208,3 +208,26 @@ def test_the_image_wheel_ships_no_simulator(tmp_path: Path) -> None:
     assert any(n.endswith("/_native/lib/libvgpu.so") for n in names)
     assert "vgpu_plugin/commands/demo.py" in names and "vgpu_plugin/commands/serve.py" in names
     assert not [n for n in names if n.startswith("vgpu_plugin/sim/") or "simgpu" in n]
+
+
+def test_the_dra_build_arg_chooses_the_extra_default_on() -> None:
+    """The runtime stage's DRA build arg (default true: the chart can enable DRA) installs
+    vgpu-plugin[dra] or plain vgpu-plugin and checks the result; any other value stops the
+    build. The choice is run here as the build runs it, by sh."""
+    build, runtime = stages(parse(DOCKERFILE.read_text()))
+    (wheel_run,) = [i.args for i in build if i.op == "RUN" and "pip wheel" in i.args]
+    assert shlex.split(wheel_run)[-1] == ".[dra]"  # the extra's wheels are always at hand
+    assert "DRA=true" in [i.args for i in runtime if i.op == "ARG"]
+    (install,) = [i.args for i in runtime if i.op == "RUN" and "${DRA}" in i.args]
+    choice = install.split(" ", 1)[1].split(" && pip install")[0]  # after the --mount flag
+    assert choice.startswith("case ")
+
+    def chosen(value: str) -> subprocess.CompletedProcess[str]:
+        script = f'DRA={shlex.quote(value)}; {choice} && echo "$package|$check"'
+        return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10)
+
+    on, off, bad = chosen("true"), chosen("false"), chosen("yes")
+    assert on.stdout == "vgpu-plugin[dra]|import kubernetes\n"
+    assert off.stdout.startswith("vgpu-plugin|") and 'find_spec("kubernetes") is None' in off.stdout
+    assert bad.returncode == 1 and "DRA must be true or false" in bad.stderr and not bad.stdout
+    assert '"${package}"' in install and 'python -c "${check}"' in install

@@ -19,7 +19,7 @@ struct variant {
     char name[40]; /* the hooked entry point the driver returns for that query */
 };
 
-/* From cudaTypedefs.h; tests/integration/test_shim_loading.py checks them against it. */
+/* From cudaTypedefs.h; tests/libvgpu/test_shim_loading.py checks them against it. */
 static const struct variant k_variants[] = {
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress"},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"},

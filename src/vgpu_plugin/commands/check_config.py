@@ -7,12 +7,16 @@ laptop, CI), for a hypothetical node given by ``--gpus/--gpu-model/--gpu-memory`
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from vgpu_plugin.api.constants import MAX_MESSAGE_BYTES
 from vgpu_plugin.commands.serve_dra import split_gpus
-from vgpu_plugin.core.config import ConfigError, load_config
-from vgpu_plugin.core.devices import PhysicalGpu, plan_node
+from vgpu_plugin.core.config import Config, ConfigError, load_config
+from vgpu_plugin.core.devices import MIB, GpuPlan, NodePlan, PhysicalGpu, plan_node
 from vgpu_plugin.core.plan_text import render_dra, render_plan
 from vgpu_plugin.core.sizes import parse_size
 from vgpu_plugin.kubelet.backend import ListTooLargeError, check_list_size
@@ -29,6 +33,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-model", default="NVIDIA H100 80GB HBM3", help="without NVML: model")
     p.add_argument("--gpu-memory", default="81559m", help="without NVML: memory per GPU")
     p.add_argument("--no-nvml", action="store_true", help="use the hypothetical node even here")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
 
 
 MAX_GPUS = 1024
@@ -89,16 +94,86 @@ def run(args: argparse.Namespace) -> int:
     # device plugin's.
     plugin_gpus, dra_gpus = split_gpus(config, gpus)
     plan = plan_node(config, plugin_gpus, args.node_name, labels)
+    problem = None
+    size = None
+    try:
+        size = check_list_size(advertised_devices(plan, {}))
+    except ListTooLargeError as exc:
+        problem = f"but it cannot be served: {exc}"
+    if args.json:
+        doc = plan_document(config, plan, dra_gpus, source, size, problem)
+        print(json.dumps({"file": args.file, **doc}, indent=2))
+        return 0 if problem is None else 1
     print(f"{args.file}: valid. Plan for {source}:")
     print(render_plan(plan))
     if config.dra.enabled:
         print(render_dra(config.dra, dra_gpus))
     for line in config.ignored_flags:
         print(f"NVIDIA flag {line}")
-    try:
-        size = check_list_size(advertised_devices(plan, {}))
-    except ListTooLargeError as exc:
-        print(f"but it cannot be served: {exc}", file=sys.stderr)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 1
-    print(f"ListAndWatch message: {size} bytes (limit 4194304)")
+    print(f"ListAndWatch message: {size} bytes (limit {MAX_MESSAGE_BYTES})")
     return 0
+
+
+def _gpu(g: GpuPlan) -> dict[str, Any]:
+    sharing = g.sharing
+    return {
+        "index": g.gpu.index,
+        "model": g.gpu.name,
+        "uuid": g.gpu.uuid,
+        "memoryMiB": g.gpu.memory_mib,
+        "splitCount": sharing.split_count,
+        "sliceMemoryMiB": g.slice_memory_mib,
+        "sliceComputePercent": g.slice_compute_percent,  # 0: not limited
+        "compute": sharing.compute,
+        "memoryScaling": float(sharing.memory_scaling),
+        "oversubscribed": sharing.oversubscribed,
+        "placement": sharing.placement,
+        "override": g.override,  # index into overrides; null: the base sharing
+        "slices": [s.id for s in g.slices],
+    }
+
+
+def plan_document(
+    config: Config,
+    plan: NodePlan,
+    dra_gpus: Sequence[PhysicalGpu],
+    source: str,
+    list_bytes: int | None,
+    problem: str | None,
+) -> dict[str, Any]:
+    """The plan the text output shows, as data (docs/configuration.md#check-config---json)."""
+    dra: dict[str, Any] | None = None
+    if config.dra.enabled:
+        mem_default, mem_min, mem_step = (v // MIB for v in config.dra.memory)
+        cpu_default, cpu_min, cpu_step = config.dra.compute
+        dra = {
+            "driverName": config.dra.driver_name,
+            "gpuSelectors": list(config.dra.gpus),
+            "gpus": [
+                {"index": g.index, "model": g.name, "uuid": g.uuid, "memoryMiB": g.memory_mib}
+                for g in sorted(dra_gpus, key=lambda g: g.index)
+            ],
+            "claimMemoryMiB": {"default": mem_default, "min": mem_min, "step": mem_step},
+            "claimComputePercent": {"default": cpu_default, "min": cpu_min, "step": cpu_step},
+        }
+    return {
+        "valid": True,
+        "servable": problem is None,
+        "problem": problem,
+        "source": source,
+        "frontEnds": ["device-plugin", "dra"] if dra is not None else ["device-plugin"],
+        "devicePlugin": {
+            "resourceName": plan.resource_name,
+            "placement": plan.placement,
+            "failRequestsGreaterThanOne": plan.fail_requests_greater_than_one,
+            "slices": len(plan.all_slices()),
+            "gpus": [_gpu(g) for g in plan.gpus],
+            "listAndWatchBytes": list_bytes,
+            "listAndWatchLimitBytes": MAX_MESSAGE_BYTES,
+        },
+        "dra": dra,
+        "ignoredFlags": list(config.ignored_flags),
+    }

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -43,6 +45,7 @@ from vgpu_plugin.node.cleanup import (
     store_release_marker,
     store_releasing_marker,
 )
+from vgpu_plugin.node.coexist import coexistence_line, find_hami
 from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.health import HealthChange, HealthTracker
@@ -84,6 +87,42 @@ _M_ARENA_MAX = -8
 # Exit codes a DaemonSet's operator can tell apart in `kubectl describe`.
 EXIT_CONFIG = 2
 EXIT_NODE = 3
+
+
+def config_digest(config: Config) -> str:
+    """A short sha256 of the effective config's canonical form (JSON, sorted keys): two
+    nodes that log the same digest run the same config, whatever its file's layout."""
+    canonical = json.dumps(
+        dataclasses.asdict(config), sort_keys=True, separators=(",", ":"), default=str
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def start_line(node_name: str, config: Config) -> str:
+    """The one line ``serve`` logs first: what runs (version, shim build id, config digest),
+    where (node name) and which front ends, so one grep of the node logs tells them apart."""
+    from vgpu_plugin.node.metrics import build_ids
+
+    version, shim = build_ids()
+    fronts = "device-plugin, dra" if config.dra.enabled else "device-plugin"
+    return (
+        f"vgpu-plugin {version} (shim {shim}) starting on node {node_name}: "
+        f"config sha256 {config_digest(config)}, front ends: {fronts}"
+    )
+
+
+def log_hami_files(host_root: Path, lock_dir: Path, root: Path = Path("/")) -> None:
+    """One line where HAMi's files are on the node (node/coexist.py): what, and that they
+    stay as they are. Never fails the start: it only looks."""
+    try:
+        line = coexistence_line(find_hami(host_root, lock_dir, root))
+    except (OSError, RuntimeError) as exc:  # a permission or a symlink loop: only a look
+        log.warning("cannot look for HAMi's files: %s", exc)
+        return
+    if line is None:
+        log.debug("no HAMi files seen")
+    else:
+        log.info("%s", line)
 
 
 class StartupError(RuntimeError):
@@ -145,6 +184,8 @@ class Plugin:
         s = self.settings
         config, labels = _load_config(s, self._watcher)
         config = _with_host_root(config, s.host_root)
+        log.info("%s", start_line(s.node_name, config))
+        log_hami_files(Path(config.host_root), Path(s.lock_dir))
         for line in config.ignored_flags:
             log.warning("NVIDIA flag %s", line)
         try:
@@ -283,6 +324,7 @@ class Plugin:
             lambda: prepare()(),
             min_interval=METRICS_MIN_INTERVAL,
             forked=prepare,
+            hostname=self.settings.node_name,  # dcgm-exporter's Hostname: --node-name
         )
         peers.PEER_ERRORS.add_listener(self._metrics.peer_error)
         with contextlib.suppress(Exception):  # a region that cannot be read is reported as such

@@ -20,7 +20,7 @@ from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.kubeapi import ApiError, KubeApi
+from vgpu_plugin.node.kubeapi import ApiError, ClientMissing, KubeApi
 from vgpu_plugin.node.nvml import NvmlUnavailable, device_facts
 from vgpu_plugin.node.state import AllocationStore
 
@@ -54,6 +54,8 @@ class DraRunner:
     ) -> None:
         try:
             api = KubeApi(API_TIMEOUT_S, os.environ.get("KUBECONFIG") or None)
+        except ClientMissing:
+            raise
         except Exception as exc:  # the client's config errors have no common base
             raise RuntimeError(f"no access to the API server for the DRA driver: {exc}") from exc
         try:

@@ -29,6 +29,27 @@ class ApiError(RuntimeError):
         self.status = status
 
 
+class ClientMissing(RuntimeError):
+    """The ``kubernetes`` client is not installed: it comes with the ``dra`` extra only."""
+
+
+# One line for the log (docs/operations.md, exit codes of serve): what is missing and how to
+# get it, rather than an ImportError's traceback.
+CLIENT_MISSING = (
+    "dra.enabled needs the kubernetes client, which this installation lacks ({error}): "
+    "install vgpu-plugin[dra] (the image: build it with --build-arg DRA=true), "
+    "or set dra.enabled: false"
+)
+
+
+def _client_modules() -> tuple[Any, Any]:
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise ClientMissing(CLIENT_MISSING.format(error=exc)) from exc
+    return client, config
+
+
 class ClaimReader(Protocol):
     def get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         """The ResourceClaim as the API server has it now (a JSON object); ApiError."""
@@ -50,12 +71,11 @@ class KubeApi:
     credentials (the DaemonSet's service account) unless a kubeconfig file is given."""
 
     def __init__(self, timeout: float = 10.0, kubeconfig: str | None = None) -> None:
-        from kubernetes import client, config
-
+        client, config = _client_modules()
         if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+            config.load_kube_config(config_file=kubeconfig)
         else:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            config.load_incluster_config()
         self._api: Any = client.ApiClient()
         self._timeout = timeout
 

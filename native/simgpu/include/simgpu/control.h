@@ -1,6 +1,6 @@
 /* simgpu control API: create a simulated GPU node, inspect it, inject faults.
  *
- * Bound from Python with cffi (src/vgpu_plugin/simgpu.py), which feeds this header to
+ * Bound from Python with cffi (src/vgpu_plugin/sim/simgpu.py), which feeds this header to
  * ffi.cdef() after dropping preprocessor lines: keep it plain C declarations, array sizes as
  * literals, no macros.
  */

@@ -109,6 +109,23 @@ def test_the_driver_registers_and_publishes_its_slice(node: Node) -> None:
     assert [d["name"] for d in s["spec"]["devices"]] == [DEV_A, DEV_A.replace("aaaaaaaa", "b" * 8)]
 
 
+def test_the_slice_is_owned_by_its_node_and_goes_with_it(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    driver = make_driver(tmp_path, api)
+    api.fail_node_reads = True
+    assert not driver.publish("started")  # no owner known: no slice without one
+    assert api.slices == {}
+    api.fail_node_reads = False
+    assert driver.publish("retry") and driver.publish("again")
+    assert api.node_reads == 2  # the UID is read once, then remembered
+    (s,) = api.slices.values()
+    assert s["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": api.nodes["node-a"]}
+    ]
+    api.delete_node("node-a")
+    assert api.slices == {}
+
+
 def test_a_kubelet_restart_gets_the_slice_published_again(node: Node) -> None:
     before = node.api.publishes
     node.kubelet.restart()  # deletes the node's slices, as the kubelet does at start

@@ -227,15 +227,22 @@ def resource_slice(
     generation: int = 1,
     memory: CapacityPolicy = MEMORY_POLICY,
     compute: CapacityPolicy = COMPUTE_POLICY,
+    node_uid: str = "",
 ) -> dict[str, Any]:
     """The node's ResourceSlice: one pool named after the node, one device per GPU given
     (the healthy ones; an unhealthy GPU is left out until it recovers). ``generation`` goes
-    up with every change, so the scheduler drops what an older one said."""
+    up with every change, so the scheduler drops what an older one said. With ``node_uid``
+    the slice is owned by its Node, so the garbage collector deletes it with the node."""
     ordered = sorted(gpus, key=lambda x: x[0].index)
+    metadata: dict[str, Any] = {"name": slice_name(node_name, driver)}
+    if node_uid:
+        metadata["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
+        ]
     return {
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
-        "metadata": {"name": slice_name(node_name, driver)},
+        "metadata": metadata,
         "spec": {
             "driver": check_driver_name(driver),
             "nodeName": node_name,

@@ -36,6 +36,10 @@ class ClaimReader(Protocol):
 
 
 class SlicePublisher(Protocol):
+    def node_uid(self, name: str) -> str:
+        """The UID of Node ``name``, for the slice's ownerReference; ApiError."""
+        ...
+
     def publish(self, resource_slice: Mapping[str, Any]) -> None:
         """Create the ResourceSlice, or replace the one of that name; ApiError."""
         ...
@@ -103,6 +107,13 @@ class KubeApi:
         if not isinstance(claim, dict):
             raise ApiError(f"claim {namespace}/{name}: the API server answered no object")
         return claim
+
+    def node_uid(self, name: str) -> str:
+        node = self._call("GET", f"/api/v1/nodes/{name}")
+        uid = node.get("metadata", {}).get("uid") if isinstance(node, dict) else None
+        if not isinstance(uid, str) or not uid:
+            raise ApiError(f"node {name}: the API server answered no metadata.uid")
+        return uid
 
     def publish(self, resource_slice: Mapping[str, Any]) -> None:
         name = resource_slice["metadata"]["name"]

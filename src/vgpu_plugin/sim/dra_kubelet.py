@@ -50,6 +50,9 @@ class FakeApiServer:
         self.publishes = 0
         self.claim_reads = 0
         self.fail_reads = False
+        self.nodes: dict[str, str] = {}  # node name -> UID; a node is made on first read
+        self.node_reads = 0
+        self.fail_node_reads = False
 
     # --- what tests do ---------------------------------------------------------------------
 
@@ -146,6 +149,24 @@ class FakeApiServer:
                 return copy.deepcopy(self.claims[(namespace, name)])
             except KeyError:
                 raise ApiError(f"GET claim {namespace}/{name}: 404 Not Found", 404) from None
+
+    def node_uid(self, name: str) -> str:
+        with self._lock:
+            self.node_reads += 1
+            if self.fail_node_reads:
+                raise ApiError(f"GET node {name}: timed out")
+            return self.nodes.setdefault(name, str(uuid.uuid4()))
+
+    def delete_node(self, name: str) -> None:
+        """The node goes, and with it (as the garbage collector does) every slice it owns."""
+        with self._lock:
+            uid = self.nodes.pop(name, None)
+            for key in [
+                k
+                for k, s in self.slices.items()
+                if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences", []))
+            ]:
+                del self.slices[key]
 
     def publish(self, resource_slice: Mapping[str, Any]) -> None:
         with self._lock:
@@ -324,6 +345,7 @@ class FakeApiHttp:
 
     _CLAIM = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
     _SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+    _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 
     def __init__(self, api: FakeApiServer) -> None:
         self.api = api
@@ -349,9 +371,15 @@ class FakeApiHttp:
                 method, path = self.command, self.path.split("?")[0]
                 outer.calls.append(f"{method} {path}")
                 found = outer._CLAIM.match(path)
+                node = outer._NODE.match(path)
                 name = path.removeprefix(outer._SLICES + "/") if path != outer._SLICES else ""
                 try:
-                    if method == "GET" and found:
+                    if method == "GET" and node:
+                        uid = api.node_uid(node.group(1))
+                        self._answer(
+                            200, {"kind": "Node", "metadata": {"name": node.group(1), "uid": uid}}
+                        )
+                    elif method == "GET" and found:
                         self._answer(200, dict(api.get_claim(found.group(1), found.group(2))))
                     elif method == "GET" and name and name in api.slices:
                         body = copy.deepcopy(api.slices[name])

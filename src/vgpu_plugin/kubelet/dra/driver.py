@@ -80,6 +80,7 @@ class DraDriver:
         self._clock = clock
         self._unhealthy: set[str] = set()
         self._generation = 0
+        self._node_uid = ""  # read once, on the first publish that can reach the API server
         self._lock = threading.Lock()  # one claim at a time: cheap, and no two writers
         self._by_name = {dra.device_name(g): g for g in self._gpus}
 
@@ -106,11 +107,23 @@ class DraDriver:
             generation=max(1, self._generation),
             memory=dra.CapacityPolicy(*d.memory),
             compute=dra.CapacityPolicy(*d.compute),
+            node_uid=self._node_uid,
         )
 
     def publish(self, why: str) -> bool:
         """Publish the slice (a new generation); False, logged, when the API server refuses
-        (the next trigger or the caller's retry publishes again)."""
+        (the next trigger or the caller's retry publishes again). The first reads the node's
+        UID: a slice always names its owner, so it goes with a deleted node."""
+        if not self._node_uid:
+            try:
+                uid = self._publisher.node_uid(self._node)
+            except ApiError as exc:
+                log.error(
+                    "cannot read node %s for the ResourceSlice (%s): %s", self._node, why, exc
+                )
+                return False
+            with self._lock:
+                self._node_uid = uid
         with self._lock:
             self._generation += 1
             body = self.resource_slice()

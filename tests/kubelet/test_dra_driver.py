@@ -182,6 +182,30 @@ def test_a_6gi_30_percent_claim_becomes_a_cdi_device_with_its_limits(node: Node)
     assert mounts["/tmp/vgpu"] == str(node.host_root / "containers" / aid)
 
 
+@pytest.mark.parametrize("where", ["request", "result"])
+def test_an_admin_access_claim_is_refused_naming_the_claim_and_why(node: Node, where: str) -> None:
+    node.api.add_claim("ml", "watch", {"gpu": {}})
+    if where == "request":
+        request = node.api.claims[("ml", "watch")]["spec"]["devices"]["requests"][0]
+        request["exactly"]["adminAccess"] = True
+    claim = node.api.allocate("ml", "watch", DEV_A)
+    if where == "result":
+        stored = node.api.claims[("ml", "watch")]
+        stored["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+        claim = stored
+    uid = claim["metadata"]["uid"]
+    entry = node.kubelet.prepare(DRIVER, claim).claims[uid]
+    assert entry.error == (
+        f"claim ml/watch: request gpu asks adminAccess to device {DEV_A}; driver {DRIVER}"
+        " grants only limited shares of a GPU and offers no admin (monitoring) access"
+    )
+    assert not list(entry.devices)
+    # Nothing was prepared: no limits, no CDI spec, no record.
+    assert not (node.host_root / "limits" / f"dra-{uid}").exists()
+    assert not list(node.cdi_dir.glob(f"*{uid}*"))
+    assert node.driver.prepared() == []
+
+
 def test_prepare_is_idempotent_across_retries_and_plugin_restarts(node: Node) -> None:
     claim = claim_6g_30(node)
     first = node.kubelet.prepare(DRIVER, claim)

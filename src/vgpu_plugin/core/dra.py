@@ -288,6 +288,16 @@ def _consumed(consumed: Mapping[str, Any], name: str, policy: CapacityPolicy, wh
     return policy.round_up(value)
 
 
+def _admin_requests(claim: Mapping[str, Any]) -> set[str]:
+    """The names of the claim's requests that ask ``adminAccess`` (only an exact request can)."""
+    requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
+    return {
+        str(r.get("name"))
+        for r in requests
+        if isinstance(r, Mapping) and ((r.get("exactly") or {}).get("adminAccess") is True)
+    }
+
+
 def claim_devices(
     claim: Mapping[str, Any],
     driver: str,
@@ -298,7 +308,10 @@ def claim_devices(
     """This driver's devices in the claim's allocation (``status.allocation.devices.results``),
     each with its consumed memory and compute rounded up to ``memory`` and ``compute``;
     ClaimError when the claim is another one than asked (``uid``), not allocated, or says
-    something this driver cannot read."""
+    something this driver cannot read, or asks ``adminAccess`` (docs/dra.md: a claim here is
+    a limited share of a GPU; access to a GPU beside its users, for monitoring, is not
+    offered, so such a claim fails rather than being prepared as a share it did not ask for).
+    """
     meta = claim.get("metadata") or {}
     ref = f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"
     if uid and meta.get("uid") != uid:
@@ -307,6 +320,7 @@ def claim_devices(
     if not allocation:
         raise ClaimError(f"claim {ref} is not allocated")
     results = (allocation.get("devices") or {}).get("results") or []
+    admin = _admin_requests(claim)
     out: list[ClaimDevice] = []
     for r in results:
         if r.get("driver") != driver:
@@ -314,6 +328,12 @@ def claim_devices(
         for key in ("request", "pool", "device"):
             if not isinstance(r.get(key), str) or not r[key]:
                 raise ClaimError(f"claim {ref}: an allocation result has no {key}")
+        if r.get("adminAccess") is True or r["request"].split("/")[0] in admin:
+            raise ClaimError(
+                f"claim {ref}: request {r['request']} asks adminAccess to device {r['device']};"
+                f" driver {driver} grants only limited shares of a GPU and offers no"
+                " admin (monitoring) access"
+            )
         consumed = r.get("consumedCapacity")
         if not isinstance(consumed, Mapping):
             consumed = {}

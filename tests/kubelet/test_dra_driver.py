@@ -134,14 +134,39 @@ def test_a_kubelet_restart_gets_the_slice_published_again(node: Node) -> None:
     assert node.api.publishes > before and len(node.api.slices) == 1
 
 
-def test_an_unhealthy_gpu_leaves_the_slice_and_comes_back(node: Node) -> None:
+def test_an_unhealthy_gpu_is_tainted_no_schedule_and_comes_back(node: Node) -> None:
     node.driver.apply_health(AAAA, healthy=False)
     (s,) = node.api.slices.values()
-    assert [d["attributes"]["uuid"]["string"] for d in s["spec"]["devices"]] == [BBBB]
+    taints = {d["attributes"]["uuid"]["string"]: d.get("taints") for d in s["spec"]["devices"]}
+    assert taints == {
+        AAAA: [{"key": "vgpu-plugin.io/unhealthy", "value": "true", "effect": "NoSchedule"}],
+        BBBB: None,
+    }
+    node.api.add_claim("ml", "infer", {"gpu": {}})
+    with pytest.raises(LookupError, match="untainted"):  # the scheduler keeps off it
+        node.api.allocate("ml", "infer", DEV_A)
     generation = s["spec"]["pool"]["generation"]
     node.driver.apply_health(AAAA, healthy=True)
     (s,) = node.api.slices.values()
-    assert len(s["spec"]["devices"]) == 2 and s["spec"]["pool"]["generation"] > generation
+    assert not any("taints" in d for d in s["spec"]["devices"])
+    assert s["spec"]["pool"]["generation"] > generation
+    node.api.allocate("ml", "infer", DEV_A)
+
+
+def test_without_device_taints_an_unhealthy_gpu_leaves_the_slice(node: Node) -> None:
+    node.api.device_taints = False  # the API server drops them: DRADeviceTaints off
+    node.driver.apply_health(AAAA, healthy=False)
+    (s,) = node.api.slices.values()
+    assert [d["attributes"]["uuid"]["string"] for d in s["spec"]["devices"]] == [BBBB]
+    publishes = node.api.publishes
+    node.driver.apply_health(BBBB, healthy=False)  # known now: left out at the first try
+    assert node.api.publishes == publishes + 1
+    (s,) = node.api.slices.values()
+    assert s["spec"]["devices"] == []
+    node.driver.apply_health(AAAA, healthy=True)
+    node.driver.apply_health(BBBB, healthy=True)
+    (s,) = node.api.slices.values()
+    assert len(s["spec"]["devices"]) == 2
 
 
 def claim_6g_30(node: Node) -> dict[str, object]:

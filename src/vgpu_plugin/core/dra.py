@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final, Protocol
@@ -178,13 +178,21 @@ def _capacity(value: str, policy: CapacityPolicy, fmt: Any, maximum: str | None)
     return {"value": value, "requestPolicy": {"default": fmt(policy.default), "validRange": valid}}
 
 
+UNHEALTHY_TAINT: Final = "vgpu-plugin.io/unhealthy"
+# An unhealthy GPU keeps new claims off (NoSchedule) but does not evict the pods using it:
+# the device plugin's health does not evict either, and a transient fault should not kill jobs.
+_UNHEALTHY = {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"}
+
+
 def slice_device(
     gpu: PhysicalGpu,
     facts: DeviceFacts,
     memory: CapacityPolicy = MEMORY_POLICY,
     compute: CapacityPolicy = COMPUTE_POLICY,
+    unhealthy: bool = False,
 ) -> dict[str, Any]:
-    """One GPU as a ResourceSlice device: attributes, and consumable memory and compute."""
+    """One GPU as a ResourceSlice device: attributes, and consumable memory and compute;
+    an ``unhealthy`` one carries the ``UNHEALTHY_TAINT`` taint (device taints, KEP 5055)."""
     attributes: dict[str, Any] = {
         "uuid": {"string": gpu.uuid},
         "model": {"string": gpu.name},
@@ -201,7 +209,7 @@ def slice_device(
             attributes["driverSemver"] = {"version": dv}
     if gpu.numa_node is not None:
         attributes["numaNode"] = {"int": gpu.numa_node}
-    return {
+    device: dict[str, Any] = {
         "name": device_name(gpu),
         "allowMultipleAllocations": True,
         "attributes": attributes,
@@ -209,6 +217,18 @@ def slice_device(
             MEMORY: _capacity(format_bytes(gpu.memory_total), memory, format_bytes, None),
             COMPUTE: _capacity("100", compute, str, "100"),
         },
+    }
+    if unhealthy:
+        device["taints"] = [dict(_UNHEALTHY)]
+    return device
+
+
+def tainted_devices(resource_slice: Mapping[str, Any]) -> set[str]:
+    """The names of the slice's devices that carry the ``UNHEALTHY_TAINT`` taint."""
+    return {
+        str(d.get("name"))
+        for d in (resource_slice.get("spec") or {}).get("devices") or []
+        if any(t.get("key") == UNHEALTHY_TAINT for t in d.get("taints") or [])
     }
 
 
@@ -228,9 +248,11 @@ def resource_slice(
     memory: CapacityPolicy = MEMORY_POLICY,
     compute: CapacityPolicy = COMPUTE_POLICY,
     node_uid: str = "",
+    unhealthy: Collection[str] = (),
 ) -> dict[str, Any]:
-    """The node's ResourceSlice: one pool named after the node, one device per GPU given
-    (the healthy ones; an unhealthy GPU is left out until it recovers). ``generation`` goes
+    """The node's ResourceSlice: one pool named after the node, one device per GPU given;
+    those whose UUID is in ``unhealthy`` are tainted (the caller leaves an unhealthy GPU out
+    instead where the API server has no device taints). ``generation`` goes
     up with every change, so the scheduler drops what an older one said. With ``node_uid``
     the slice is owned by its Node, so the garbage collector deletes it with the node."""
     ordered = sorted(gpus, key=lambda x: x[0].index)
@@ -247,7 +269,9 @@ def resource_slice(
             "driver": check_driver_name(driver),
             "nodeName": node_name,
             "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1},
-            "devices": [slice_device(g, f, memory, compute) for g, f in ordered],
+            "devices": [
+                slice_device(g, f, memory, compute, g.uuid in unhealthy) for g, f in ordered
+            ],
         },
     }
 

@@ -39,6 +39,8 @@ from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
 from vgpu_plugin.node.kubeapi import ApiError
 
+_KEEP_OFF = ("NoSchedule", "NoExecute")
+
 
 class FakeApiServer:
     """ResourceClaims and ResourceSlices in memory, with the calls the driver makes."""
@@ -53,6 +55,7 @@ class FakeApiServer:
         self.nodes: dict[str, str] = {}  # node name -> UID; a node is made on first read
         self.node_reads = 0
         self.fail_node_reads = False
+        self.device_taints = True  # False: drops devices' taints, as with DRADeviceTaints off
 
     # --- what tests do ---------------------------------------------------------------------
 
@@ -84,17 +87,20 @@ class FakeApiServer:
         return claim
 
     def allocate(self, namespace: str, name: str, device: str, node: str = "") -> dict[str, Any]:
-        """Allocate every request of the claim on ``device`` of the published slice."""
+        """Allocate every request of the claim on ``device`` of the published slice; a device
+        tainted NoSchedule or NoExecute is not allocated (claims here tolerate no taint)."""
         with self._lock:
             claim = self.claims[(namespace, name)]
             found = [
                 (s, d)
                 for s in self.slices.values()
                 for d in s["spec"]["devices"]
-                if d["name"] == device and (not node or s["spec"]["nodeName"] == node)
+                if d["name"] == device
+                and (not node or s["spec"]["nodeName"] == node)
+                and not any(t.get("effect") in _KEEP_OFF for t in d.get("taints") or [])
             ]
             if not found:
-                raise LookupError(f"no published device {device}")
+                raise LookupError(f"no published, untainted device {device}")
             sl, dev = found[0]
             results = []
             for req in claim["spec"]["devices"]["requests"]:
@@ -168,10 +174,15 @@ class FakeApiServer:
             ]:
                 del self.slices[key]
 
-    def publish(self, resource_slice: Mapping[str, Any]) -> None:
+    def publish(self, resource_slice: Mapping[str, Any]) -> Mapping[str, Any]:
+        stored = copy.deepcopy(dict(resource_slice))
+        if not self.device_taints:
+            for d in stored["spec"]["devices"]:
+                d.pop("taints", None)
         with self._lock:
             self.publishes += 1
-            self.slices[resource_slice["metadata"]["name"]] = copy.deepcopy(dict(resource_slice))
+            self.slices[stored["metadata"]["name"]] = stored
+            return copy.deepcopy(stored)
 
     def delete(self, name: str) -> None:
         with self._lock:
@@ -386,9 +397,8 @@ class FakeApiHttp:
                         body["metadata"]["resourceVersion"] = str(api.publishes)
                         self._answer(200, body)
                     elif method in ("POST", "PUT") and path.startswith(outer._SLICES):
-                        body = self._body()
-                        api.publish(body)
-                        self._answer(201 if method == "POST" else 200, body)
+                        stored = api.publish(self._body())
+                        self._answer(201 if method == "POST" else 200, dict(stored))
                     elif method == "DELETE" and name:
                         api.delete(name)
                         self._answer(200, {"kind": "Status", "status": "Success"})

@@ -19,6 +19,7 @@ from vgpu_plugin.core.devices import MIB, PhysicalGpu
 from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
+from vgpu_plugin.kubelet.watch import file_id
 from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
@@ -167,6 +168,26 @@ def test_without_device_taints_an_unhealthy_gpu_leaves_the_slice(node: Node) -> 
     node.driver.apply_health(BBBB, healthy=True)
     (s,) = node.api.slices.values()
     assert len(s["spec"]["devices"]) == 2
+
+
+def test_an_old_plugin_stopping_leaves_the_newer_ones_sockets(node: Node) -> None:
+    """A rolling update: the new pod serves the same paths while the old one still runs;
+    the old one's stop must not delete the new one's sockets."""
+    old = node.server
+    newer_root = node.root / "newer"
+    newer_root.mkdir()
+    node.server = start_server(node.root, make_driver(newer_root, node.api))
+    sockets = (node.server.service_socket, node.server.registration_socket)
+    ids = [file_id(p) for p in sockets]
+    assert None not in ids
+    old.stop()
+    assert [file_id(p) for p in sockets] == ids  # the same files: not deleted, not re-served
+    node.kubelet.restart()  # a kubelet finds the newer one and prepares through it
+    node.kubelet.wait_registered(DRIVER)
+    assert node.server.wait_registered(5)
+    claim = claim_6g_30(node)
+    entry = node.kubelet.prepare(DRIVER, claim).claims[claim["metadata"]["uid"]]  # type: ignore[index]
+    assert entry.error == "" and len(entry.devices) == 1
 
 
 def claim_6g_30(node: Node) -> dict[str, object]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from vgpu_plugin.commands.serve_dra import split_gpus
+from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import ConfigError, load_config
 from vgpu_plugin.core.devices import PhysicalGpu, plan_node
 from vgpu_plugin.core.plan_text import render_dra, render_plan
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     print(render_plan(plan))
     if config.dra.enabled:
         print(render_dra(config.dra, dra_gpus))
+        for warning in dra.policy_warnings(dra.CapacityPolicy(*config.dra.memory)):
+            print(f"warning: {warning}", file=sys.stderr)
     for line in config.ignored_flags:
         print(f"NVIDIA flag {line}")
     try:

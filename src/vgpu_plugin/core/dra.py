@@ -129,7 +129,11 @@ class CapacityPolicy:
         return self.minimum + math.ceil((value - self.minimum) / self.step) * self.step
 
 
-MEMORY_POLICY: Final = CapacityPolicy(default=1 << 30, minimum=256 << 20, step=256 << 20)
+# A CUDA context's own memory, taken from every claim's limit before the first allocation:
+# simgpu models it as 256 MiB (sim/demo.py CONTEXT_MIB); a real one is a few hundred MiB.
+CUDA_CONTEXT_BYTES: Final = 256 << 20
+# Minimum 1Gi: the smallest claim holds a context and leaves room to work (the chart's too).
+MEMORY_POLICY: Final = CapacityPolicy(default=1 << 30, minimum=1 << 30, step=256 << 20)
 COMPUTE_POLICY: Final = CapacityPolicy(default=10, minimum=1, step=1)
 
 
@@ -230,6 +234,18 @@ def tainted_devices(resource_slice: Mapping[str, Any]) -> set[str]:
         for d in (resource_slice.get("spec") or {}).get("devices") or []
         if any(t.get("key") == UNHEALTHY_TAINT for t in d.get("taints") or [])
     }
+
+
+def policy_warnings(memory: CapacityPolicy) -> list[str]:
+    """What check-config warns about the DRA request policies: a memory minimum that does not
+    hold one CUDA context lets a claim be granted that cannot start CUDA at all."""
+    if memory.minimum <= CUDA_CONTEXT_BYTES:
+        return [
+            f"dra.memory.minimum {format_bytes(memory.minimum)} does not exceed one CUDA"
+            f" context ({format_bytes(CUDA_CONTEXT_BYTES)}): the smallest claim could not start"
+            " CUDA; 1Gi is the default"
+        ]
+    return []
 
 
 def slice_name(node_name: str, driver: str) -> str:

@@ -20,6 +20,11 @@ def test_slice_published_and_claims_packed_exactly(
     devices = [d for s in slices for d in s["spec"].get("devices", [])]
     assert len(devices) == 1, slices  # GPU 0 only: GPU 1 is the device plugin's
     assert devices[0]["capacity"]["memory"]["value"] == "16Gi", devices[0]
+    # The API server took the ownerReference: the slice goes with its node.
+    node = kube.node().metadata
+    assert [s["metadata"].get("ownerReferences") for s in slices] == [
+        [{"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.uid}]
+    ], slices
     shapes = {"a": ("6Gi", "30"), "b": ("6Gi", "30"), "c": ("4Gi", "40"), "d": ("1Gi", "1")}
     try:
         for name, (memory, compute) in shapes.items():

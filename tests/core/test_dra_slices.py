@@ -98,12 +98,12 @@ def test_an_overlong_quantity_is_refused_without_being_parsed() -> None:
     ("consumed", "memory", "compute"),
     [
         ({"memory": "6Gi", "compute": "30"}, 6 * GIB, 30),
-        # Only ever up, to the policy's minimum plus whole steps (256Mi; 1 %):
-        ({"memory": "1.5", "compute": "0.1"}, 256 * MIB, 1),  # not a 2-byte limit
+        # Only ever up, to the policy's minimum plus whole steps (1Gi + n x 256Mi; 1 %):
+        ({"memory": "1.5", "compute": "0.1"}, GIB, 1),  # not a 2-byte limit
         ({"memory": "6Gi", "compute": "30.001"}, 6 * GIB, 31),
         ({"memory": "6442450945", "compute": "30"}, 6 * GIB + 256 * MIB, 30),
-        ({"memory": "1G", "compute": "1e1"}, 1024 * MIB, 10),  # 10^9 bytes -> 4 steps of 256Mi
-        ({"memory": "0.3Gi", "compute": "100"}, 512 * MIB, 100),
+        ({"memory": "1G", "compute": "1e1"}, GIB, 10),  # 10^9 bytes: below the minimum
+        ({"memory": "1.3Gi", "compute": "100"}, GIB + 512 * MIB, 100),
     ],
 )
 def test_consumed_capacity_rounds_only_up_to_the_policys_step(
@@ -210,7 +210,7 @@ def test_each_gpu_is_one_shareable_device_with_typed_attributes_and_consumable_c
     assert a["capacity"] == {
         "memory": {
             "value": "40Gi",
-            "requestPolicy": {"default": "1Gi", "validRange": {"min": "256Mi", "step": "256Mi"}},
+            "requestPolicy": {"default": "1Gi", "validRange": {"min": "1Gi", "step": "256Mi"}},
         },
         "compute": {
             "value": "100",

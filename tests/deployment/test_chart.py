@@ -609,7 +609,8 @@ def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(
 def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str, helm: Helm) -> None:
     r = render(VARIANTS[variant], helm)
     role = r.one("ClusterRole", "vgpu-plugin-dra")
-    # node/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; no list, no watch.
+    # node/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; GET its node (the
+    # UID for the slice's ownerReference); no list, no watch.
     assert role["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
         {
@@ -617,6 +618,7 @@ def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str, helm: Helm) -> 
             "resources": ["resourceslices"],
             "verbs": ["get", "create", "update", "delete"],
         },
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
     ]
     binding = r.one("ClusterRoleBinding", "vgpu-plugin-dra")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

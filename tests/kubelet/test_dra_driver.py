@@ -19,6 +19,7 @@ from vgpu_plugin.core.devices import MIB, PhysicalGpu
 from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
+from vgpu_plugin.kubelet.watch import file_id
 from vgpu_plugin.node.dra_claims import ClaimLedger
 from vgpu_plugin.node.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
@@ -109,6 +110,23 @@ def test_the_driver_registers_and_publishes_its_slice(node: Node) -> None:
     assert [d["name"] for d in s["spec"]["devices"]] == [DEV_A, DEV_A.replace("aaaaaaaa", "b" * 8)]
 
 
+def test_the_slice_is_owned_by_its_node_and_goes_with_it(tmp_path: Path) -> None:
+    api = FakeApiServer()
+    driver = make_driver(tmp_path, api)
+    api.fail_node_reads = True
+    assert not driver.publish("started")  # no owner known: no slice without one
+    assert api.slices == {}
+    api.fail_node_reads = False
+    assert driver.publish("retry") and driver.publish("again")
+    assert api.node_reads == 2  # the UID is read once, then remembered
+    (s,) = api.slices.values()
+    assert s["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": api.nodes["node-a"]}
+    ]
+    api.delete_node("node-a")
+    assert api.slices == {}
+
+
 def test_a_kubelet_restart_gets_the_slice_published_again(node: Node) -> None:
     before = node.api.publishes
     node.kubelet.restart()  # deletes the node's slices, as the kubelet does at start
@@ -117,14 +135,59 @@ def test_a_kubelet_restart_gets_the_slice_published_again(node: Node) -> None:
     assert node.api.publishes > before and len(node.api.slices) == 1
 
 
-def test_an_unhealthy_gpu_leaves_the_slice_and_comes_back(node: Node) -> None:
+def test_an_unhealthy_gpu_is_tainted_no_schedule_and_comes_back(node: Node) -> None:
     node.driver.apply_health(AAAA, healthy=False)
     (s,) = node.api.slices.values()
-    assert [d["attributes"]["uuid"]["string"] for d in s["spec"]["devices"]] == [BBBB]
+    taints = {d["attributes"]["uuid"]["string"]: d.get("taints") for d in s["spec"]["devices"]}
+    assert taints == {
+        AAAA: [{"key": "vgpu-plugin.io/unhealthy", "value": "true", "effect": "NoSchedule"}],
+        BBBB: None,
+    }
+    node.api.add_claim("ml", "infer", {"gpu": {}})
+    with pytest.raises(LookupError, match="untainted"):  # the scheduler keeps off it
+        node.api.allocate("ml", "infer", DEV_A)
     generation = s["spec"]["pool"]["generation"]
     node.driver.apply_health(AAAA, healthy=True)
     (s,) = node.api.slices.values()
-    assert len(s["spec"]["devices"]) == 2 and s["spec"]["pool"]["generation"] > generation
+    assert not any("taints" in d for d in s["spec"]["devices"])
+    assert s["spec"]["pool"]["generation"] > generation
+    node.api.allocate("ml", "infer", DEV_A)
+
+
+def test_without_device_taints_an_unhealthy_gpu_leaves_the_slice(node: Node) -> None:
+    node.api.device_taints = False  # the API server drops them: DRADeviceTaints off
+    node.driver.apply_health(AAAA, healthy=False)
+    (s,) = node.api.slices.values()
+    assert [d["attributes"]["uuid"]["string"] for d in s["spec"]["devices"]] == [BBBB]
+    publishes = node.api.publishes
+    node.driver.apply_health(BBBB, healthy=False)  # known now: left out at the first try
+    assert node.api.publishes == publishes + 1
+    (s,) = node.api.slices.values()
+    assert s["spec"]["devices"] == []
+    node.driver.apply_health(AAAA, healthy=True)
+    node.driver.apply_health(BBBB, healthy=True)
+    (s,) = node.api.slices.values()
+    assert len(s["spec"]["devices"]) == 2
+
+
+def test_an_old_plugin_stopping_leaves_the_newer_ones_sockets(node: Node) -> None:
+    """A rolling update: the new pod serves the same paths while the old one still runs;
+    the old one's stop must not delete the new one's sockets."""
+    old = node.server
+    newer_root = node.root / "newer"
+    newer_root.mkdir()
+    node.server = start_server(node.root, make_driver(newer_root, node.api))
+    sockets = (node.server.service_socket, node.server.registration_socket)
+    ids = [file_id(p) for p in sockets]
+    assert None not in ids
+    old.stop()
+    assert [file_id(p) for p in sockets] == ids  # the same files: not deleted, not re-served
+    node.kubelet.restart()  # a kubelet finds the newer one and prepares through it
+    node.kubelet.wait_registered(DRIVER)
+    assert node.server.wait_registered(5)
+    claim = claim_6g_30(node)
+    entry = node.kubelet.prepare(DRIVER, claim).claims[claim["metadata"]["uid"]]  # type: ignore[index]
+    assert entry.error == "" and len(entry.devices) == 1
 
 
 def claim_6g_30(node: Node) -> dict[str, object]:
@@ -163,6 +226,30 @@ def test_a_6gi_30_percent_claim_becomes_a_cdi_device_with_its_limits(node: Node)
     }
     assert mounts["/etc/vgpu/limits"] == str(node.host_root / "limits" / aid)
     assert mounts["/tmp/vgpu"] == str(node.host_root / "containers" / aid)
+
+
+@pytest.mark.parametrize("where", ["request", "result"])
+def test_an_admin_access_claim_is_refused_naming_the_claim_and_why(node: Node, where: str) -> None:
+    node.api.add_claim("ml", "watch", {"gpu": {}})
+    if where == "request":
+        request = node.api.claims[("ml", "watch")]["spec"]["devices"]["requests"][0]
+        request["exactly"]["adminAccess"] = True
+    claim = node.api.allocate("ml", "watch", DEV_A)
+    if where == "result":
+        stored = node.api.claims[("ml", "watch")]
+        stored["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+        claim = stored
+    uid = claim["metadata"]["uid"]
+    entry = node.kubelet.prepare(DRIVER, claim).claims[uid]
+    assert entry.error == (
+        f"claim ml/watch: request gpu asks adminAccess to device {DEV_A}; driver {DRIVER}"
+        " grants only limited shares of a GPU and offers no admin (monitoring) access"
+    )
+    assert not list(entry.devices)
+    # Nothing was prepared: no limits, no CDI spec, no record.
+    assert not (node.host_root / "limits" / f"dra-{uid}").exists()
+    assert not list(node.cdi_dir.glob(f"*{uid}*"))
+    assert node.driver.prepared() == []
 
 
 def test_prepare_is_idempotent_across_retries_and_plugin_restarts(node: Node) -> None:

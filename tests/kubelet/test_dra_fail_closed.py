@@ -99,7 +99,7 @@ def test_a_fractional_amount_rounds_up_to_the_policys_step(dra_node: Node) -> No
     }
     assert prepare_error(dra_node, claim) == ""
     (g,) = parse_limits(limits_files(dra_node)[0].read_text()).gpus
-    assert (g.memory_bytes, g.compute_percent) == (256 * MIB, 13)
+    assert (g.memory_bytes, g.compute_percent) == (1024 * MIB, 13)  # the 1Gi minimum
 
 
 def test_refused_claims_are_counted_and_logged_at_a_bounded_rate(

@@ -15,6 +15,7 @@ from typing import Any
 
 from vgpu_plugin.api.constants import MAX_MESSAGE_BYTES
 from vgpu_plugin.commands.serve_dra import split_gpus
+from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config, ConfigError, load_config
 from vgpu_plugin.core.devices import MIB, GpuPlan, NodePlan, PhysicalGpu, plan_node
 from vgpu_plugin.core.plan_text import render_dra, render_plan
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     print(render_plan(plan))
     if config.dra.enabled:
         print(render_dra(config.dra, dra_gpus))
+        for warning in dra.policy_warnings(dra.CapacityPolicy(*config.dra.memory)):
+            print(f"warning: {warning}", file=sys.stderr)
     for line in config.ignored_flags:
         print(f"NVIDIA flag {line}")
     if problem is not None:
@@ -145,11 +148,11 @@ def plan_document(
     problem: str | None,
 ) -> dict[str, Any]:
     """The plan the text output shows, as data (docs/configuration.md#check-config---json)."""
-    dra: dict[str, Any] | None = None
+    dra_doc: dict[str, Any] | None = None
     if config.dra.enabled:
         mem_default, mem_min, mem_step = (v // MIB for v in config.dra.memory)
         cpu_default, cpu_min, cpu_step = config.dra.compute
-        dra = {
+        dra_doc = {
             "driverName": config.dra.driver_name,
             "gpuSelectors": list(config.dra.gpus),
             "gpus": [
@@ -158,13 +161,14 @@ def plan_document(
             ],
             "claimMemoryMiB": {"default": mem_default, "min": mem_min, "step": mem_step},
             "claimComputePercent": {"default": cpu_default, "min": cpu_min, "step": cpu_step},
+            "warnings": list(dra.policy_warnings(dra.CapacityPolicy(*config.dra.memory))),
         }
     return {
         "valid": True,
         "servable": problem is None,
         "problem": problem,
         "source": source,
-        "frontEnds": ["device-plugin", "dra"] if dra is not None else ["device-plugin"],
+        "frontEnds": ["device-plugin", "dra"] if dra_doc is not None else ["device-plugin"],
         "devicePlugin": {
             "resourceName": plan.resource_name,
             "placement": plan.placement,
@@ -174,6 +178,6 @@ def plan_document(
             "listAndWatchBytes": list_bytes,
             "listAndWatchLimitBytes": MAX_MESSAGE_BYTES,
         },
-        "dra": dra,
+        "dra": dra_doc,
         "ignoredFlags": list(config.ignored_flags),
     }

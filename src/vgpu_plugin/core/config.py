@@ -121,7 +121,7 @@ class DraConfig:
     enabled: bool = False
     driver_name: str = "gpu.vgpu-plugin.io"
     gpus: tuple[str, ...] = ("all",)
-    memory: tuple[int, int, int] = (1 << 30, 256 << 20, 256 << 20)  # default, minimum, step
+    memory: tuple[int, int, int] = (1 << 30, 1 << 30, 256 << 20)  # default, minimum, step
     compute: tuple[int, int, int] = (10, 1, 1)
 
     def serves(self, gpu: PhysicalGpu) -> bool:

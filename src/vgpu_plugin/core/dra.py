@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final, Protocol
@@ -129,7 +129,11 @@ class CapacityPolicy:
         return self.minimum + math.ceil((value - self.minimum) / self.step) * self.step
 
 
-MEMORY_POLICY: Final = CapacityPolicy(default=1 << 30, minimum=256 << 20, step=256 << 20)
+# A CUDA context's own memory, taken from every claim's limit before the first allocation:
+# simgpu models it as 256 MiB (sim/demo.py CONTEXT_MIB); a real one is a few hundred MiB.
+CUDA_CONTEXT_BYTES: Final = 256 << 20
+# Minimum 1Gi: the smallest claim holds a context and leaves room to work (the chart's too).
+MEMORY_POLICY: Final = CapacityPolicy(default=1 << 30, minimum=1 << 30, step=256 << 20)
 COMPUTE_POLICY: Final = CapacityPolicy(default=10, minimum=1, step=1)
 
 
@@ -178,13 +182,21 @@ def _capacity(value: str, policy: CapacityPolicy, fmt: Any, maximum: str | None)
     return {"value": value, "requestPolicy": {"default": fmt(policy.default), "validRange": valid}}
 
 
+UNHEALTHY_TAINT: Final = "vgpu-plugin.io/unhealthy"
+# An unhealthy GPU keeps new claims off (NoSchedule) but does not evict the pods using it:
+# the device plugin's health does not evict either, and a transient fault should not kill jobs.
+_UNHEALTHY = {"key": UNHEALTHY_TAINT, "value": "true", "effect": "NoSchedule"}
+
+
 def slice_device(
     gpu: PhysicalGpu,
     facts: DeviceFacts,
     memory: CapacityPolicy = MEMORY_POLICY,
     compute: CapacityPolicy = COMPUTE_POLICY,
+    unhealthy: bool = False,
 ) -> dict[str, Any]:
-    """One GPU as a ResourceSlice device: attributes, and consumable memory and compute."""
+    """One GPU as a ResourceSlice device: attributes, and consumable memory and compute;
+    an ``unhealthy`` one carries the ``UNHEALTHY_TAINT`` taint (device taints, KEP 5055)."""
     attributes: dict[str, Any] = {
         "uuid": {"string": gpu.uuid},
         "model": {"string": gpu.name},
@@ -201,7 +213,7 @@ def slice_device(
             attributes["driverSemver"] = {"version": dv}
     if gpu.numa_node is not None:
         attributes["numaNode"] = {"int": gpu.numa_node}
-    return {
+    device: dict[str, Any] = {
         "name": device_name(gpu),
         "allowMultipleAllocations": True,
         "attributes": attributes,
@@ -210,6 +222,30 @@ def slice_device(
             COMPUTE: _capacity("100", compute, str, "100"),
         },
     }
+    if unhealthy:
+        device["taints"] = [dict(_UNHEALTHY)]
+    return device
+
+
+def tainted_devices(resource_slice: Mapping[str, Any]) -> set[str]:
+    """The names of the slice's devices that carry the ``UNHEALTHY_TAINT`` taint."""
+    return {
+        str(d.get("name"))
+        for d in (resource_slice.get("spec") or {}).get("devices") or []
+        if any(t.get("key") == UNHEALTHY_TAINT for t in d.get("taints") or [])
+    }
+
+
+def policy_warnings(memory: CapacityPolicy) -> list[str]:
+    """What check-config warns about the DRA request policies: a memory minimum that does not
+    hold one CUDA context lets a claim be granted that cannot start CUDA at all."""
+    if memory.minimum <= CUDA_CONTEXT_BYTES:
+        return [
+            f"dra.memory.minimum {format_bytes(memory.minimum)} does not exceed one CUDA"
+            f" context ({format_bytes(CUDA_CONTEXT_BYTES)}): the smallest claim could not start"
+            " CUDA; 1Gi is the default"
+        ]
+    return []
 
 
 def slice_name(node_name: str, driver: str) -> str:
@@ -227,20 +263,31 @@ def resource_slice(
     generation: int = 1,
     memory: CapacityPolicy = MEMORY_POLICY,
     compute: CapacityPolicy = COMPUTE_POLICY,
+    node_uid: str = "",
+    unhealthy: Collection[str] = (),
 ) -> dict[str, Any]:
-    """The node's ResourceSlice: one pool named after the node, one device per GPU given
-    (the healthy ones; an unhealthy GPU is left out until it recovers). ``generation`` goes
-    up with every change, so the scheduler drops what an older one said."""
+    """The node's ResourceSlice: one pool named after the node, one device per GPU given;
+    those whose UUID is in ``unhealthy`` are tainted (the caller leaves an unhealthy GPU out
+    instead where the API server has no device taints). ``generation`` goes
+    up with every change, so the scheduler drops what an older one said. With ``node_uid``
+    the slice is owned by its Node, so the garbage collector deletes it with the node."""
     ordered = sorted(gpus, key=lambda x: x[0].index)
+    metadata: dict[str, Any] = {"name": slice_name(node_name, driver)}
+    if node_uid:
+        metadata["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid}
+        ]
     return {
         "apiVersion": API_VERSION,
         "kind": "ResourceSlice",
-        "metadata": {"name": slice_name(node_name, driver)},
+        "metadata": metadata,
         "spec": {
             "driver": check_driver_name(driver),
             "nodeName": node_name,
             "pool": {"name": node_name, "generation": generation, "resourceSliceCount": 1},
-            "devices": [slice_device(g, f, memory, compute) for g, f in ordered],
+            "devices": [
+                slice_device(g, f, memory, compute, g.uuid in unhealthy) for g, f in ordered
+            ],
         },
     }
 
@@ -281,6 +328,16 @@ def _consumed(consumed: Mapping[str, Any], name: str, policy: CapacityPolicy, wh
     return policy.round_up(value)
 
 
+def _admin_requests(claim: Mapping[str, Any]) -> set[str]:
+    """The names of the claim's requests that ask ``adminAccess`` (only an exact request can)."""
+    requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
+    return {
+        str(r.get("name"))
+        for r in requests
+        if isinstance(r, Mapping) and ((r.get("exactly") or {}).get("adminAccess") is True)
+    }
+
+
 def claim_devices(
     claim: Mapping[str, Any],
     driver: str,
@@ -291,7 +348,10 @@ def claim_devices(
     """This driver's devices in the claim's allocation (``status.allocation.devices.results``),
     each with its consumed memory and compute rounded up to ``memory`` and ``compute``;
     ClaimError when the claim is another one than asked (``uid``), not allocated, or says
-    something this driver cannot read."""
+    something this driver cannot read, or asks ``adminAccess`` (docs/dra.md: a claim here is
+    a limited share of a GPU; access to a GPU beside its users, for monitoring, is not
+    offered, so such a claim fails rather than being prepared as a share it did not ask for).
+    """
     meta = claim.get("metadata") or {}
     ref = f"{meta.get('namespace', '?')}/{meta.get('name', '?')}"
     if uid and meta.get("uid") != uid:
@@ -300,6 +360,7 @@ def claim_devices(
     if not allocation:
         raise ClaimError(f"claim {ref} is not allocated")
     results = (allocation.get("devices") or {}).get("results") or []
+    admin = _admin_requests(claim)
     out: list[ClaimDevice] = []
     for r in results:
         if r.get("driver") != driver:
@@ -307,6 +368,12 @@ def claim_devices(
         for key in ("request", "pool", "device"):
             if not isinstance(r.get(key), str) or not r[key]:
                 raise ClaimError(f"claim {ref}: an allocation result has no {key}")
+        if r.get("adminAccess") is True or r["request"].split("/")[0] in admin:
+            raise ClaimError(
+                f"claim {ref}: request {r['request']} asks adminAccess to device {r['device']};"
+                f" driver {driver} grants only limited shares of a GPU and offers no"
+                " admin (monitoring) access"
+            )
         consumed = r.get("consumedCapacity")
         if not isinstance(consumed, Mapping):
             consumed = {}

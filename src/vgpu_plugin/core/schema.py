@@ -730,7 +730,7 @@ SCHEMA: tuple[KeySpec, ...] = (
     _leaf(
         "dra.memory.minimum",
         "string or integer",
-        256 << 20,
+        1 << 30,
         "size",
         "The least memory a claim may ask for.",
         _bytes_quantity,

@@ -57,8 +57,13 @@ class ClaimReader(Protocol):
 
 
 class SlicePublisher(Protocol):
-    def publish(self, resource_slice: Mapping[str, Any]) -> None:
-        """Create the ResourceSlice, or replace the one of that name; ApiError."""
+    def node_uid(self, name: str) -> str:
+        """The UID of Node ``name``, for the slice's ownerReference; ApiError."""
+        ...
+
+    def publish(self, resource_slice: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Create the ResourceSlice, or replace the one of that name: the slice as stored
+        (without the fields the API server does not keep); ApiError."""
         ...
 
     def delete(self, name: str) -> None:
@@ -124,7 +129,14 @@ class KubeApi:
             raise ApiError(f"claim {namespace}/{name}: the API server answered no object")
         return claim
 
-    def publish(self, resource_slice: Mapping[str, Any]) -> None:
+    def node_uid(self, name: str) -> str:
+        node = self._call("GET", f"/api/v1/nodes/{name}")
+        uid = node.get("metadata", {}).get("uid") if isinstance(node, dict) else None
+        if not isinstance(uid, str) or not uid:
+            raise ApiError(f"node {name}: the API server answered no metadata.uid")
+        return uid
+
+    def publish(self, resource_slice: Mapping[str, Any]) -> Mapping[str, Any]:
         name = resource_slice["metadata"]["name"]
         path = f"{RESOURCE_API}/resourceslices/{name}"
         try:
@@ -132,14 +144,15 @@ class KubeApi:
         except ApiError as exc:
             if exc.status != 404:
                 raise
-            self._call("POST", f"{RESOURCE_API}/resourceslices", dict(resource_slice))
-            return
+            return _stored(
+                self._call("POST", f"{RESOURCE_API}/resourceslices", dict(resource_slice))
+            )
         body = dict(resource_slice)
         body["metadata"] = {
             **resource_slice["metadata"],
             "resourceVersion": current["metadata"]["resourceVersion"],
         }
-        self._call("PUT", path, body)
+        return _stored(self._call("PUT", path, body))
 
     def delete(self, name: str) -> None:
         try:
@@ -147,3 +160,9 @@ class KubeApi:
         except ApiError as exc:
             if exc.status != 404:
                 raise
+
+
+def _stored(answer: Any) -> Mapping[str, Any]:
+    if not isinstance(answer, dict):
+        raise ApiError("ResourceSlice: the API server answered no object")
+    return answer

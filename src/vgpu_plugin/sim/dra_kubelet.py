@@ -39,6 +39,8 @@ from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
 from vgpu_plugin.node.kubeapi import ApiError
 
+_KEEP_OFF = ("NoSchedule", "NoExecute")
+
 
 class FakeApiServer:
     """ResourceClaims and ResourceSlices in memory, with the calls the driver makes."""
@@ -50,6 +52,10 @@ class FakeApiServer:
         self.publishes = 0
         self.claim_reads = 0
         self.fail_reads = False
+        self.nodes: dict[str, str] = {}  # node name -> UID; a node is made on first read
+        self.node_reads = 0
+        self.fail_node_reads = False
+        self.device_taints = True  # False: drops devices' taints, as with DRADeviceTaints off
 
     # --- what tests do ---------------------------------------------------------------------
 
@@ -81,17 +87,20 @@ class FakeApiServer:
         return claim
 
     def allocate(self, namespace: str, name: str, device: str, node: str = "") -> dict[str, Any]:
-        """Allocate every request of the claim on ``device`` of the published slice."""
+        """Allocate every request of the claim on ``device`` of the published slice; a device
+        tainted NoSchedule or NoExecute is not allocated (claims here tolerate no taint)."""
         with self._lock:
             claim = self.claims[(namespace, name)]
             found = [
                 (s, d)
                 for s in self.slices.values()
                 for d in s["spec"]["devices"]
-                if d["name"] == device and (not node or s["spec"]["nodeName"] == node)
+                if d["name"] == device
+                and (not node or s["spec"]["nodeName"] == node)
+                and not any(t.get("effect") in _KEEP_OFF for t in d.get("taints") or [])
             ]
             if not found:
-                raise LookupError(f"no published device {device}")
+                raise LookupError(f"no published, untainted device {device}")
             sl, dev = found[0]
             results = []
             for req in claim["spec"]["devices"]["requests"]:
@@ -147,10 +156,33 @@ class FakeApiServer:
             except KeyError:
                 raise ApiError(f"GET claim {namespace}/{name}: 404 Not Found", 404) from None
 
-    def publish(self, resource_slice: Mapping[str, Any]) -> None:
+    def node_uid(self, name: str) -> str:
+        with self._lock:
+            self.node_reads += 1
+            if self.fail_node_reads:
+                raise ApiError(f"GET node {name}: timed out")
+            return self.nodes.setdefault(name, str(uuid.uuid4()))
+
+    def delete_node(self, name: str) -> None:
+        """The node goes, and with it (as the garbage collector does) every slice it owns."""
+        with self._lock:
+            uid = self.nodes.pop(name, None)
+            for key in [
+                k
+                for k, s in self.slices.items()
+                if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences", []))
+            ]:
+                del self.slices[key]
+
+    def publish(self, resource_slice: Mapping[str, Any]) -> Mapping[str, Any]:
+        stored = copy.deepcopy(dict(resource_slice))
+        if not self.device_taints:
+            for d in stored["spec"]["devices"]:
+                d.pop("taints", None)
         with self._lock:
             self.publishes += 1
-            self.slices[resource_slice["metadata"]["name"]] = copy.deepcopy(dict(resource_slice))
+            self.slices[stored["metadata"]["name"]] = stored
+            return copy.deepcopy(stored)
 
     def delete(self, name: str) -> None:
         with self._lock:
@@ -324,6 +356,7 @@ class FakeApiHttp:
 
     _CLAIM = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")
     _SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+    _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 
     def __init__(self, api: FakeApiServer) -> None:
         self.api = api
@@ -349,18 +382,23 @@ class FakeApiHttp:
                 method, path = self.command, self.path.split("?")[0]
                 outer.calls.append(f"{method} {path}")
                 found = outer._CLAIM.match(path)
+                node = outer._NODE.match(path)
                 name = path.removeprefix(outer._SLICES + "/") if path != outer._SLICES else ""
                 try:
-                    if method == "GET" and found:
+                    if method == "GET" and node:
+                        uid = api.node_uid(node.group(1))
+                        self._answer(
+                            200, {"kind": "Node", "metadata": {"name": node.group(1), "uid": uid}}
+                        )
+                    elif method == "GET" and found:
                         self._answer(200, dict(api.get_claim(found.group(1), found.group(2))))
                     elif method == "GET" and name and name in api.slices:
                         body = copy.deepcopy(api.slices[name])
                         body["metadata"]["resourceVersion"] = str(api.publishes)
                         self._answer(200, body)
                     elif method in ("POST", "PUT") and path.startswith(outer._SLICES):
-                        body = self._body()
-                        api.publish(body)
-                        self._answer(201 if method == "POST" else 200, body)
+                        stored = api.publish(self._body())
+                        self._answer(201 if method == "POST" else 200, dict(stored))
                     elif method == "DELETE" and name:
                         api.delete(name)
                         self._answer(200, {"kind": "Status", "status": "Success"})

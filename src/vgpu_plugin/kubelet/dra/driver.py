@@ -80,6 +80,9 @@ class DraDriver:
         self._clock = clock
         self._unhealthy: set[str] = set()
         self._generation = 0
+        # Whether the API server keeps device taints: unknown until a tainted slice is stored.
+        self._taints: bool | None = None
+        self._node_uid = ""  # read once, on the first publish that can reach the API server
         self._lock = threading.Lock()  # one claim at a time: cheap, and no two writers
         self._by_name = {dra.device_name(g): g for g in self._gpus}
 
@@ -94,28 +97,47 @@ class DraDriver:
     # --- the ResourceSlice ----------------------------------------------------------------
 
     def resource_slice(self) -> dict[str, object]:
+        """The slice now: an unhealthy GPU tainted where the API server keeps device taints
+        (or before that is known), left out where it dropped them."""
         d = self._config.dra
+        drop = self._taints is False
         return dra.resource_slice(
             self._node,
             d.driver_name,
             [
                 (g, self._facts.get(g.uuid, dra.DeviceFacts()))
                 for g in self._gpus
-                if g.uuid not in self._unhealthy
+                if not (drop and g.uuid in self._unhealthy)
             ],
             generation=max(1, self._generation),
             memory=dra.CapacityPolicy(*d.memory),
             compute=dra.CapacityPolicy(*d.compute),
+            node_uid=self._node_uid,
+            unhealthy=set() if drop else set(self._unhealthy),
         )
 
     def publish(self, why: str) -> bool:
         """Publish the slice (a new generation); False, logged, when the API server refuses
-        (the next trigger or the caller's retry publishes again)."""
+        (the next trigger or the caller's retry publishes again). The first reads the node's
+        UID: a slice always names its owner, so it goes with a deleted node. A slice with a
+        tainted GPU that the API server stored without the taint (device taints off: the
+        DRADeviceTaints gate) would offer that GPU as healthy: it is republished at once
+        without the GPU, and unhealthy GPUs are left out from then on."""
+        if not self._node_uid:
+            try:
+                uid = self._publisher.node_uid(self._node)
+            except ApiError as exc:
+                log.error(
+                    "cannot read node %s for the ResourceSlice (%s): %s", self._node, why, exc
+                )
+                return False
+            with self._lock:
+                self._node_uid = uid
         with self._lock:
             self._generation += 1
             body = self.resource_slice()
         try:
-            self._publisher.publish(body)
+            stored = self._publisher.publish(body)
         except ApiError as exc:
             log.error("cannot publish the ResourceSlice (%s): %s", why, exc)
             return False
@@ -126,6 +148,16 @@ class DraDriver:
             why,
             len(body["spec"]["devices"]),  # type: ignore[index]
         )
+        asked = dra.tainted_devices(body)
+        if asked and self._taints is None:
+            with self._lock:
+                self._taints = asked <= dra.tainted_devices(stored)
+            if not self._taints:
+                log.warning(
+                    "the API server dropped the ResourceSlice's device taints (is the"
+                    " DRADeviceTaints feature off?): unhealthy GPUs leave the slice instead"
+                )
+                return self.publish(f"{why}; unhealthy GPUs left out")
         return True
 
     def apply_health(self, uuid: str, healthy: bool) -> None:

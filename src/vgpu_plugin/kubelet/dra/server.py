@@ -16,6 +16,8 @@ directories), so the driver does not depend on being restarted with the kubelet.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +49,7 @@ from vgpu_plugin.kubelet.peers import (
     server_limits,
     tame_grpc_logs,
 )
+from vgpu_plugin.kubelet.watch import FileId, file_id
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +242,7 @@ class DraServer:
         self._poll = poll_interval
         self._max_workers = max_workers
         self._grpc: Any = None
+        self._own: dict[Path, FileId | None] = {}  # the socket files this process made
         self._stopping = threading.Event()
         self._registered = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -276,9 +280,12 @@ class DraServer:
         self._supervisor.start()
 
     def _serve(self) -> None:
+        """Serves both sockets. Each is bound under a hidden, unique name beside its path and
+        then renamed over the path: the replacement is atomic (no moment without a socket
+        during a rolling update), the kubelet's plugin watcher ignores the dot-name, and the
+        name gRPC unlinks when this server stops is the unique one, never the path a newer
+        process now serves."""
         self.service_socket.parent.mkdir(parents=True, exist_ok=True)
-        for path in (self.service_socket, self.registration_socket):
-            path.unlink(missing_ok=True)
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dra-grpc"),
             **server_limits(self._max_workers),
@@ -286,18 +293,31 @@ class DraServer:
         v1_grpc.add_DRAPluginServicer_to_server(_V1(self._calls), server)  # type: ignore[no-untyped-call]
         v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(self._calls), server)  # type: ignore[no-untyped-call]
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)  # type: ignore[no-untyped-call]
-        for path in (self.service_socket, self.registration_socket):
-            if server.add_insecure_port(f"unix://{path}") == 0:
-                server.stop(None)
-                raise RuntimeError(f"cannot serve on {path}")
-        server.start()
+        tag = f"{os.getpid()}-{secrets.token_hex(3)}"
+        bound = {p: p.with_name(f".{p.name}.{tag}") for p in self._paths()}
+        try:
+            for path, tmp in bound.items():
+                if server.add_insecure_port(f"unix://{tmp}") == 0:
+                    raise RuntimeError(f"cannot serve on {path}")
+            server.start()
+            for path, tmp in bound.items():
+                os.replace(tmp, path)
+        except BaseException:
+            server.stop(None)
+            for tmp in bound.values():
+                tmp.unlink(missing_ok=True)
+            raise
         self._grpc = server
+        self._own = {p: file_id(p) for p in bound}
         log.info(
             "DRA driver %s serving %s, registration at %s",
             self.driver.driver_name,
             self.service_socket,
             self.registration_socket,
         )
+
+    def _paths(self) -> tuple[Path, Path]:
+        return (self.service_socket, self.registration_socket)
 
     def _supervise(self) -> None:
         while not self._stopping.wait(self._poll):
@@ -321,6 +341,11 @@ class DraServer:
             self._grpc.stop(None).wait()
             self._grpc = None
         self.queue.stop()
-        for path in (self.registration_socket, self.service_socket):
-            path.unlink(missing_ok=True)
+        # During a rolling update the next plugin pod may have served these paths already:
+        # delete only the files this process made, never the newer one's (same file identity
+        # check as the device plugin's server).
+        own, self._own = self._own, {}
+        for path, ident in own.items():
+            if ident is not None and file_id(path) == ident:
+                path.unlink(missing_ok=True)
         self._registered.clear()

@@ -286,13 +286,6 @@ def test_a_bad_managed_limit_is_named_and_the_hosts_memory_bounds(
 # --- module memory under the shim ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="libvgpu charges a context what NVML shows the first time it meets it, and "
-    "allocations as they are made; module memory loaded later (cuModuleLoad*, a library's "
-    "first use in a context, a kernel's first launch) is not charged, so the driver gives it "
-    "past the container's limit (reported for native/libvgpu)",
-)
 def test_module_memory_counts_against_the_shims_limit(
     native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path
 ) -> None:

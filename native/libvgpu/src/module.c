@@ -6,7 +6,7 @@
  *
  * Not the launch path: with lazy loading (CUDA_MODULE_LOADING=LAZY, the default) a kernel's
  * code is loaded at its first launch, and measuring launches would put an NVML process list on
- * the hot path. Such code is not charged (docs/contracts.md, "Module memory"). */
+ * the hot path. Such code, and a library first used in a context by a launch, is not charged (docs/contracts.md, "Module memory"). */
 #include "shim.h"
 
 #define NEED VGPU_NEED
@@ -92,6 +92,12 @@ VGPU_API CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library) {
 VGPU_API CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     NEED(cuKernelGetFunction);
     MEASURED(vgpu.real.cuKernelGetFunction(pFunc, kernel), (void)0, "a library's module");
+}
+
+VGPU_API CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library,
+                                     const char *name) {
+    NEED(cuLibraryGetGlobal);
+    MEASURED(vgpu.real.cuLibraryGetGlobal(dptr, bytes, library, name), (void)0, "a library's module");
 }
 
 VGPU_API CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {

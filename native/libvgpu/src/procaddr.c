@@ -66,6 +66,7 @@ static const struct variant k_variants[] = {
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile"},
     {"cuLibraryGetModule", 12000, 0, "cuLibraryGetModule"},
     {"cuKernelGetFunction", 12000, 0, "cuKernelGetFunction"},
+    {"cuLibraryGetGlobal", 12000, 0, "cuLibraryGetGlobal"},
     {"cuCtxSynchronize", 2000, 0, "cuCtxSynchronize"},
     {"cuGraphAddMemAllocNode", 11040, 0, "cuGraphAddMemAllocNode"},
     {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate"},

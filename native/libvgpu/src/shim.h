@@ -55,7 +55,7 @@
     H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
     H(cuGraphExecDestroy) H(cuGetExportTable) H(cuModuleLoad) H(cuModuleLoadData)              \
     H(cuModuleLoadDataEx) H(cuModuleLoadFatBinary) H(cuModuleGetFunction) H(cuLibraryLoadData)  \
-    H(cuLibraryLoadFromFile) H(cuLibraryGetModule) H(cuKernelGetFunction)
+    H(cuLibraryLoadFromFile) H(cuLibraryGetModule) H(cuKernelGetFunction) H(cuLibraryGetGlobal)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \

@@ -286,13 +286,6 @@ def test_a_bad_managed_limit_is_named_and_the_hosts_memory_bounds(
 # --- module memory under the shim ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="libvgpu charges a context what NVML shows the first time it meets it, and "
-    "allocations as they are made; module memory loaded later (cuModuleLoad*, a library's "
-    "first use in a context, a kernel's first launch) is not charged, so the driver gives it "
-    "past the container's limit (reported for native/libvgpu)",
-)
 def test_module_memory_counts_against_the_shims_limit(
     native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path
 ) -> None:
@@ -310,3 +303,25 @@ def test_module_memory_counts_against_the_shims_limit(
     # Held to 32 MiB short of the limit, 64 MiB of module variables must not fit.
     out = run(native_bin, {**env, "CUDA_MODULES_HOLD_MIB": str(room // MIB - 32)}, image, "module")
     assert out["load"] == str(OUT_OF_MEMORY)
+
+
+@pytest.mark.parametrize("loading", ["EAGER", "LAZY"])
+def test_a_librarys_memory_counts_against_the_shims_limit(
+    native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path, loading: str
+) -> None:
+    """A library takes its memory in a context at its first use there (here cuLibraryGetGlobal;
+    all of its image when loading is eager): past the shim's limit that call is refused."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
+    from test_shim_helpers import Shim
+
+    shim = Shim(native_tree, simgpu_node, tmp_path)
+    image = write(tmp_path, "big.cubin", compile_cuda(BIG, "sm_90"))
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m", "CUDA_MODULE_LOADING": loading})
+    probe = run(native_bin, env, image, "library", "global:weights")
+    assert (probe["load"], probe["global.weights"].split()[0]) == ("0", "0")
+    room = int(probe["free0"])
+    held = {**env, "CUDA_MODULES_HOLD_MIB": str(room // MIB - 32)}
+    out = run(native_bin, held, image, "library", "global:weights")
+    assert (out["load"], out["global.weights"].split()[0]) == ("0", str(OUT_OF_MEMORY))

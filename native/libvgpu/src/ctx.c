@@ -768,26 +768,43 @@ VGPU_API CUresult cuCtxSetCurrent(CUcontext ctx) {
     return rc;
 }
 
+/* --- growth of a made context: its limits, its modules ---------------------------------------
+ * A call that makes the driver take memory for the current context (cuCtxSetLimit's growth, a
+ * module's code and variables) is measured across as a context is, under measure_mu, and the
+ * growth charged to the context (given back when it goes). One call measured at a time: the
+ * measure is kept here between begin and end. */
+static struct measure g_growth;
+
+struct vgpu_dev *vgpu_growth_begin(CUcontext *ctx) {
+    struct vgpu_dev *d = vgpu_ctx_dev(NULL, ctx);
+    if (!d || !d->accounted) return NULL;
+    pthread_mutex_lock(&g_ctx.measure_mu);
+    measure_begin(&g_growth, d, 0);
+    return d;
+}
+
+int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *what) {
+    uint64_t grew = measure_end(&g_growth, d, ctx);
+    int refused = rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, what) != 0;
+    pthread_mutex_unlock(&g_ctx.measure_mu);
+    return refused ? -1 : 0;
+}
+
 /* Growing a context's heap, stack or printf FIFO takes GPU memory: charged to the context
  * (refused, and the old size put back, over the limit). */
 VGPU_API CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     NEED(cuCtxSetLimit);
     if (LIKELY(!vgpu.limited)) return vgpu.real.cuCtxSetLimit(limit, value);
-    CUcontext ctx;
-    struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
-    if (!d || !d->accounted) return d ? vgpu.real.cuCtxSetLimit(limit, value) : UNRESOLVED(ctx, vgpu.real.cuCtxSetLimit(limit, value));
     size_t old = 0;
     int have_old = vgpu.real.cuCtxGetLimit && vgpu.real.cuCtxGetLimit(&old, limit) == CUDA_SUCCESS;
-    struct measure m;
-    pthread_mutex_lock(&g_ctx.measure_mu);
-    measure_begin(&m, d, 0);
+    CUcontext ctx;
+    struct vgpu_dev *d = vgpu_growth_begin(&ctx);
+    if (!d) return vgpu_ctx_dev(NULL, &ctx) ? vgpu.real.cuCtxSetLimit(limit, value) : UNRESOLVED(ctx, vgpu.real.cuCtxSetLimit(limit, value));
     CUresult rc = vgpu.real.cuCtxSetLimit(limit, value);
-    uint64_t grew = measure_end(&m, d, ctx);
-    if (rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, "a context's new limit") != 0) {
+    if (vgpu_growth_end(d, ctx, rc, "a context's new limit") != 0) {
         if (have_old) vgpu.real.cuCtxSetLimit(limit, old);
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
-    pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
 }
 

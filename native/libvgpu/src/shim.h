@@ -53,7 +53,9 @@
     H(cuGraphLaunch_ptsz) H(cuGraphAddMemAllocNode) H(cuGraphInstantiate)                      \
     H(cuGraphInstantiate_v2) H(cuGraphInstantiateWithFlags) H(cuGraphInstantiateWithParams)    \
     H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
-    H(cuGraphExecDestroy) H(cuGetExportTable)
+    H(cuGraphExecDestroy) H(cuGetExportTable) H(cuModuleLoad) H(cuModuleLoadData)              \
+    H(cuModuleLoadDataEx) H(cuModuleLoadFatBinary) H(cuModuleGetFunction) H(cuLibraryLoadData)  \
+    H(cuLibraryLoadFromFile) H(cuLibraryGetModule) H(cuKernelGetFunction) H(cuLibraryGetGlobal)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -62,7 +64,7 @@
     R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime) R(cuStreamIsCapturing)         \
     R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2) R(cuCtxPopCurrent_v2)                   \
     R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool) R(cuCtxGetLimit)         \
-    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim)
+    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim) R(cuModuleUnload) R(cuLibraryUnload)
 
 #define VGPU_NVML_HOOKS(H)                                                                     \
     H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
@@ -348,5 +350,12 @@ VGPU_HIDDEN void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns);
 VGPU_HIDDEN void vgpu_launch_loaded(void);
 /* Drop this process's pending timings in ctx (destroying their events if it still exists). */
 VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
+
+/* ctx.c: a call that grows the current context's memory (cuCtxSetLimit, module loads),
+ * measured across. begin: the current context's device (*ctx set), NULL when nothing is
+ * measured (no begin/end pair then); end: charges the growth if rc succeeded, -1 when the
+ * limit refuses it (the caller undoes the call). */
+VGPU_HIDDEN struct vgpu_dev *vgpu_growth_begin(CUcontext *ctx);
+VGPU_HIDDEN int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *what);
 
 #endif

@@ -9,10 +9,10 @@ Each region stands for a container: tests/native/region_bench runs --procs proce
 each doing reserve+commit+release pairs in a tight loop (--gap-ns 0, the host's worst case: the
 region is never quiet, so snapshots often take the published copy, which a tenant makes inside
 its critical section). Runs alternate without and with a scanner thread that reads every region
-through vgpu_plugin.node.region.read_region (as the node agent does) every --period-ms. Prints the
-median wall-clock and CPU ns per pair of each, the ratio of the tenants' rates (with / without:
-1.00 is no slowdown) per CPU second and wall-clock, and the scanner's own figures. Asserts
-nothing.
+through vgpu_plugin.node.observe.region.read_region (as the node agent does) every --period-ms.
+Prints the median wall-clock and CPU ns per pair of each, the ratio of the tenants' rates
+(with / without: 1.00 is no slowdown) per CPU second and wall-clock, and the scanner's own figures.
+Asserts nothing.
 
 Uses ``VGPU_NATIVE_DIR`` if it has the test programs, else tests/native_build.py's release build.
 """
@@ -53,7 +53,7 @@ class Scan:
 
 
 def _scan(paths: list[Path], period_s: float, stop: threading.Event, scan: Scan) -> None:
-    from vgpu_plugin.node.region import RegionError, read_region
+    from vgpu_plugin.node.observe.region import RegionError, read_region
 
     cpu0, wall0 = time.thread_time(), time.monotonic()
     while not stop.wait(period_s):

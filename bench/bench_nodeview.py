@@ -32,7 +32,7 @@ GPUS = [f"GPU-{i:08x}-0000-0000-0000-{i:012x}" for i in range(8)]
 _HOLDER = r"""
 import sys
 from cffi import FFI
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 ffi = FFI()
 ffi.cdef(native.cdef_source(native.include_dir() / "vgpu" / "region.h"))
 lib = ffi.dlopen(str(native.shim_library()))
@@ -110,9 +110,9 @@ def main() -> int:
     args = ap.parse_args()
     _pick_native()
 
-    from vgpu_plugin.node import metrics
-    from vgpu_plugin.node.nodeview import GpuFacts, ReadRegion, region_path, view_provider
-    from vgpu_plugin.node.state import AllocationRecord, AllocationStore, GpuLimit
+    from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore, GpuLimit
+    from vgpu_plugin.node.observe import metrics
+    from vgpu_plugin.node.observe.nodeview import GpuFacts, ReadRegion, region_path, view_provider
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-nodeview-"))
     root, store = tmp / "host", AllocationStore(tmp / "state")
@@ -140,7 +140,7 @@ def main() -> int:
     holders: list[subprocess.Popen[str]] = []
     read_region: ReadRegion
     try:
-        from vgpu_plugin.node import region
+        from vgpu_plugin.node.observe import region
 
         region.read_region  # noqa: B018 - fails here when the module is not there
         for path, uuid in specs:

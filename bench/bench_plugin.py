@@ -39,8 +39,8 @@ import msgpack
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.backend import list_and_watch_size
-from vgpu_plugin.node.install import install_shim
-from vgpu_plugin.node.state import AllocationRecord
+from vgpu_plugin.node.host.install import install_shim
+from vgpu_plugin.node.ledger.state import AllocationRecord
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
@@ -173,8 +173,8 @@ def deferred_sync_lag(calls: int, batch: int) -> None:
     from vgpu_plugin.core.config import parse_config
     from vgpu_plugin.core.devices import PhysicalGpu
     from vgpu_plugin.kubelet.plugin import VgpuBackend
-    from vgpu_plugin.node.atomicfile import DeferredSync
-    from vgpu_plugin.node.state import AllocationStore
+    from vgpu_plugin.node.host.atomicfile import DeferredSync
+    from vgpu_plugin.node.ledger.state import AllocationStore
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     gpus = [

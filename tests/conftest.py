@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import native_build
 
-from vgpu_plugin.node import native
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.host import native
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.node import EmulatedNode
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 from vgpu_plugin.sim.toolkit import ToolkitSettings

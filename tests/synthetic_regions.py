@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node.dra_claims import PreparedClaim, PreparedDevice
+from vgpu_plugin.node.ledger.dra_claims import PreparedClaim, PreparedDevice
 
 
 @dataclass(frozen=True)

@@ -90,14 +90,14 @@ def test_pynvml_is_imported_in_one_module() -> None:
         for module, _ in imports(path)
         if module.split(".")[0] == "pynvml"
     }
-    assert users == {"node/nvml.py"}
+    assert users == {"node/gpu/nvml.py"}
 
 
 def test_the_contract_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     """The checks above would pass vacuously if nested imports were missed."""
     found = imports(PACKAGE / "commands" / "demo.py")
     assert ("vgpu_plugin.sim.demo", False) in found
-    assert ("vgpu_plugin.node.native", True) in found
+    assert ("vgpu_plugin.node.host.native", True) in found
 
 
 def test_the_kubernetes_client_is_imported_in_one_module() -> None:
@@ -109,12 +109,12 @@ def test_the_kubernetes_client_is_imported_in_one_module() -> None:
         for module, _ in imports(path)
         if module.split(".")[0] == "kubernetes"
     }
-    assert users == {"node/kubeapi.py"}
+    assert users == {"node/serving/kubeapi.py"}
 
 
 def test_the_kubernetes_client_is_imported_only_inside_functions() -> None:
     """It comes with the ``dra`` extra only (pyproject.toml): a top-level import would make
-    every module that imports node/kubeapi.py (the DRA driver, serve) need it."""
+    every module that imports node/serving/kubeapi.py (the DRA driver, serve) need it."""
     top = [
         str(path.relative_to(PACKAGE))
         for path in sources()
@@ -166,3 +166,42 @@ def test_the_table_in_the_docs_is_the_one_checked() -> None:
         for other in allowed - {name}:
             assert other in rows[name], (name, other, rows[name])
     assert "never the kubelet" in rows["node"], rows["node"]
+
+
+# docs/architecture.md's table of node's concerns: what each may import of the node's others.
+NODE_CONCERNS = {
+    "ledger": {"host"},
+    "host": {"ledger"},
+    "gpu": set[str](),
+    "observe": {"ledger", "host", "gpu"},
+    "serving": set[str](),
+}
+
+
+def test_the_node_is_split_by_concern_and_each_imports_only_what_the_table_allows() -> None:
+    node = PACKAGE / "node"
+    loose = sorted(p.name for p in node.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules outside a concern: {loose}"
+    assert {p.name for p in node.iterdir() if (p / "__init__.py").exists()} == set(NODE_CONCERNS)
+    bad = []
+    for concern, allowed in NODE_CONCERNS.items():
+        for path in (node / concern).rglob("*.py"):
+            for module, _ in imports(path):
+                parts = module.split(".")
+                if parts[:2] != ["vgpu_plugin", "node"] or len(parts) < 3:
+                    continue
+                if parts[2] != concern and parts[2] not in allowed:
+                    bad.append(f"{path.relative_to(PACKAGE)}: {module}")
+    assert bad == []
+    doc = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `").removeprefix("node."): line.split("|")[3]
+        for line in doc.splitlines()
+        if line.startswith("| `node.")
+    }
+    assert set(rows) == set(NODE_CONCERNS)
+    for concern, allowed in NODE_CONCERNS.items():
+        for other in allowed:
+            assert f"node.{other}" in rows[concern], (concern, other)
+        if not allowed:
+            assert "nothing else" in rows[concern], concern

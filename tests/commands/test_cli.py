@@ -121,7 +121,7 @@ def test_check_config_lists_the_nvidia_flags_it_ignores(
 
 
 def _nvml_here() -> bool:
-    from vgpu_plugin.node.nvml import NvmlUnavailable, nvml_session
+    from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, nvml_session
 
     try:
         with nvml_session():
@@ -208,7 +208,7 @@ def test_check_config_refuses_a_labels_file_that_is_not_utf8(
 def test_serve_refuses_a_fifo_config_or_labels_file(tmp_path: Path) -> None:
     from vgpu_plugin.commands import serve
     from vgpu_plugin.commands.settings import settings_from
-    from vgpu_plugin.node.config_watch import ConfigWatcher
+    from vgpu_plugin.node.serving.config_watch import ConfigWatcher
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -240,7 +240,7 @@ def test_version_names_the_shim_build_that_allocate_mounts(
     native_tree: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from vgpu_plugin import __version__
-    from vgpu_plugin.node.install import content_version
+    from vgpu_plugin.node.host.install import content_version
 
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
@@ -252,7 +252,7 @@ def test_version_names_the_shim_build_that_allocate_mounts(
 def test_version_says_none_without_a_shim(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vgpu_plugin.node import native
+    from vgpu_plugin.node.host import native
 
     monkeypatch.setenv(native.NATIVE_DIR_ENV, str(tmp_path))  # a tree with no shim built
     with pytest.raises(SystemExit):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from commands.test_serve import install_shim
 
-from vgpu_plugin.node import kubeapi
+from vgpu_plugin.node.serving import kubeapi
 from vgpu_plugin.sim.simgpu import Node
 
 

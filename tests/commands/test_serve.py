@@ -19,7 +19,7 @@ import pytest
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core import dra
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiHttp, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import Node
@@ -65,7 +65,7 @@ class Served:
 
 
 def install_shim(host_root: Path, native_tree: Path) -> None:
-    from vgpu_plugin.node import install
+    from vgpu_plugin.node.host import install
 
     install.install_shim(host_root, native_tree / "lib" / "libvgpu.so")
 

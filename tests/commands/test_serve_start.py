@@ -18,7 +18,7 @@ from commands.test_serve import (  # noqa: F401 (served: the fixture)
 
 from vgpu_plugin.commands.serve import config_digest, start_line
 from vgpu_plugin.core.config import DraConfig, Sharing, default_config, parse_config
-from vgpu_plugin.node.metrics import build_ids
+from vgpu_plugin.node.observe.metrics import build_ids
 from vgpu_plugin.sim.simgpu import Node
 
 

@@ -19,9 +19,10 @@ from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.commands.status import collect_view, render_status, status_json
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.core.pods import PodRef
-from vgpu_plugin.node import region
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.nodeview import (
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
+from vgpu_plugin.node.observe import region
+from vgpu_plugin.node.observe.nodeview import (
     DRIVER_LIMIT_KEY,
     SHIM_ERROR,
     SHIM_FOUND,
@@ -34,7 +35,6 @@ from vgpu_plugin.node.nodeview import (
     build_view,
     region_path,
 )
-from vgpu_plugin.node.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
@@ -345,7 +345,7 @@ def test_nvml_figures_and_drift_warning() -> None:
 _HOLDER = r"""
 import sys
 from cffi import FFI
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 ffi = FFI()
 ffi.cdef(native.cdef_source(native.include_dir() / "vgpu" / "region.h"))
 lib = ffi.dlopen(str(native.shim_library()))
@@ -379,8 +379,8 @@ def test_real_region_and_simulated_nvml(
     import subprocess
     import sys
 
-    from vgpu_plugin.node.nodeview import live_processes
-    from vgpu_plugin.node.nodeview import region_path as path_of
+    from vgpu_plugin.node.observe.nodeview import live_processes
+    from vgpu_plugin.node.observe.nodeview import region_path as path_of
 
     root, state = tmp_path / "host", tmp_path / "state"
     uuid = simgpu_node.gpu(0).uuid
@@ -440,7 +440,7 @@ def test_real_region_and_simulated_nvml(
 
 
 def test_nvml_memory_used_is_empty_without_nvml() -> None:
-    from vgpu_plugin.node.nvml import nvml_memory_used
+    from vgpu_plugin.node.gpu.nvml import nvml_memory_used
 
     # This test process has no libnvidia-ml on its library path (no driver here).
     assert nvml_memory_used() == {}

@@ -25,8 +25,8 @@ from deployment.chart import ROOT
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.core.schema import SCHEMA
-from vgpu_plugin.node.metrics import PluginMetrics, new_registry
-from vgpu_plugin.node.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
+from vgpu_plugin.node.observe.metrics import PluginMetrics, new_registry
+from vgpu_plugin.node.observe.nodeview import AllocationGpuView, AllocationView, GpuView, NodeView
 
 DOCS = ROOT / "docs"
 NONE = "—"

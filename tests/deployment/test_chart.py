@@ -33,7 +33,7 @@ from vgpu_plugin.core.allocation import Mount
 from vgpu_plugin.core.config import Config, Sharing, load_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.schema import spec_for
-from vgpu_plugin.node.metrics import parse_address
+from vgpu_plugin.node.observe.metrics import parse_address
 from vgpu_plugin.sim import demo
 from vgpu_plugin.sim.runc import ContainerConfig
 from vgpu_plugin.sim.toolkit import UNSAFE_DEFAULTS, ToolkitSettings
@@ -609,8 +609,8 @@ def test_dra_sockets_are_the_kubelets_plugin_dirs_at_their_host_paths(
 def test_dra_rbac_is_exactly_what_the_driver_calls(variant: str, helm: Helm) -> None:
     r = render(VARIANTS[variant], helm)
     role = r.one("ClusterRole", "vgpu-plugin-dra")
-    # node/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; GET its node (the
-    # UID for the slice's ownerReference); no list, no watch.
+    # node/serving/kubeapi.py: GET a claim; GET, POST, PUT, DELETE its node's slice; GET its node
+    # (the UID for the slice's ownerReference); no list, no watch.
     assert role["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
         {

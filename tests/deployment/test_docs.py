@@ -26,7 +26,7 @@ from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import MIB, PhysicalGpu, plan_node
 from vgpu_plugin.core.grant import Grant, grant
 from vgpu_plugin.core.schema import SCHEMA
-from vgpu_plugin.node.metrics import serve_metrics
+from vgpu_plugin.node.observe.metrics import serve_metrics
 
 DOC_FILES = [*sorted(DOCS.glob("*.md")), ROOT / "deploy" / "README.md"]
 

@@ -192,7 +192,7 @@ def plugin(
     prometheus_binary: str, simgpu_node: Node, native_tree: Path, tmp_path: Path
 ) -> Iterator[Plugin]:
     """`serve` on a simulated node; first of all, skipped where there is no Prometheus."""
-    from vgpu_plugin.node import install
+    from vgpu_plugin.node.host import install
 
     host_root = tmp_path / "host"
     install.install_shim(host_root, native_tree / "lib" / "libvgpu.so")

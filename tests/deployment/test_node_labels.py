@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from deployment.chart import ROOT
-from vgpu_plugin.node.config_watch import read_node_labels
+from vgpu_plugin.node.serving.config_watch import read_node_labels
 
 SCRIPT = ROOT / "deploy" / "image" / "vgpu-node-labels.py"
 TOKEN = "s3cret"

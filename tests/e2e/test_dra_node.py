@@ -23,9 +23,9 @@ from vgpu_plugin.core.config import Config, DraConfig
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.install import installed_shim_version
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.host.install import installed_shim_version
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 from vgpu_plugin.sim.node import MIB, WORKLOAD, Admitted, EmulatedNode

@@ -11,9 +11,9 @@ from vgpu_plugin.core import cdi
 from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.plugin import VgpuBackend
-from vgpu_plugin.node.cleanup import Cleaner
-from vgpu_plugin.node.nodeview import driver_limit_of
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.host.cleanup import Cleaner
+from vgpu_plugin.node.ledger.state import AllocationStore
+from vgpu_plugin.node.observe.nodeview import driver_limit_of
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 MIB = 1 << 20

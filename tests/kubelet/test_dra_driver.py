@@ -20,8 +20,8 @@ from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.kubelet.watch import file_id
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 

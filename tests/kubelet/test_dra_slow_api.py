@@ -27,8 +27,8 @@ from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.kubelet.peers import PeerErrors
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import FakeApiServer
 from vgpu_plugin.sim.kubelet_emulator import short_tmp_dir
 

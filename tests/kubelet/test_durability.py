@@ -20,9 +20,9 @@ from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.checkpoint import CHECKPOINT_NAME, allocation_ids_of, read_checkpoint
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.rebuild import rebuild
-from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import DeferredSync
-from vgpu_plugin.node.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
+from vgpu_plugin.node.host import cdi as cdi_files
+from vgpu_plugin.node.host.atomicfile import DeferredSync
+from vgpu_plugin.node.ledger.state import JOURNAL_FILE_NAME, AllocationRecord, AllocationStore
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -159,7 +159,7 @@ def test_a_failed_deferred_sync_is_logged_and_the_pass_goes_on(
     target = tmp_path / "f"
     target.write_text("x")
     syncer.note([target, tmp_path / "gone"], [tmp_path])
-    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.atomicfile"):
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.host.atomicfile"):
         assert syncer.wait()
     assert syncer.errors == 2  # the file and the dir; the removed file is skipped, silently
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [

@@ -20,7 +20,7 @@ from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.kubelet import peers, servicer
 from vgpu_plugin.kubelet.peers import PeerErrors, StreamSlots
 from vgpu_plugin.kubelet.server import DevicePluginServer
-from vgpu_plugin.node.metrics import new_registry
+from vgpu_plugin.node.observe.metrics import new_registry
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 
 # The kubelet gives a device plugin call no deadline of its own; this is far beyond what an

@@ -22,8 +22,8 @@ from vgpu_plugin.kubelet import plugin as plugin_module
 from vgpu_plugin.kubelet.backend import ListTooLargeError
 from vgpu_plugin.kubelet.plugin import VgpuBackend
 from vgpu_plugin.kubelet.server import DevicePluginServer
-from vgpu_plugin.node.health import HealthChange, Reason
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.gpu.health import HealthChange, Reason
+from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"

@@ -24,9 +24,9 @@ from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core.limits import format_limits, parse_limits
 from vgpu_plugin.kubelet.checkpoint import CHECKPOINT_NAME
 from vgpu_plugin.kubelet.rebuild import _from_response
-from vgpu_plugin.node import install
-from vgpu_plugin.node.atomicfile import TMP_MARK
-from vgpu_plugin.node.state import JOURNAL_FILE_NAME, AllocationStore
+from vgpu_plugin.node.host import install
+from vgpu_plugin.node.host.atomicfile import TMP_MARK
+from vgpu_plugin.node.ledger.state import JOURNAL_FILE_NAME, AllocationStore
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import Node
 

@@ -21,8 +21,13 @@ import pytest
 from test_shim_helpers import GIB, MIB, Shim
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node.nodeview import SHIM_FOUND, SHIM_NONE, SHIM_UNCHECKED, SHIM_UNSUPPORTED
-from vgpu_plugin.node.region import create_region, read_region
+from vgpu_plugin.node.observe.nodeview import (
+    SHIM_FOUND,
+    SHIM_NONE,
+    SHIM_UNCHECKED,
+    SHIM_UNSUPPORTED,
+)
+from vgpu_plugin.node.observe.region import create_region, read_region
 from vgpu_plugin.sim.simgpu import Node
 
 CONTAINER = "kubepods/pod-x/ctr"

@@ -27,7 +27,7 @@ from test_shim_helpers import (
     start_together,
 )
 
-from vgpu_plugin.node.region import read_region
+from vgpu_plugin.node.observe.region import read_region
 from vgpu_plugin.sim.simgpu import Node
 
 

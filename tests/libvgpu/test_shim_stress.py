@@ -19,7 +19,7 @@ import native_build
 import pytest
 from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until, start_together
 
-from vgpu_plugin.node.region import RegionError, read_region
+from vgpu_plugin.node.observe.region import RegionError, read_region
 from vgpu_plugin.sim.simgpu import Node
 
 pytestmark = pytest.mark.slow

@@ -12,14 +12,14 @@ import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.core.pods import CheckpointEntry, PodRef, PodResourcesUnavailable
-from vgpu_plugin.node.cleanup import (
+from vgpu_plugin.node.host.cleanup import (
     Cleaner,
     CleanupPolicy,
     holders,
     store_relabeler,
     store_release_marker,
 )
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore
+from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore
 
 A = PodRef("ml", "infer-a", "server")
 B = PodRef("ml", "infer-b", "server")
@@ -168,7 +168,7 @@ def test_cleaner_logs_an_outage_once_and_deletes_nothing_during_it(
     store.add(rec("x", ("GPU-a-0",), created=0))
     kubelet.down = True
     cleaner = make_cleaner(node)
-    with caplog.at_level(logging.INFO, logger="vgpu_plugin.node.cleanup"):
+    with caplog.at_level(logging.INFO, logger="vgpu_plugin.node.host.cleanup"):
         for i in range(5):
             now[0] = 1000 + i * 100
             assert cleaner.run_once().gone == ()
@@ -190,7 +190,7 @@ def test_cleaner_keeps_an_allocation_whose_processes_are_alive(
     store.add(rec("x", ("GPU-a-0",), created=0))
     running = {"x": True}
     cleaner = make_cleaner(node, still_running=lambda i: running[i])
-    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.cleanup"):
+    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.host.cleanup"):
         for t in (1000, 1100, 1200):
             now[0] = t
             cleaner.run_once()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 REMOVE = """
 import sys
 from pathlib import Path
-from vgpu_plugin.node.cleanup import remove_allocation_files
+from vgpu_plugin.node.host.cleanup import remove_allocation_files
 caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]
 assert int(caps, 16) == 0, caps
 remove_allocation_files(Path(sys.argv[1]), sys.argv[2])
@@ -107,7 +107,7 @@ def test_unprepare_of_a_dir_it_cannot_empty_moves_it_aside_and_says_so(tmp_path:
     from kubelet.test_dra_driver import DEV_A, make_driver
 
     from vgpu_plugin.kubelet.dra.driver import ClaimRef
-    from vgpu_plugin.node.state import AllocationStore
+    from vgpu_plugin.node.ledger.state import AllocationStore
     from vgpu_plugin.sim.dra_kubelet import FakeApiServer
 
     tmp_path.chmod(0o755)

@@ -16,9 +16,9 @@ from vgpu_plugin.commands import install_shim
 from vgpu_plugin.commands.serve import log_hami_files, new_cleaner
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.core.pods import PodRef
-from vgpu_plugin.node import install, native
-from vgpu_plugin.node.coexist import coexistence_line, find_hami
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore
+from vgpu_plugin.node.host import install, native
+from vgpu_plugin.node.host.coexist import coexistence_line, find_hami
+from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore
 
 POD_DIR = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0_server"  # HAMi's <pod-uid>_<container>
 OTHER_POD_DIR = "11111111-2222-3333-4444-555555555555_sidecar"

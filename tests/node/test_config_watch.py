@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.config import Config, ConfigError
-from vgpu_plugin.node.config_watch import (
+from vgpu_plugin.node.serving.config_watch import (
     ConfigWatcher,
     NodeLabelsError,
     parse_node_labels,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vgpu_plugin.node.health import HealthTracker, Reason
+from vgpu_plugin.node.gpu.health import HealthTracker, Reason
 
 
 def tracker() -> HealthTracker:

@@ -1,4 +1,4 @@
-"""An allocation's host files (node/hostfiles.py): one implementation for the device plugin's
+"""An allocation's host files (node/host/hostfiles.py): one implementation for the device plugin's
 Allocate and the DRA driver's claims, and what each front end leaves when a write fails."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet import plugin as plugin_module
 from vgpu_plugin.kubelet.backend import BackendError
 from vgpu_plugin.kubelet.plugin import VgpuBackend
-from vgpu_plugin.node import hostfiles
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.host import hostfiles
+from vgpu_plugin.node.ledger.state import AllocationStore
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 MIB = 1 << 20

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.commands import install_shim
-from vgpu_plugin.node import install, native
+from vgpu_plugin.node.host import install, native
 
 # A process that maps the installed shim, as a container's processes do, and answers pings
 # with the shim's own version string and the inode its mapping comes from.
@@ -255,7 +255,7 @@ def test_the_command_reports_what_it_did(
 
 
 def test_live_since_is_unknown_when_a_container_has_no_record(tmp_path: Path) -> None:
-    from vgpu_plugin.node.state import AllocationRecord, AllocationStore
+    from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore
 
     root, state = tmp_path / "host", tmp_path / "state"
     (root / "containers").mkdir(parents=True)

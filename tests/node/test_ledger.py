@@ -17,14 +17,14 @@ from kubelet.test_dra_driver import AAAA, DEV_A, make_driver
 from vgpu_plugin.commands.serve import _open_store, new_cleaner
 from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.kubelet.dra.driver import ClaimRef, DraDriver
-from vgpu_plugin.node.dra_claims import (
+from vgpu_plugin.node.ledger.dra_claims import (
     FILE_NAME,
     ClaimLedger,
     claim_of,
     claim_record,
     migrate_claims_file,
 )
-from vgpu_plugin.node.state import (
+from vgpu_plugin.node.ledger.state import (
     DEVICE_PLUGIN,
     DRA,
     PREPARED,
@@ -205,7 +205,7 @@ def test_a_claim_a_crash_left_half_way_is_finished_at_start(tmp_path: Path) -> N
 def test_the_cleanup_releases_as_every_path_does_mark_remove_drop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vgpu_plugin.node import cleanup
+    from vgpu_plugin.node.host import cleanup
 
     store = AllocationStore(tmp_path / "state")
     aid = "0190a1b2c3d400000001"

@@ -18,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from synthetic_regions import Dev, Proc, Snap, prepared_claim
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.node import metrics
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.nodeview import (
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore
+from vgpu_plugin.node.observe import metrics
+from vgpu_plugin.node.observe.nodeview import (
     DRIVER_LIMIT_KEY,
     SHIM_FOUND,
     SHIM_NONE,
@@ -31,7 +32,6 @@ from vgpu_plugin.node.nodeview import (
     staged_view_provider,
     view_provider,
 )
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore
 
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"
 GPU_B = "GPU-bbbbbbbb-0000-0000-0000-000000000002"

@@ -1,4 +1,5 @@
-"""The shared region (native/libvgpu/src/region*.c) and its Python view (vgpu_plugin.node.region).
+"""The shared region (native/libvgpu/src/region*.c) and its Python view
+(vgpu_plugin.node.observe.region).
 
 The C side runs as real processes (tests/native/region_*.c, loading libvgpu.so as the shim is
 loaded): exact accounting, limits, fork, pid reuse, processes killed while holding charges or
@@ -23,7 +24,7 @@ import native_build
 import pytest
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node.region import (
+from vgpu_plugin.node.observe.region import (
     RegionError,
     create_region,
     read_region,
@@ -453,7 +454,7 @@ def test_stress_under_tsan(tsan_tools: Tools, tmp_path: Path) -> None:
 
 PY_READER = """
 import sys, time
-from vgpu_plugin.node.region import RegionError, read_region
+from vgpu_plugin.node.observe.region import RegionError, read_region
 path, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2]) / 1000
 ok, failed, reasons, views = 0, 0, set(), set()
 while time.monotonic() < deadline:

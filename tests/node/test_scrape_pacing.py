@@ -10,9 +10,9 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from vgpu_plugin.node import metrics
-from vgpu_plugin.node.metrics import ScrapePacer
-from vgpu_plugin.node.nodeview import view_provider
+from vgpu_plugin.node.observe import metrics
+from vgpu_plugin.node.observe.metrics import ScrapePacer
+from vgpu_plugin.node.observe.nodeview import view_provider
 
 
 class Fake:

@@ -21,8 +21,8 @@ import msgpack
 import pytest
 
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.node import state
-from vgpu_plugin.node.state import (
+from vgpu_plugin.node.ledger import state
+from vgpu_plugin.node.ledger.state import (
     HEADER,
     JOURNAL_FILE_NAME,
     LEGACY_FILE_NAME,
@@ -342,7 +342,7 @@ def test_a_caller_that_fails_to_catch_up_learns_what_became_of_its_batch(
 # the batches are not synced (Allocate's path under serve): a SIGKILL must not tell.
 _WRITER = """
 import dataclasses, json, random, sys
-from vgpu_plugin.node import state
+from vgpu_plugin.node.ledger import state
 store = state.AllocationStore(sys.argv[1], compact_min=8)
 rng = random.Random(int(sys.argv[2]))
 n = int(sys.argv[2]) * 100_000
@@ -420,7 +420,7 @@ def test_sigkill_at_random_points_loses_no_acknowledged_record_and_tears_nothing
         # A reader without the lock first (it repairs nothing), then the next plugin.
         read, problem = read_records(tmp_path)
         assert problem is None
-        with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.state"):
+        with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.ledger.state"):
             store = AllocationStore(tmp_path)
         assert store.quarantined == [], "a crash must never look like damage"
         got = {r.allocation_id: r.released is not None for r in store.all()}
@@ -453,11 +453,11 @@ def test_a_torn_last_entry_is_cut_off_and_logged(
         f.write(whole[: len(whole) // 2])  # a writer killed mid-append
     records, problem = read_records(tmp_path)  # as an append in progress: not there yet
     assert [r.allocation_id for r in records] == ["alloc-0001", "alloc-0002"] and problem is None
-    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.state"):
+    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.ledger.state"):
         store = AllocationStore(tmp_path)
     assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
     assert store.quarantined == []
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.ledger.state"]
     assert f"dropped the last {len(whole) // 2} bytes of {path}" in line
     store.add(record(4))  # appended after the cut, readable by everyone
     assert [r.allocation_id for r in read_records(tmp_path)[0]] == ["alloc-0001", "alloc-0002",
@@ -482,13 +482,13 @@ def test_a_foreign_journal_is_refused_and_moved_aside(
     path.write_bytes(content)
     assert reason in (read_records(tmp_path)[1] or "")  # readers report, and move nothing
     assert path.read_bytes() == content
-    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.state"):
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.ledger.state"):
         store = AllocationStore(tmp_path)
     assert store.all() == []
     (aside,) = store.quarantined
     assert aside.name.startswith(f"{JOURNAL_FILE_NAME}.corrupt-")
     assert aside.read_bytes() == content  # kept for a human, never silently dropped
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.ledger.state"]
     assert str(path) in line and str(aside) in line and reason in line
     store.add(record(1))  # and the plugin carries on with a fresh journal
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]
@@ -515,12 +515,12 @@ def test_damage_between_entries_is_kept_aside_and_the_intact_entries_stay(
     assert [r.allocation_id for r in records] == ["alloc-0001", "alloc-0002"]
     assert problem is not None and reason in problem and str(path) in problem
     assert path.read_bytes() == content  # a reader repairs nothing
-    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.state"):
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.ledger.state"):
         store = AllocationStore(tmp_path)
     assert [r.allocation_id for r in store.all()] == ["alloc-0001", "alloc-0002"]
     (aside,) = store.quarantined
     assert aside.read_bytes() == content
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.ledger.state"]
     assert (
         reason in line
         and str(aside) in line
@@ -534,7 +534,7 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
     AllocationStore(tmp_path)
     code = """
         import sys
-        from vgpu_plugin.node import state
+        from vgpu_plugin.node.ledger import state
         store = state.AllocationStore(sys.argv[1], compact_min=4)
         tag = sys.argv[2]
         for i in range(40):
@@ -572,7 +572,7 @@ def test_the_single_file_store_is_imported_at_start(
     legacy.write_bytes(legacy_file(old, future_field=7))
     # status or metrics from this version before the plugin restarts: the old file is read
     assert read_records(tmp_path) == (old, None)
-    with caplog.at_level(logging.INFO, logger="vgpu_plugin.node.state"):
+    with caplog.at_level(logging.INFO, logger="vgpu_plugin.node.ledger.state"):
         store = AllocationStore(tmp_path)
     assert store.all() == old
     assert store.all()[1].released == 1_700_000_500.0
@@ -631,13 +631,13 @@ def test_a_corrupt_or_foreign_old_file_is_refused_and_moved_aside(
         decode(path, content)
     assert str(path) in str(err.value)
 
-    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.state"):
+    with caplog.at_level(logging.ERROR, logger="vgpu_plugin.node.ledger.state"):
         store = AllocationStore(tmp_path)
     assert store.all() == []
     (aside,) = store.quarantined
     assert aside.name.startswith(f"{LEGACY_FILE_NAME}.corrupt-")
     assert aside.read_bytes() == content  # kept for a human, never silently dropped
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.state"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vgpu_plugin.node.ledger.state"]
     assert str(path) in line and str(aside) in line and reason in line
     store.add(record(1))
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]

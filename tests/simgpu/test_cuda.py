@@ -19,7 +19,7 @@ import native_build
 import pytest
 from conftest import make_node
 
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
 MIB = 1 << 20

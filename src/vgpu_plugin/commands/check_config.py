@@ -22,8 +22,8 @@ from vgpu_plugin.core.plan_text import render_dra, render_plan
 from vgpu_plugin.core.sizes import parse_size
 from vgpu_plugin.kubelet.backend import ListTooLargeError, check_list_size
 from vgpu_plugin.kubelet.plugin import advertised_devices
-from vgpu_plugin.node.config_watch import NodeLabelsError, read_node_labels
-from vgpu_plugin.node.nvml import NvmlUnavailable, discover, nvml_session
+from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, discover, nvml_session
+from vgpu_plugin.node.serving.config_watch import NodeLabelsError, read_node_labels
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

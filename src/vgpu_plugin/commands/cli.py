@@ -45,7 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
 def version_text() -> str:
     """``vgpu-plugin <version> (shim <build id>)``: the build id is the name install-shim gives
     the shim this package carries (what Allocate mounts), ``none`` without one."""
-    from vgpu_plugin.node.metrics import build_ids
+    from vgpu_plugin.node.observe.metrics import build_ids
 
     version, shim = build_ids()
     return f"vgpu-plugin {version} (shim {shim})"
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # serve forks a child for each metrics build (node/metrics.py); gRPC's fork handlers,
+    # serve forks a child for each metrics build (node/observe/metrics.py); gRPC's fork handlers,
     # on by default, would log a line at each one and are of no use to a child that never
     # calls gRPC. Read once, when gRPC is first imported: before the parser imports it.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

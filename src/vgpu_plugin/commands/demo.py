@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 
 HOW = {
     "runc": "containers under runc",

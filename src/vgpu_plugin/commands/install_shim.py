@@ -1,5 +1,5 @@
 """``vgpu-plugin install-shim``: the DaemonSet's init container installs the shim and
-ld.so.preload into the host root (the work is node/install.py's)."""
+ld.so.preload into the host root (the work is node/host/install.py's)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from vgpu_plugin.commands.settings import add_shared_flag
 from vgpu_plugin.core.defaults import HOST_ROOT
-from vgpu_plugin.node import native
-from vgpu_plugin.node.install import ForeignPreload, describe, install_shim, live_since
+from vgpu_plugin.node.host import native
+from vgpu_plugin.node.host.install import ForeignPreload, describe, install_shim, live_since
 
 EXIT_FOREIGN_PRELOAD = 3  # the node: another tool's ld.so.preload in this host root
 

@@ -37,40 +37,45 @@ from vgpu_plugin.kubelet.podresources import list_assignments
 from vgpu_plugin.kubelet.rebuild import rebuild
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
-from vgpu_plugin.node import region
-from vgpu_plugin.node.atomicfile import DeferredSync, write_atomically
-from vgpu_plugin.node.cleanup import (
-    Cleaner,
-    store_relabeler,
-    store_release_marker,
-    store_releasing_marker,
-)
-from vgpu_plugin.node.coexist import coexistence_line, find_hami
-from vgpu_plugin.node.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
-from vgpu_plugin.node.dra_claims import migrate_claims_file, read_prepared_claims
-from vgpu_plugin.node.health import HealthChange, HealthTracker
-from vgpu_plugin.node.install import ShimNotInstalled, installed_shim_version
-from vgpu_plugin.node.metrics import MetricsServer, PluginMetrics, new_registry, serve_metrics
-from vgpu_plugin.node.nodeview import (
-    GpuFacts,
-    dra_gpu_facts,
-    gpu_facts_from_plan,
-    live_processes,
-    staged_view_provider,
-)
-from vgpu_plugin.node.nvml import (
+from vgpu_plugin.node.gpu.health import HealthChange, HealthTracker
+from vgpu_plugin.node.gpu.nvml import (
     HealthWatcher,
     NvmlUnavailable,
     discover,
     nvml_memory_used,
     nvml_session,
 )
-from vgpu_plugin.node.state import AllocationStore, NotRegularFile
+from vgpu_plugin.node.host.atomicfile import DeferredSync, write_atomically
+from vgpu_plugin.node.host.cleanup import (
+    Cleaner,
+    store_relabeler,
+    store_release_marker,
+    store_releasing_marker,
+)
+from vgpu_plugin.node.host.coexist import coexistence_line, find_hami
+from vgpu_plugin.node.host.install import ShimNotInstalled, installed_shim_version
+from vgpu_plugin.node.ledger.dra_claims import migrate_claims_file, read_prepared_claims
+from vgpu_plugin.node.ledger.state import AllocationStore, NotRegularFile
+from vgpu_plugin.node.observe import region
+from vgpu_plugin.node.observe.metrics import (
+    MetricsServer,
+    PluginMetrics,
+    new_registry,
+    serve_metrics,
+)
+from vgpu_plugin.node.observe.nodeview import (
+    GpuFacts,
+    dra_gpu_facts,
+    gpu_facts_from_plan,
+    live_processes,
+    staged_view_provider,
+)
+from vgpu_plugin.node.serving.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 
 # A scrape rebuilds the node view's metrics at most once a second (and at most ~10 % of one
-# CPU's time however often it is scraped): node/metrics.py's NodeViewExposition.
+# CPU's time however often it is scraped): node/observe/metrics.py's NodeViewExposition.
 METRICS_MIN_INTERVAL = 1.0
 # Serving scrapes takes at most ~1/10 of one CPU, however often the node is scraped.
 SCRAPE_PACE = 10.0
@@ -101,7 +106,7 @@ def config_digest(config: Config) -> str:
 def start_line(node_name: str, config: Config) -> str:
     """The one line ``serve`` logs first: what runs (version, shim build id, config digest),
     where (node name) and which front ends, so one grep of the node logs tells them apart."""
-    from vgpu_plugin.node.metrics import build_ids
+    from vgpu_plugin.node.observe.metrics import build_ids
 
     version, shim = build_ids()
     fronts = "device-plugin, dra" if config.dra.enabled else "device-plugin"
@@ -112,7 +117,7 @@ def start_line(node_name: str, config: Config) -> str:
 
 
 def log_hami_files(host_root: Path, lock_dir: Path, root: Path = Path("/")) -> None:
-    """One line where HAMi's files are on the node (node/coexist.py): what, and that they
+    """One line where HAMi's files are on the node (node/host/coexist.py): what, and that they
     stay as they are. Never fails the start: it only looks."""
     try:
         line = coexistence_line(find_hami(host_root, lock_dir, root))

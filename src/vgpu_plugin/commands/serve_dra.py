@@ -19,10 +19,10 @@ from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
-from vgpu_plugin.node.dra_claims import ClaimLedger
-from vgpu_plugin.node.kubeapi import ApiError, ClientMissing, KubeApi
-from vgpu_plugin.node.nvml import NvmlUnavailable, device_facts
-from vgpu_plugin.node.state import AllocationStore
+from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, device_facts
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
+from vgpu_plugin.node.ledger.state import AllocationStore
+from vgpu_plugin.node.serving.kubeapi import ApiError, ClientMissing, KubeApi
 
 log = logging.getLogger("vgpu_plugin.commands.serve")
 

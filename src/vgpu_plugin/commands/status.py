@@ -22,9 +22,10 @@ from vgpu_plugin.core.devices import parse_device_id
 from vgpu_plugin.core.pods import PodRef, PodResourcesUnavailable
 from vgpu_plugin.core.sizes import format_mib
 from vgpu_plugin.kubelet.podresources import allocatable_devices, list_assignments
-from vgpu_plugin.node.cleanup import holders
-from vgpu_plugin.node.dra_claims import read_prepared_claims
-from vgpu_plugin.node.nodeview import (
+from vgpu_plugin.node.host.cleanup import holders
+from vgpu_plugin.node.ledger.dra_claims import read_prepared_claims
+from vgpu_plugin.node.ledger.state import read_records
+from vgpu_plugin.node.observe.nodeview import (
     REGION_OK,
     AllocationView,
     GpuFacts,
@@ -34,7 +35,6 @@ from vgpu_plugin.node.nodeview import (
     build_view,
     read_regions,
 )
-from vgpu_plugin.node.state import read_records
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def collect_view(
     if not nvml:
         notes.append("NVML not queried: NVML figures unknown")
     else:
-        from vgpu_plugin.node.nvml import NvmlUnavailable, nvml_facts
+        from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, nvml_facts
 
         try:
             facts = nvml_facts()

@@ -2,7 +2,7 @@
 and the CDI spec that carries the shim for the CDI strategies (docs/contracts.md#device-lists).
 
 Pure: names, the spec as a JSON-ready dict, the annotation. Writing and removing the spec
-files is ``node/cdi.py``'s.
+files is ``node/host/cdi.py``'s.
 
 Facts this relies on, from NVIDIA's k8s-device-plugin, nvidia-container-toolkit and the CDI
 project (cncf-tags/container-device-interface):

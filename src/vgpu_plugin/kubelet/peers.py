@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from vgpu_plugin.node.metrics import PEER_ERROR_KINDS
+from vgpu_plugin.node.observe.metrics import PEER_ERROR_KINDS
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,11 @@ from vgpu_plugin.core.grant import (
 )
 from vgpu_plugin.core.placement import Held, held_by_gpu, preferred_allocation
 from vgpu_plugin.kubelet.backend import BackendError, check_list_size, default_options
-from vgpu_plugin.node.atomicfile import DeferredSync, fsync_dir
-from vgpu_plugin.node.health import HealthChange
-from vgpu_plugin.node.hostfiles import allocation_paths, remove_allocation, write_allocation
-from vgpu_plugin.node.nodeview import DRIVER_LIMIT_KEY
-from vgpu_plugin.node.state import AllocationRecord, AllocationStore
+from vgpu_plugin.node.gpu.health import HealthChange
+from vgpu_plugin.node.host.atomicfile import DeferredSync, fsync_dir
+from vgpu_plugin.node.host.hostfiles import allocation_paths, remove_allocation, write_allocation
+from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore
+from vgpu_plugin.node.observe.nodeview import DRIVER_LIMIT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class VgpuBackend:
 
     def _materialise(self, g: Grant, spec: ContainerSpec, durable: bool = True) -> None:
         """The rw dir, the read-only limits file and the CDI spec (the same host files as a DRA
-        claim's: ``node/hostfiles.py``); their dirs are synced by ``_sync_dirs`` (or, not
+        claim's: ``node/host/hostfiles.py``); their dirs are synced by ``_sync_dirs`` (or, not
         ``durable``, by the syncer) and the record written by the caller, before we answer."""
         write_allocation(spec, g.allocation_id, self._cdi_spec_dir, False, durable)
 

@@ -29,9 +29,9 @@ from vgpu_plugin.core.grant import GpuGrant, Grant, check_allocation_id
 from vgpu_plugin.core.limits import Limits, format_limits
 from vgpu_plugin.core.pods import CheckpointEntry
 from vgpu_plugin.kubelet.plugin import OVERSUBSCRIBED_KEY, VgpuBackend, record_extra
-from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import fsync_dir, write_atomically
-from vgpu_plugin.node.state import AllocationRecord
+from vgpu_plugin.node.host import cdi as cdi_files
+from vgpu_plugin.node.host.atomicfile import fsync_dir, write_atomically
+from vgpu_plugin.node.ledger.state import AllocationRecord
 
 log = logging.getLogger(__name__)
 

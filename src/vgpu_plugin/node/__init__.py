@@ -1,2 +1,2 @@
-"""The node: allocation records, the shim's regions, NVML, health, the shim's install,
-cleanup, the node view and its metrics."""
+"""The node, one subpackage per concern: the ledger, the host's files, GPU facts and health,
+observation, and what a running plugin watches and talks to (docs/architecture.md)."""

@@ -37,7 +37,7 @@ from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
-from vgpu_plugin.node.kubeapi import ApiError
+from vgpu_plugin.node.serving.kubeapi import ApiError
 
 _KEEP_OFF = ("NoSchedule", "NoExecute")
 
@@ -351,7 +351,7 @@ def _ref(pb: Any, claim: Mapping[str, Any]) -> Any:
 
 class FakeApiHttp:
     """``FakeApiServer`` over HTTP, for a driver in another process (``vgpu-plugin serve``):
-    the few ``resource.k8s.io/v1`` calls ``node/kubeapi.py`` makes, through the real
+    the few ``resource.k8s.io/v1`` calls ``node/serving/kubeapi.py`` makes, through the real
     ``kubernetes`` client, and a kubeconfig file that points at it (``write_kubeconfig``)."""
 
     _CLAIM = re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/resourceclaims/([^/]+)$")

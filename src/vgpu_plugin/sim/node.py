@@ -20,8 +20,8 @@ from vgpu_plugin.api.constants import HEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core import cdi, defaults
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.node import native
-from vgpu_plugin.node.install import install_shim
+from vgpu_plugin.node.host import native
+from vgpu_plugin.node.host.install import install_shim
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, PodResourcesEmulator, short_tmp_dir
 from vgpu_plugin.sim.process import ProcessRuntime
 from vgpu_plugin.sim.runc import ContainerConfig, RuncRuntime, Runtime

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_plugin.core.sizes import parse_size
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 
 DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_MEMORY = 81559 * (1 << 20)  # what NVML reports for an 80 GB H100

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vgpu_plugin.node import nvml
+from vgpu_plugin.node.gpu import nvml
 from vgpu_plugin.sim.driver import Driver
 
 MIB = 1 << 20

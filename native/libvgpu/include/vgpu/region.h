@@ -4,7 +4,7 @@
  * and owns one slot in it; the host plugin reads the same file (with pread, never a mapping
  * that a tenant could shrink under it) to report usage.
  * This header is the one definition of the file's layout: C includes it, and Python binds it
- * with cffi (src/vgpu_plugin/node/region.py), which feeds it to ffi.cdef() after dropping comments
+ * with cffi (src/vgpu_plugin/node/observe/region.py), which feeds it to ffi.cdef() after dropping comments
  * and preprocessor lines. Keep it plain declarations: constants in enums, literal array
  * sizes, no macros, no attributes.
  *

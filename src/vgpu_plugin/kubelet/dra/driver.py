@@ -9,8 +9,8 @@ with the same core builder as the device plugin's Allocate (``grant_amounts`` th
 Every container that uses the claim gets the same device, so the containers of one pod that
 share a claim share one limits file and one region: one limit for all of them.
 
-A claim is one record of the node's allocation ledger (``node/state.py``, through
-``node/dra_claims.py``), in the lifecycle every allocation follows: recorded ``preparing``
+A claim is one record of the node's allocation ledger (``node/ledger/state.py``, through
+``node/ledger/dra_claims.py``), in the lifecycle every allocation follows: recorded ``preparing``
 before its files are written, ``prepared`` (synced) before the answer, so a kubelet retry or a
 restarted plugin answers from the record without the API server; unprepare marks it
 ``releasing``, removes exactly what was made with the one remover (``hostfiles``) and drops
@@ -32,10 +32,10 @@ from vgpu_plugin.core.allocation import container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.grant import Amount, InvalidRequest, grant_amounts
-from vgpu_plugin.node.dra_claims import ClaimLedger, PreparedClaim, PreparedDevice, claim_of
-from vgpu_plugin.node.hostfiles import remove_allocation, write_allocation
-from vgpu_plugin.node.kubeapi import ApiError, ClaimReader, SlicePublisher
-from vgpu_plugin.node.state import PREPARED, PREPARING, RELEASING, AllocationRecord
+from vgpu_plugin.node.host.hostfiles import remove_allocation, write_allocation
+from vgpu_plugin.node.ledger.dra_claims import ClaimLedger, PreparedClaim, PreparedDevice, claim_of
+from vgpu_plugin.node.ledger.state import PREPARED, PREPARING, RELEASING, AllocationRecord
+from vgpu_plugin.node.serving.kubeapi import ApiError, ClaimReader, SlicePublisher
 
 log = logging.getLogger(__name__)
 

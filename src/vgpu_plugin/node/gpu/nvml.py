@@ -18,8 +18,8 @@ import pynvml
 
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.dra import DeviceFacts
-from vgpu_plugin.node.health import HealthChange, HealthTracker
-from vgpu_plugin.node.nodeview import GpuFacts
+from vgpu_plugin.node.gpu.facts import GpuFacts
+from vgpu_plugin.node.gpu.health import HealthChange, HealthTracker
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node import native
+from vgpu_plugin.node.host import native
 
 
 class RegionError(RuntimeError):

@@ -21,8 +21,9 @@ from typing import Any, Protocol
 from vgpu_plugin.core.allocation import DRIVER_LIMIT_SET
 from vgpu_plugin.core.devices import GpuLimit, NodePlan, PhysicalGpu, parse_device_id
 from vgpu_plugin.core.pods import PodRef
-from vgpu_plugin.node.dra_claims import PreparedClaim, prepared_claims
-from vgpu_plugin.node.state import DEVICE_PLUGIN, DRA, AllocationRecord
+from vgpu_plugin.node.gpu.facts import GpuFacts as GpuFacts  # the view is built of it
+from vgpu_plugin.node.ledger.dra_claims import PreparedClaim, prepared_claims
+from vgpu_plugin.node.ledger.state import DEVICE_PLUGIN, DRA, AllocationRecord
 
 REGION_OK = "ok"
 REGION_MISSING = "missing"
@@ -100,19 +101,6 @@ ReadRegion = Callable[[Path], RegionSnapshotLike]
 
 
 @dataclass(frozen=True)
-class GpuFacts:
-    """What is known of a physical GPU besides the allocations; None: not known."""
-
-    uuid: str
-    index: int | None = None
-    name: str | None = None
-    memory_total: int | None = None
-    slices_total: int | None = None
-    memory_used_nvml: int | None = None
-    healthy: bool | None = None
-
-
-@dataclass(frozen=True)
 class GpuView:
     uuid: str
     index: int | None
@@ -187,7 +175,7 @@ def region_path(host_root: Path, allocation_id: str) -> Path:
 
 
 def default_read_region() -> ReadRegion:
-    from vgpu_plugin.node import region
+    from vgpu_plugin.node.observe import region
 
     return region.read_region
 
@@ -478,7 +466,7 @@ def staged_view_provider(
     """``view_provider`` in two stages: ``prepare()`` gathers what comes from the plugin's
     own state (records, claims, GPU facts, pods: the parts that take its locks or NVML) and
     returns ``build()``, which reads the regions and builds the view from files only, so it
-    can run in a forked child (node/metrics.py's forked builds)."""
+    can run in a forked child (node/observe/metrics.py's forked builds)."""
     reader = read_region
 
     def prepare() -> Callable[[], NodeView]:

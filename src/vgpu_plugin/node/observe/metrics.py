@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from vgpu_plugin.node.nodeview import (
+from vgpu_plugin.node.observe.nodeview import (
     DRIVER_LIMIT_NOT_APPLIED,
     AllocationGpuView,
     AllocationView,
@@ -703,8 +703,8 @@ def build_ids() -> tuple[str, str]:
     """(plugin version, shim build id): the id is the name install-shim gives this package's
     shim (``<version>-<hash>``), ``none`` where the package carries no shim."""
     from vgpu_plugin import __version__
-    from vgpu_plugin.node import native
-    from vgpu_plugin.node.install import content_version
+    from vgpu_plugin.node.host import native
+    from vgpu_plugin.node.host.install import content_version
 
     try:
         return __version__, content_version(native.shim_library().read_bytes())
@@ -713,7 +713,7 @@ def build_ids() -> tuple[str, str]:
 
 
 def nvml_utilization() -> Mapping[str, float]:
-    from vgpu_plugin.node.nvml import nvml_utilization as read
+    from vgpu_plugin.node.gpu.nvml import nvml_utilization as read
 
     return read()
 

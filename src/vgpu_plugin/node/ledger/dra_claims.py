@@ -1,5 +1,5 @@
 """The DRA driver's prepared claims, as records of the one allocation ledger (the journal of
-``node/state.py``): a kubelet retry or a restarted plugin answers NodePrepareResources for a
+``node/ledger/state.py``): a kubelet retry or a restarted plugin answers NodePrepareResources for a
 claim exactly as the first time, NodeUnprepareResources knows what to remove, and the
 cleanup's orphan sweep leaves a claim's files alone for as long as its record exists.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_plugin.core.devices import GpuLimit
-from vgpu_plugin.node.atomicfile import fsync_dir
-from vgpu_plugin.node.state import (
+from vgpu_plugin.node.host.atomicfile import fsync_dir
+from vgpu_plugin.node.ledger.state import (
     DRA,
     PREPARED,
     AllocationRecord,

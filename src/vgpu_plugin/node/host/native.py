@@ -30,7 +30,7 @@ def native_dir() -> Path:
         candidate = Path(entry) / "_native"
         if candidate.is_dir():
             return candidate
-    return Path(__file__).resolve().parent / "_native"
+    return Path(vgpu_plugin.__file__).resolve().parent / "_native"
 
 
 def _existing(path: Path, what: str) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_plugin.core import cdi
-from vgpu_plugin.node.atomicfile import write_atomically
+from vgpu_plugin.node.host.atomicfile import write_atomically
 
 
 def spec_path(spec_dir: str | Path, allocation_id: str) -> Path:

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from vgpu_plugin.node.install import CONTAINERS_DIR, PRELOAD_FILE, foreign_preload_entries
+from vgpu_plugin.node.host.install import CONTAINERS_DIR, PRELOAD_FILE, foreign_preload_entries
 
 HAMI_ROOT = "usr/local/vgpu"
 HAMI_LOCK_DIR = "tmp/vgpulock"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from vgpu_plugin import __version__
 from vgpu_plugin.core.defaults import SHIM_PATH
-from vgpu_plugin.node import native
-from vgpu_plugin.node.atomicfile import TMP_MARK, write_atomically
-from vgpu_plugin.node.state import read_records
+from vgpu_plugin.node.host import native
+from vgpu_plugin.node.host.atomicfile import TMP_MARK, write_atomically
+from vgpu_plugin.node.ledger.state import read_records
 
 LIB_DIR = "lib"
 SHIM_PREFIX = "libvgpu.so."

@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 from vgpu_plugin.core.allocation import ContainerSpec
-from vgpu_plugin.node import cdi as cdi_files
-from vgpu_plugin.node.atomicfile import write_atomically
-from vgpu_plugin.node.rmtree import remove_tree
+from vgpu_plugin.node.host import cdi as cdi_files
+from vgpu_plugin.node.host.atomicfile import write_atomically
+from vgpu_plugin.node.host.rmtree import remove_tree
 
 log = logging.getLogger(__name__)
 

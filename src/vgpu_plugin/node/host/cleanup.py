@@ -25,8 +25,8 @@ from typing import Protocol
 from vgpu_plugin.core.allocation import host_allocation_dir, host_limits_path
 from vgpu_plugin.core.grant import check_allocation_id
 from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef, PodResourcesUnavailable
-from vgpu_plugin.node.hostfiles import remove_allocation
-from vgpu_plugin.node.state import DEVICE_PLUGIN, RELEASING, AllocationStore
+from vgpu_plugin.node.host.hostfiles import remove_allocation
+from vgpu_plugin.node.ledger.state import DEVICE_PLUGIN, RELEASING, AllocationStore
 
 log = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ import msgpack
 
 from vgpu_plugin.core import defaults
 from vgpu_plugin.core.devices import MIB, GpuLimit
-from vgpu_plugin.node.atomicfile import fsync_dir, tmp_pattern, write_atomically
+from vgpu_plugin.node.host.atomicfile import fsync_dir, tmp_pattern, write_atomically
 
 log = logging.getLogger(__name__)
 

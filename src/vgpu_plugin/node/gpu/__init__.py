@@ -1,0 +1,1 @@
+"""GPU facts and health: NVML discovery and the health state machine."""

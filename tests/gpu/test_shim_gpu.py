@@ -38,6 +38,7 @@ def gpu_env(native_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     if probe.returncode != 0:
         pytest.skip("no NVIDIA GPU here (libcuda.so.1 with a device)")
     tmp = tmp_path_factory.mktemp("gpu")
+    (tmp / "vgpu").mkdir()  # the shim makes the region file, not its directory
     env = _clean_env()
     env.update(
         LD_PRELOAD=str(native_tree / "lib" / "libvgpu.so"),

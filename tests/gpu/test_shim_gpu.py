@@ -38,6 +38,7 @@ def gpu_env(native_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     if probe.returncode != 0:
         pytest.skip("no NVIDIA GPU here (libcuda.so.1 with a device)")
     tmp = tmp_path_factory.mktemp("gpu")
+    (tmp / "vgpu").mkdir()  # the shim makes the region file, not its directory
     env = _clean_env()
     env.update(
         LD_PRELOAD=str(native_tree / "lib" / "libvgpu.so"),
@@ -141,3 +142,67 @@ def test_a_compute_limit_slows_a_kernel_loop_to_its_share(gpu_env: dict[str, str
     full = float(_torch(gpu_env, SPEED))
     half = float(_torch(dict(gpu_env, CUDA_DEVICE_SM_LIMIT="50"), SPEED))
     assert 0.4 <= half / full <= 0.6, (half, full)
+
+
+HOLD_FULL = """
+import ctypes, os, sys
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx, p = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+while cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(64 << 20)) == 0:
+    pass
+print(os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+LATE = """
+import os, sys, torch
+try:
+    torch.zeros(1, device="cuda")
+except Exception as e:
+    print("refused:", e, file=sys.stderr)
+print(os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+
+def _nvml_used(pids: set[int]) -> int:
+    pynvml = pytest.importorskip("pynvml")
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_a_late_runtime_process_keeps_a_full_container_within_its_limit(
+    gpu_env: dict[str, str],
+) -> None:
+    """The CUDA runtime makes its primary context through the driver's private table
+    (cuGetExportTable): a process started in a full container must not take GPU memory past
+    the container's limit with it, by the driver's own count (NVML)."""
+    pytest.importorskip("torch")
+    env = dict(gpu_env, CUDA_DEVICE_MEMORY_LIMIT="2g")
+    procs = []
+    try:
+        for code in (HOLD_FULL, LATE):
+            p = subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            procs.append(p)
+            assert p.stdout is not None
+            assert p.stdout.readline().strip().isdigit(), "the process did not start"
+        used = _nvml_used({p.pid for p in procs})
+        assert 0 < used <= 2 * GIB, used
+    finally:
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.close()
+            p.wait(timeout=60)

@@ -183,3 +183,24 @@ def test_serve_starts_with_the_named_config_and_refuses_a_missing_one(tmp_path: 
     assert (
         _start(tmp_path, config, labels) == f"split {default_config().sharing.split_count}"
     )  # the defaults
+
+
+def test_check_config_checks_the_file_the_label_picks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vgpu_plugin.commands.cli import main
+
+    (tmp_path / "config.yaml").write_text(split(2))
+    (tmp_path / "big.yaml").write_text(split(8))
+    labels = tmp_path / "labels"
+    labels.write_text(f"{CONFIG_LABEL}=big\n")
+    argv = ["check-config", str(tmp_path / "config.yaml"), "--no-nvml", "--node-labels-file",
+            str(labels), "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert f'"file": "{tmp_path / "big.yaml"}"' in out.out
+    assert f"node label {CONFIG_LABEL}=big: checking {tmp_path / 'big.yaml'}" in out.err
+    labels.write_text(f"{CONFIG_LABEL}=huge\n")
+    assert main(argv) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"node label {CONFIG_LABEL}=huge: no config file {tmp_path / 'huge.yaml'}" in line

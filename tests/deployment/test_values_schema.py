@@ -55,6 +55,10 @@ def _ts(name: str) -> dict[str, Any]:
     return _config(sharing={"timeSlicing": {"resources": [{"name": name, "replicas": 2}]}})
 
 
+def _named(name: str) -> dict[str, Any]:
+    return {"configs": {name: {"version": "v1"}}, "nodeLabels": {"fromAPI": True}}
+
+
 def _dls(value: str) -> dict[str, Any]:
     return _config(deviceListStrategy=value)
 
@@ -81,6 +85,8 @@ PATTERN_CASES: list[tuple[str, dict[str, Any], bool]] = [
     (f"{D}/sharingKeys/compute/anyOf/2", _config(sharing={"compute": "0%"}), False),
     (f"{D}/byteSize/anyOf/1", {"dra": {"memory": {"minimum": "1Gi"}}}, True),
     (f"{D}/byteSize/anyOf/1", {"dra": {"memory": {"minimum": "1G"}}}, False),
+    (f"{P}/configs/propertyNames", _named("a100-80gb.v2"), True),
+    (f"{P}/configs/propertyNames", _named("a100/80gb"), False),
     (f"{P}/image/properties/digest", {"image": {"digest": "sha256:" + "ab" * 32}}, True),
     (f"{P}/image/properties/digest", {"image": {"digest": "sha256:xyz"}}, False),
     (f"{P}/config/properties/deviceListStrategy/anyOf/0", _dls("cdi-cri, volume-mounts"), True),

@@ -1,5 +1,5 @@
 """The DRA driver fails closed (issue 26): over real gRPC, with the kubelet emulator and an
-API server in memory, a result without the capacities the slice requires is refused, a claim
+API server in memory, a result without the capacities the ResourceSlice requires is refused, a claim
 that would overcommit a GPU is refused naming both numbers, and amounts only round up."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,13 @@ from vgpu_plugin.commands.serve_dra import split_gpus
 from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config, ConfigError, load_config
 from vgpu_plugin.core.devices import MIB, GpuPlan, NodePlan, PhysicalGpu, plan_node
+from vgpu_plugin.core.named_config import (
+    CONFIG_LABEL,
+    NamedConfigError,
+    config_file_for,
+    missing_config,
+    selected_config_name,
+)
 from vgpu_plugin.core.plan_text import render_dra, render_plan
 from vgpu_plugin.core.sizes import parse_size
 from vgpu_plugin.kubelet.backend import ListTooLargeError, check_list_size
@@ -69,14 +76,32 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _picked_file(given: Path, labels: Mapping[str, str]) -> str:
+    """The file serve would run with these labels: ``given``, or the named config beside it
+    that the label ``vgpu-plugin.io/config`` picks (said on stderr)."""
+    name = selected_config_name(labels)
+    if name is None:
+        return str(given)
+    picked = config_file_for(given, name)
+    if not picked.exists():
+        raise missing_config(given, name)
+    print(f"node label {CONFIG_LABEL}={name}: checking {picked}, as serve would run it",
+          file=sys.stderr)  # fmt: skip
+    return str(picked)
+
+
 def run(args: argparse.Namespace) -> int:
     problem = _usage_problem(args)
     if problem is not None:
         print(f"vgpu-plugin check-config: {problem}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        config = load_config(Path(args.file))
         labels = read_node_labels(Path(args.node_labels_file) if args.node_labels_file else None)
+        args.file = _picked_file(Path(args.file), labels)
+        config = load_config(Path(args.file))
+    except NamedConfigError as exc:
+        print(f"vgpu-plugin check-config: {exc}", file=sys.stderr)
+        return 1
     except (ConfigError, NodeLabelsError) as exc:
         print(f"{args.file}: invalid\n{exc}", file=sys.stderr)
         return 1

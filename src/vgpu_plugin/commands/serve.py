@@ -28,6 +28,7 @@ from vgpu_plugin.commands.logs import setup_logging
 from vgpu_plugin.commands.serve_dra import DraRunner, split_gpus
 from vgpu_plugin.commands.settings import ServeSettings
 from vgpu_plugin.core.config import Config, ConfigError, default_config
+from vgpu_plugin.core.named_config import CONFIG_LABEL, NamedConfigError
 from vgpu_plugin.core.pods import CheckpointEntry, CheckpointError, PodRef
 from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.backend import ListTooLargeError
@@ -151,13 +152,22 @@ def _load_config(
         labels = read_node_labels(settings.node_labels_file)
     except (OSError, NodeLabelsError) as exc:
         raise StartupError(f"node labels file: {exc}", EXIT_CONFIG) from exc
-    if not settings.config.exists():
+    try:
+        path = watcher.selected()
+    except NamedConfigError as exc:
+        raise StartupError(str(exc), EXIT_CONFIG) from exc
+    if path == settings.config and not path.exists():
         log.warning("config %s does not exist: running with the defaults", settings.config)
         return default_config(), labels
     try:
-        return watcher.load_initial()
+        loaded = watcher.load_initial()
+    except NamedConfigError as exc:
+        raise StartupError(str(exc), EXIT_CONFIG) from exc
     except (ConfigError, NodeLabelsError, OSError) as exc:
-        raise StartupError(f"config {settings.config} is invalid: {exc}", EXIT_CONFIG) from exc
+        raise StartupError(f"config {path} is invalid: {exc}", EXIT_CONFIG) from exc
+    if path != settings.config:
+        log.info("node label %s picks config %s", CONFIG_LABEL, path)
+    return loaded
 
 
 class Plugin:

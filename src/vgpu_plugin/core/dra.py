@@ -316,7 +316,7 @@ def _consumed(consumed: Mapping[str, Any], name: str, policy: CapacityPolicy, wh
     a hand-written status), refused rather than read as the whole GPU."""
     if name not in consumed:
         raise ClaimError(
-            f"{where}: no consumedCapacity {name!r}, which this driver's slice requires"
+            f"{where}: no consumedCapacity {name!r}, which this driver's ResourceSlice requires"
             " (is the DRAConsumableCapacity feature off in the scheduler?)"
         )
     try:

@@ -155,7 +155,7 @@ class DraDriver:
             if not self._taints:
                 log.warning(
                     "the API server dropped the ResourceSlice's device taints (is the"
-                    " DRADeviceTaints feature off?): unhealthy GPUs leave the slice instead"
+                    " DRADeviceTaints feature off?): unhealthy GPUs leave the ResourceSlice instead"
                 )
                 return self.publish(f"{why}; unhealthy GPUs left out")
         return True

@@ -1,5 +1,10 @@
 """Hot reload of the config file and the node-labels file.
 
+The node label ``vgpu-plugin.io/config`` may pick a named config beside the default one
+(core/named_config.py): the watcher follows whichever file the labels pick now, so a changed
+label, like a changed file, is a reload; a label naming a config that is not there is refused
+like an invalid file.
+
 A ConfigMap update swaps a symlink (``..data``) rather than rewriting the file, so the watcher
 compares the *content* behind the path, not the inode it once opened. A valid new config is
 handed to ``on_config``; an invalid one, or a path that cannot be read (a swap to a missing
@@ -21,6 +26,12 @@ from vgpu_plugin.core.config import (
     UnreadableFile,
     parse_config,
     read_text_file,
+)
+from vgpu_plugin.core.named_config import (
+    NamedConfigError,
+    config_file_for,
+    missing_config,
+    selected_config_name,
 )
 from vgpu_plugin.core.schema import clip
 
@@ -92,43 +103,67 @@ class ConfigWatcher:
         self._interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._seen: tuple[str | None, str | None] = (None, None)
+        self._seen: tuple[str | None, ...] = (None, None)
         self.current: tuple[Config, Mapping[str, str]] | None = None
+        # The file the running config came from (the default one or a named one).
+        self.source: Path = config_path
         self.reloads = 0
         self.failures = 0
 
     def load_initial(self) -> tuple[Config, Mapping[str, str]]:
-        """Read both files now; raises ConfigError/NodeLabelsError/OSError if unusable."""
-        seen = (_digest(self.config_path), _digest(self.labels_path))
-        self.current = self._read()
+        """Read both files now; raises ConfigError/NodeLabelsError/NamedConfigError (or
+        OSError) if unusable."""
+        seen = self._snapshot()
+        self.current, self.source = self._read()
         self._seen = seen
         return self.current
 
-    def _read(self) -> tuple[Config, Mapping[str, str]]:
-        """Both files, parsed; ConfigError/NodeLabelsError (or OSError) when unusable."""
+    def selected(self) -> Path:
+        """The config file the node's labels pick now; NodeLabelsError/NamedConfigError."""
+        labels = read_node_labels(self.labels_path)
+        return config_file_for(self.config_path, selected_config_name(labels))
+
+    def _snapshot(self) -> tuple[str | None, ...]:
+        """What the labels file and the config file it picks hold now (or why not)."""
+        labels = _digest(self.labels_path)
         try:
-            text = read_text_file(self.config_path)
+            path = self.selected()
+        except (NodeLabelsError, NamedConfigError) as exc:
+            return (labels, f"unusable: {exc}")
+        return (labels, str(path), _digest(path))
+
+    def _read(self) -> tuple[tuple[Config, Mapping[str, str]], Path]:
+        """The labels and the config they pick, parsed, and that config's file;
+        ConfigError/NodeLabelsError/NamedConfigError (or OSError) when unusable."""
+        labels = read_node_labels(self.labels_path)
+        name = selected_config_name(labels)
+        path = config_file_for(self.config_path, name)
+        try:
+            text = read_text_file(path)
         except UnreadableFile as exc:
-            raise ConfigError([str(exc)], str(self.config_path)) from None
-        return parse_config(text, str(self.config_path)), read_node_labels(self.labels_path)
+            if name is not None and not path.exists():
+                raise missing_config(self.config_path, name) from None
+            raise ConfigError([str(exc)], str(path)) from None
+        return (parse_config(text, str(path)), labels), path
 
     def poll(self) -> bool:
         """Check once; True when a new valid config was applied."""
-        seen = (_digest(self.config_path), _digest(self.labels_path))
+        seen = self._snapshot()
         if seen == self._seen:
             return False  # unchanged, or still the same problem (reported once)
         self._seen = seen
         try:
-            config, labels = self._read()
-        except (ConfigError, NodeLabelsError) as exc:
+            (config, labels), source = self._read()
+        except (ConfigError, NodeLabelsError, NamedConfigError) as exc:
             self.failures += 1
             log.error("config reload refused, keeping the running config: %s", exc)
             if self._on_error is not None:
                 self._on_error(exc)
             return False
         self.current = (config, labels)
+        self.source = source
         self.reloads += 1
-        log.info("config reloaded from %s", self.config_path)
+        log.info("config reloaded from %s", source)
         self._on_change(config, labels)
         return True
 

@@ -13,7 +13,7 @@ from deployment import k8s
 from deployment.chart import Helm, HelmError, render
 from vgpu_plugin.core.config import parse_config
 from vgpu_plugin.core.named_config import CONFIG_LABEL
-from vgpu_plugin.node.config_watch import ConfigWatcher
+from vgpu_plugin.node.serving.config_watch import ConfigWatcher
 
 LABELS = {"nodeLabels": {"fromAPI": True}}
 BIG = {"version": "v1", "sharing": {"splitCount": 16, "compute": "proportional"}}

@@ -18,7 +18,7 @@ from vgpu_plugin.core.named_config import (
     config_file_for,
     selected_config_name,
 )
-from vgpu_plugin.node.config_watch import ConfigWatcher
+from vgpu_plugin.node.serving.config_watch import ConfigWatcher
 
 
 class Seen:

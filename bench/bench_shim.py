@@ -210,9 +210,16 @@ def first_calls(b: Bench, repeat: int) -> None:
     )
 
 
-def empty_library(tmp: Path) -> Path | None:
-    """An empty shared library built the default way: what any preload costs."""
-    empty = tmp / "libempty.so"
+def empty_library(tmp: Path, path_len: int = 0) -> Path | None:
+    """An empty shared library built the default way: what any preload costs. Named, where
+    `path_len` is long enough, with a path as long as the shim's: the loader's work on a
+    preload's path grows with its length, and padding a shorter one with blanks costs more
+    (each blank is a separator the loader skips: about 58 instructions)."""
+    name = "libempty.so"
+    room = path_len - len(str(tmp / name))
+    if room > 0:
+        name = f"libempty{'_' * room}.so"
+    empty = tmp / name
     if not empty.exists():
         (tmp / "empty.c").write_text("int vgpu_bench_empty(void) { return 0; }\n")
         cc = ["cc", "-O2", "-shared", "-fPIC", "-o", str(empty), str(tmp / "empty.c")]
@@ -251,7 +258,7 @@ def instruction_counts(b: Bench, tmp: Path) -> None:
     )
     none = b.true_instructions("")
     shim = b.true_instructions(b.shim["LD_PRELOAD"])
-    empty = empty_library(tmp)
+    empty = empty_library(tmp, len(b.shim["LD_PRELOAD"]))
     line = f"/bin/true: {none} instructions, with the shim preloaded {shim - none:+d}"
     if empty is not None:
         line += f"; an empty library {b.true_instructions(str(empty)) - none:+d}"
@@ -317,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({s8 / s1:.2f}x, target <= 2x); without {q1:.0f} -> {q8:.0f} ({q8 / q1:.2f}x)"
         )
 
-        empty = empty_library(Path(tmp))
-        have_empty = empty is not None
         lib = b.shim["LD_PRELOAD"]
+        empty = empty_library(Path(tmp), len(lib))
+        have_empty = empty is not None
         rounds = 1000 * args.repeat
         variants = ["none", f"env:{lib}"] + ([f"env:{empty}"] if have_empty else [])
         t = b.spawn_medians(rounds, variants)

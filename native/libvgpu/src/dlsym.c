@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "shim.h"
 
@@ -28,11 +29,13 @@ static VGPU_NO_SANITIZE void *(*resolve_real_dlsym(void))(void *, const char *) 
     if (LIKELY(p != NULL)) return p;
     /* dlvsym(RTLD_NEXT) from here finds the definition after the shim: libc's (or libdl's
      * before glibc 2.34). Names: the current version, then the first of each architecture. */
-    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
+    static const char versions[][12] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17", "GLIBC_2.0"};
     for (size_t i = 0; i < sizeof versions / sizeof versions[0] && !p; i++)
         p = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", versions[i]);
     if (!p) {
-        fputs("[vgpu] error: cannot find the real dlsym; aborting\n", stderr);
+        static const char msg[] = "[vgpu] error: cannot find the real dlsym; aborting\n";
+        ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1); /* stderr: a load-time symbol */
+        (void)w;
         abort();
     }
     __atomic_store_n(&vgpu_dlsym_next, p, __ATOMIC_RELEASE);
@@ -40,6 +43,13 @@ static VGPU_NO_SANITIZE void *(*resolve_real_dlsym(void))(void *, const char *) 
 }
 
 void *vgpu_real_dlsym(void *handle, const char *name) { return resolve_real_dlsym()(handle, name); }
+
+char **vgpu_environ(void) {
+    /* The definition the program's own references use (its copy, if it made one): the first in
+     * the global scope, as a load-time relocation would have found it. */
+    char ***env = (char ***)vgpu_real_dlsym(RTLD_DEFAULT, "environ");
+    return env ? *env : NULL;
+}
 
 /* Our answer to dlsym(handle, name), or NULL to let the real dlsym answer. */
 VGPU_HIDDEN __attribute__((used)) VGPU_NO_SANITIZE void *

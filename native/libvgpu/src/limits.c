@@ -21,8 +21,6 @@
 #define DEFAULT_REGION REGION_DIR "/vgpu.cache"
 #define DEFAULT_LOCK_DIR "/tmp/vgpulock"
 
-extern char **environ;
-
 static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say(const char *fmt, ...) {
     char line[768];
@@ -231,7 +229,7 @@ static int env_index(const char *entry, const char *name, const char **value) {
 static void load_env(struct vgpu_config *c) {
     struct env_val mem[VGPU_MAX_DEVICES + 1] = {{0}}, sm[VGPU_MAX_DEVICES + 1] = {{0}};
     int any = 0, max_index = -1;
-    for (char **e = environ; e && *e; e++) {
+    for (char **e = vgpu_environ(); e && *e; e++) {
         const char *v = NULL;
         int is_mem = 1, i = env_index(*e, "CUDA_DEVICE_MEMORY_LIMIT", &v);
         if (i == -2) {

@@ -15,14 +15,14 @@ static int g_level = -1; /* -1: not read yet */
 static pthread_once_t g_level_once = PTHREAD_ONCE_INIT;
 
 static void read_level(void) {
-    static const char *const names[] = {"error", "warn", "info", "debug"};
+    static const char names[][6] = {"error", "warn", "info", "debug"}; /* no relocations */
     const char *v = getenv("LIBVGPU_LOG_LEVEL");
     int level = VGPU_LOG_WARN;
     if (v && *v) {
         int i = 0;
         while (i < 4 && strcasecmp(v, names[i]) != 0) i++;
         if (i < 4) level = i;
-        else fprintf(stderr, "[vgpu] warn: LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn\n", v);
+        else dprintf(STDERR_FILENO, "[vgpu] warn: LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn\n", v);
     }
     __atomic_store_n(&g_level, level, __ATOMIC_RELEASE);
 }
@@ -35,7 +35,7 @@ int vgpu_log_level(void) {
 }
 
 void vgpu_log(int level, const char *fmt, ...) {
-    static const char *const tags[] = {"error", "warn", "info", "debug"};
+    static const char tags[][6] = {"error", "warn", "info", "debug"};
     char line[1024];
     int n = snprintf(line, sizeof line, "[vgpu] %s: ", tags[level < 0 ? 0 : level > 3 ? 3 : level]);
     va_list ap;

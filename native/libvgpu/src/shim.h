@@ -196,6 +196,9 @@ VGPU_HIDDEN void *vgpu_hook_for_real(void *real);
 VGPU_HIDDEN void vgpu_driver_limit_check(struct vgpu_region *r);
 /* The real dlsym (dlsym.c), resolved on first use. */
 VGPU_HIDDEN void *vgpu_real_dlsym(void *handle, const char *name);
+/* The process's environ, looked up when asked: a reference to it would be a symbol lookup at
+ * load in every process. */
+VGPU_HIDDEN char **vgpu_environ(void);
 
 /* log.c (log.h): the hooks test the level cached in vgpu.log_level, set with the limits. */
 #define VLOG(level, ...)                                                                       \

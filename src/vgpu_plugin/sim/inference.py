@@ -16,8 +16,9 @@ an out-of-memory error is then the result (``"out_of_memory": true``), not a cra
 ``--hold S`` it keeps serving for S seconds after its first line, then prints a second line.
 
 fp32, not fp16: cuBLASLt 13's half-precision heuristics call a driver export table simgpu
-does not provide yet (1734dc26-...) and crash. On simgpu kernels compute nothing, so no value read back means anything: the control flow here
-never depends on one. What is real is every allocation, copy, launch, stream and byte.
+does not provide yet (1734dc26-...) and crash. On simgpu kernels compute nothing, so no
+value read back means anything: the control flow here never depends on one. What is real is
+every allocation, copy, launch, stream and byte.
 """
 
 from __future__ import annotations

@@ -9,11 +9,14 @@
   activations' peak measured by a profiling forward pass of the longest batch;
 - ``allowed``: what the budget leaves the cache, ``utilization x total - (used after
   loading and profiling) - (activation peak)``; the cache takes whole blocks of it;
-- ``served``, ``gpu_ms`` (CUDA events), ``cuda_total``, ``cuda_used``.
+- ``served``, ``gpu_ms`` (CUDA events around each request), ``cuda_total``, ``cuda_used``;
+- sizing details: ``in_use`` (what CUDA showed in use when sizing), ``reserved`` (PyTorch's
+  part of it), ``workspaces`` (tensors beyond the weights: cuBLAS's workspaces).
 
 ``--cache-mib M`` asks for a fixed cache instead (the pod that wants more than its slice):
-an out-of-memory error is then the result (``"out_of_memory": true``), not a crash. With
-``--hold S`` it keeps serving for S seconds after its first line, then prints a second line.
+an out-of-memory error is then the result (``"out_of_memory": true`` and the time, ``at``),
+not a crash. With ``--hold S`` it keeps serving for S seconds after its first line, then
+prints a second line with the totals and ``finished_at``, when each of those requests ended.
 
 fp32, not fp16: cuBLASLt 13's half-precision heuristics call a driver export table simgpu
 does not provide yet (1734dc26-...) and crash. On simgpu kernels compute nothing, so no
@@ -104,8 +107,16 @@ class Server:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         allowed = int(utilization * total) - (total - free) - peak
+        sizing = {
+            "allowed": allowed,
+            "profile_peak": peak,
+            "in_use": total - free,
+            # Tensors beyond the weights that live on (cuBLAS's workspaces, kept by torch).
+            "workspaces": torch.cuda.memory_allocated() - self.weights,
+            "reserved": torch.cuda.memory_reserved(),
+        }
         self.allocate_cache(max(allowed, 0) // self.spec.block_bytes())
-        return {"allowed": allowed, "profile_peak": peak}
+        return sizing
 
     def allocate_cache(self, blocks: int) -> None:
         s = self.spec
@@ -166,7 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             server.allocate_cache(args.cache_mib * MIB // spec.block_bytes())
     except torch.OutOfMemoryError as exc:
-        result.update(out_of_memory=True, error=str(exc).splitlines()[0][:200])
+        message = str(exc).splitlines()[0][:200]
+        result.update(out_of_memory=True, message=message, at=time.time())
         return result
     result.update(out_of_memory=False, cache=server.blocks * spec.block_bytes())
     gpu_ms = sum(server.serve(r) for r in range(args.requests))
@@ -175,11 +187,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(served=served, gpu_ms=gpu_ms, cuda_total=total, cuda_used=total - free)
     if args.hold > 0:
         print(json.dumps(result), flush=True)
-        end = time.monotonic() + args.hold
+        end, finished = time.monotonic() + args.hold, []
         while time.monotonic() < end:
             gpu_ms += server.serve(served)
             served += 1
-        result.update(served=served, gpu_ms=gpu_ms, done=True)
+            finished.append(time.time())  # wall clock: the demo compares it across pods
+        result.update(served=served, gpu_ms=gpu_ms, finished_at=finished)
     return result
 
 

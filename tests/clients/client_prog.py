@@ -229,9 +229,24 @@ def fill_cupy(cp: Any, chunk: int) -> None:
     out("after_free", cp.cuda.runtime.memGetInfo()[0])
 
 
+def preload_cublas12() -> None:
+    """Load nvidia-cublas-cu12's libcublas.so.12 first: with torch's CUDA 13 wheels beside it,
+    cuda-pathfinder (which CuPy asks for cuBLAS) picks libcublas.so.13 and CuPy's cuda12x
+    module then finds no libcublas.so.12."""
+    from pathlib import Path
+
+    import nvidia  # type: ignore[import-not-found]
+
+    for base in nvidia.__path__:
+        for lib in sorted(Path(base).glob("cublas/lib/libcublas.so.12")):
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            return
+
+
 def matmul_cupy(cp: Any) -> None:
     """A matrix product through cuBLAS (nvidia-cublas-cu12): its handle, its libraries' kernels
     and module variables on simgpu; then hold, for the GPU's use to be read."""
+    preload_cublas12()
     a = cp.ones((64, 64), dtype=cp.float32)
     c = a @ a
     cp.cuda.runtime.deviceSynchronize()

@@ -309,7 +309,7 @@ def torch_client(scenario: str, args: list[str]) -> None:
         out("elementwise_shape", z.shape[0])
         out("elementwise_dtype", str(z.dtype).removeprefix("torch."))
         out("elementwise_device", z.device.type)
-    elif scenario in ("linear", "transformer"):
+    elif scenario in ("linear", "linear-fp16", "transformer"):
         train_step_torch(torch, scenario)
     elif scenario == "serve":
         serve_torch(float(args[0]))
@@ -321,9 +321,11 @@ def train_step_torch(torch: Any, model: str) -> None:
     """One forward and backward pass of a model built in code (random weights): an nn.Linear,
     or a two-layer TransformerEncoder; then hold, for the GPU's use to be read. cuBLAS's
     handles, workspaces and kernels, attention and the autograd buffers are all real."""
-    if model == "linear":
-        net = torch.nn.Linear(512, 256).cuda()
-        x = torch.randn(64, 512, device="cuda")
+    if model in ("linear", "linear-fp16"):
+        # fp16 takes cuBLASLt's half-precision heuristics (a driver export table of their own).
+        dtype = torch.float16 if model == "linear-fp16" else torch.float32
+        net = torch.nn.Linear(512, 256, device="cuda", dtype=dtype)
+        x = torch.randn(64, 512, device="cuda", dtype=dtype)
     else:
         layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
         net = torch.nn.TransformerEncoder(layer, num_layers=2).cuda()

@@ -298,7 +298,7 @@ def test_torch_context_is_charged_once_under_the_shim(shim: Shim) -> None:
 @pytest.mark.parametrize("with_shim", MODES)
 @pytest.mark.parametrize(
     ("model", "shape", "params"),
-    [("linear", "64x256", 2), ("transformer", "8x64x256", 24)],
+    [("linear", "64x256", 2), ("linear-fp16", "64x256", 2), ("transformer", "8x64x256", 24)],
 )
 def test_torch_model_trains_a_step_within_the_limit(
     shim: Shim, with_shim: bool, model: str, shape: str, params: int

@@ -1,7 +1,7 @@
 """An inference server in miniature, for the demo and the client tier: PyTorch only.
 
 ``python -m vgpu_plugin.sim.inference --utilization 0.9 --requests N`` builds a small decoder
-(random fp32 weights made on the GPU, nothing downloaded), sizes a paged KV cache from
+(random fp16 weights made on the GPU, nothing downloaded), sizes a paged KV cache from
 ``torch.cuda.mem_get_info()`` the way vLLM's ``gpu_memory_utilization`` does, serves requests
 (a prefill, then one token at a time reading its cache blocks) and prints one JSON line:
 
@@ -18,10 +18,8 @@ an out-of-memory error is then the result (``"out_of_memory": true`` and the tim
 not a crash. With ``--hold S`` it keeps serving for S seconds after its first line, then
 prints a second line with the totals and ``finished_at``, when each of those requests ended.
 
-fp32, not fp16: cuBLASLt 13's half-precision heuristics call a driver export table simgpu
-does not provide yet (1734dc26-...) and crash. On simgpu kernels compute nothing, so no
-value read back means anything: the control flow here never depends on one. What is real is
-every allocation, copy, launch, stream and byte.
+On simgpu kernels compute nothing, so no value read back means anything: the control flow here
+never depends on one. What is real is every allocation, copy, launch, stream and byte.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ class ModelSpec:
     batch: int = 8  # requests in the profiling batch
 
     def block_bytes(self) -> int:
-        """K and V of BLOCK_TOKENS tokens in every layer, fp32."""
-        return 2 * self.layers * BLOCK_TOKENS * self.d_model * 4
+        """K and V of BLOCK_TOKENS tokens in every layer, fp16."""
+        return 2 * self.layers * BLOCK_TOKENS * self.d_model * 2
 
 
 TINY = ModelSpec(layers=2, d_model=256, heads=4, ffn=1024, vocab=4096, prompt=32, decode=4)
@@ -67,7 +65,7 @@ class Server:
     def __init__(self, torch: Any, spec: ModelSpec) -> None:
         self.torch, self.spec = torch, spec
         nn = torch.nn
-        kw = {"device": "cuda", "dtype": torch.float32}
+        kw = {"device": "cuda", "dtype": torch.float16}
         with torch.no_grad():
             self.embed = nn.Embedding(spec.vocab, spec.d_model, **kw)
             self.layers = [
@@ -121,7 +119,7 @@ class Server:
     def allocate_cache(self, blocks: int) -> None:
         s = self.spec
         shape = (s.layers, 2, blocks, BLOCK_TOKENS, s.d_model)
-        self.cache = self.torch.empty(shape, dtype=self.torch.float32, device="cuda")
+        self.cache = self.torch.empty(shape, dtype=self.torch.float16, device="cuda")
         self.blocks = blocks
 
     def serve(self, request: int) -> float:
@@ -168,6 +166,9 @@ class Server:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch = load_torch()
+    # cuDNN's attention builds its kernels at run time (cuLinkCreate, NVRTC), which simgpu does
+    # not model; PyTorch's own fused attention kernels run instead.
+    torch.backends.cuda.enable_cudnn_sdp(False)
     spec = TINY if args.tiny else ModelSpec()
     server = Server(torch, spec)
     result: dict[str, Any] = {"weights": server.weights, "block_bytes": spec.block_bytes()}

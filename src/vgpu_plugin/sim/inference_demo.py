@@ -53,11 +53,9 @@ class Server:
         """What its slice allows the cache, from the slice the plugin gave it: utilization x
         the slice, less CUDA's own memory, the weights, cuBLAS's workspaces and the
         activations' peak (each as the server measured it)."""
-        assert self.admitted is not None
-        slice_bytes = self.admitted.memory_limit_mib() * MIB
         r = self.first
         return int(
-            UTILIZATION * slice_bytes
+            UTILIZATION * slice_bytes(self)
             - self.cuda_own()
             - r["weights"]
             - r["workspaces"]
@@ -133,6 +131,11 @@ def table(pods: list[Server]) -> list[str]:
     return rows
 
 
+def slice_bytes(p: Server) -> int:
+    assert p.admitted is not None
+    return p.admitted.memory_limit_mib() * MIB
+
+
 def judge(pods: list[Server]) -> tuple[bool, str]:
     """Whether the scenario proved what it claims, and the one line that says what."""
     sized = [p for p in pods if not p.greedy]
@@ -144,10 +147,12 @@ def judge(pods: list[Server]) -> tuple[bool, str]:
     oom = [p.name for p in sized if p.first.get("out_of_memory")]
     off = [p.name for p in sized if not (1 - TOLERANCE <= p.cache_ratio() <= 1.0)]
     stopped = [p.name for p in sized if p.last.get("served", 0) <= p.first["served"]]
+    over = [p.name for p in sized if p.first["cuda_used"] > slice_bytes(p)]
     refused = all(p.first.get("out_of_memory") for p in greedy)
-    if oom or off or stopped or not refused:
+    if oom or off or stopped or over or not refused:
         return False, (
-            f"FAILED: out of memory within their slice: {oom or 'none'}; cache off its slice "
+            f"FAILED: out of memory within their slice: {oom or 'none'}; more than their "
+            f"slice: {over or 'none'}; cache off its slice "
             f"by more than {TOLERANCE:.0%}: {off or 'none'}; stopped serving: "
             f"{stopped or 'none'}; greedy refused: {refused}"
         )

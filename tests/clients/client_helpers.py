@@ -2,7 +2,7 @@
 (libcudart 12 and 13), CuPy and PyTorch, from PyPI, on a simulated node, each scenario without
 and with the shim; a test skips, saying so, only where its wheel is not installed
 (`pip install -e '.[test]'` installs all but PyTorch, which is several GB and comes with
-`pip install -e '.[test,clients-torch]'`). Holds no tests."""
+`pip install -e '.[test,torch]'`). Holds no tests."""
 
 from __future__ import annotations
 
@@ -45,6 +45,6 @@ def require_torch() -> None:
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("torch is not installed (pip install -e '.[test,clients-torch]')")
+        pytest.skip("torch is not installed (pip install -e '.[test,torch]')")
     if version.endswith("+cpu"):
         pytest.skip(f"torch {version} is the CPU-only build; the tier needs PyPI's CUDA build")

@@ -229,9 +229,24 @@ def fill_cupy(cp: Any, chunk: int) -> None:
     out("after_free", cp.cuda.runtime.memGetInfo()[0])
 
 
+def preload_cublas12() -> None:
+    """Load nvidia-cublas-cu12's libcublas.so.12 first: with torch's CUDA 13 wheels beside it,
+    cuda-pathfinder (which CuPy asks for cuBLAS) picks libcublas.so.13 and CuPy's cuda12x
+    module then finds no libcublas.so.12."""
+    from pathlib import Path
+
+    import nvidia  # type: ignore[import-not-found]
+
+    for base in nvidia.__path__:
+        for lib in sorted(Path(base).glob("cublas/lib/libcublas.so.12")):
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+            return
+
+
 def matmul_cupy(cp: Any) -> None:
     """A matrix product through cuBLAS (nvidia-cublas-cu12): its handle, its libraries' kernels
     and module variables on simgpu; then hold, for the GPU's use to be read."""
+    preload_cublas12()
     a = cp.ones((64, 64), dtype=cp.float32)
     c = a @ a
     cp.cuda.runtime.deviceSynchronize()
@@ -294,8 +309,51 @@ def torch_client(scenario: str, args: list[str]) -> None:
         out("elementwise_shape", z.shape[0])
         out("elementwise_dtype", str(z.dtype).removeprefix("torch."))
         out("elementwise_device", z.device.type)
+    elif scenario in ("linear", "linear-fp16", "transformer"):
+        train_step_torch(torch, scenario)
+    elif scenario == "serve":
+        serve_torch(float(args[0]))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+
+
+def train_step_torch(torch: Any, model: str) -> None:
+    """One forward and backward pass of a model built in code (random weights): an nn.Linear,
+    or a two-layer TransformerEncoder; then hold, for the GPU's use to be read. cuBLAS's
+    handles, workspaces and kernels, attention and the autograd buffers are all real."""
+    if model in ("linear", "linear-fp16"):
+        # fp16 takes cuBLASLt's half-precision heuristics (a driver export table of their own).
+        dtype = torch.float16 if model == "linear-fp16" else torch.float32
+        net = torch.nn.Linear(512, 256, device="cuda", dtype=dtype)
+        x = torch.randn(64, 512, device="cuda", dtype=dtype)
+    else:
+        layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+        net = torch.nn.TransformerEncoder(layer, num_layers=2).cuda()
+        x = torch.randn(8, 64, 256, device="cuda")
+    y = net(x)
+    y.sum().backward()
+    torch.cuda.synchronize()
+    grads = [p.grad for p in net.parameters()]
+    out("output_shape", "x".join(map(str, y.shape)))
+    out("grads", sum(g is not None and g.device.type == "cuda" for g in grads))
+    out("params", len(grads))
+    out("model_free", torch.cuda.mem_get_info(0)[0])
+    hold()
+
+
+def serve_torch(utilization: float) -> None:
+    """The demo's inference server (vgpu_plugin.sim.inference), small: sizes its KV cache from
+    torch.cuda.mem_get_info() as vLLM's gpu_memory_utilization does, serves requests, holds."""
+    import json
+
+    from vgpu_plugin.sim import inference
+
+    args = inference.parser().parse_args(
+        ["--tiny", "--utilization", str(utilization), "--requests", "3"]
+    )
+    for key, value in inference.run(args).items():
+        out(key, json.dumps(value))
+    hold()
 
 
 def fill_torch(torch: Any, chunk: int) -> None:

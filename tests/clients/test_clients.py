@@ -290,3 +290,61 @@ def test_torch_context_is_charged_once_under_the_shim(shim: Shim) -> None:
     out, used = hold_and_measure(shim, ["torch", "hold"], client_env(shim, True))
     assert used == CONTEXT
     assert int(out["free"]) == LIMIT - CONTEXT
+
+
+# --- PyTorch models -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+@pytest.mark.parametrize(
+    ("model", "shape", "params"),
+    [("linear", "64x256", 2), ("linear-fp16", "64x256", 2), ("transformer", "8x64x256", 24)],
+)
+def test_torch_model_trains_a_step_within_the_limit(
+    shim: Shim, with_shim: bool, model: str, shape: str, params: int
+) -> None:
+    """A forward and a backward pass of nn.Linear and of a TransformerEncoder run on simgpu
+    (cuBLAS, cuBLASLt, attention; the kernels compute nothing, so shapes are what is checked).
+    What the GPU physically holds for the process stays within the container's limit."""
+    require_torch()
+    out, used = hold_and_measure(shim, ["torch", model], client_env(shim, with_shim))
+    assert out["output_shape"] == shape
+    assert (int(out["grads"]), int(out["params"])) == (params, params)  # every gradient on the GPU
+    assert used > CONTEXT  # weights, activations, cuBLAS's workspace and libraries
+    if with_shim:
+        assert used <= LIMIT
+        assert LIMIT - int(out["model_free"]) <= used
+    else:
+        assert int(out["model_free"]) == NODE_GPU - used
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+def test_torch_inference_sizes_its_kv_cache_from_free_memory_within_the_limit(
+    shim: Shim, with_shim: bool
+) -> None:
+    """An inference loop sizes its KV cache the way vLLM's gpu_memory_utilization does, from
+    torch.cuda.mem_get_info(): the cache takes what utilization x total leaves after the
+    weights, the context and the activations' peak (within a block), and the GPU's physical
+    use stays within the container's limit while it serves."""
+    require_torch()
+    utilization = 0.9
+    out, used = hold_and_measure(
+        shim, ["torch", "serve", str(utilization)], client_env(shim, with_shim)
+    )
+    cap = capacity(with_shim)
+    assert int(out["cuda_total"]) == cap
+    assert out["out_of_memory"] == "false" and int(out["served"]) == 3
+    cache, allowed, block = int(out["cache"]), int(out["allowed"]), int(out["block_bytes"])
+    assert allowed - block < cache <= allowed
+    # Nothing but the context, the weights, the activations, cuBLAS's workspaces and the code
+    # of the kernels run so far (~100 MiB of torch's and cuBLAS's images, charged at first
+    # launch as the driver's lazy loading does) stands between the budget and the cache.
+    weights, peak = int(out["weights"]), int(out["profile_peak"])
+    assert cache >= utilization * cap - CONTEXT - weights - peak - 160 * MIB
+    # What the process uses is the budget it set itself, within the caching allocator's
+    # rounding (serving reserves its activations in 2 MiB segments; the sizing counted bytes).
+    assert int(out["cuda_used"]) <= utilization * cap + 0.005 * cap
+    if with_shim:
+        assert used <= LIMIT
+    else:
+        assert used == int(out["cuda_used"])

@@ -113,3 +113,59 @@ def test_without_the_simulator_the_demo_says_so(tmp_path: Path) -> None:
         [sys.executable, "-m", "vgpu_plugin", "--help"], capture_output=True, text=True, env=env
     )
     assert help_.returncode == 0 and "demo" in help_.stdout  # the rest of the CLI works
+
+
+def no_torch_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Python cannot find torch (sys.modules['torch'] = None)."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    return {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_inference_demo_without_torch_says_so_in_one_line(tmp_path: Path) -> None:
+    env = no_torch_env(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo", "--inference"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 3  # documented in the flag's help and docs/quickstart.md
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "PyTorch is not installed" in proc.stderr
+    assert "'.[torch]'" in proc.stderr  # names the extra
+
+
+@pytest.mark.slow
+def test_plain_demo_runs_without_torch(tmp_path: Path, native_tree: Path) -> None:
+    """The README's first command needs no PyTorch."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo", "--seconds", "2"],
+        capture_output=True, text=True, env=no_torch_env(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[5/5] what each limit did" in proc.stdout
+
+
+@pytest.mark.slow
+def test_inference_demo_packs_four_servers_on_one_gpu(native_tree: Path) -> None:
+    """Four pods on one 16 GiB GPU: three size their KV caches to their slices (within 2 %
+    of what the slice allows), the fourth asks for more and gets a clean out-of-memory error,
+    and the others go on serving after it."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed (pip install -e '.[test,torch]')")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo", "--inference", "--seconds", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("      ")}
+    for pod in ("llm-a", "llm-b", "llm-c"):
+        cells = rows[pod]
+        assert cells[1] == "4096" and cells[-1] == "serving"
+        assert 98.0 <= float(cells[5].rstrip("%")) <= 100.0  # cache of what the slice allows
+        assert int(cells[-2]) > 4  # served beyond the first four requests
+    assert " ".join(rows["greedy"]).endswith("asked 6144 MiB: out of memory")
+    proved = [line for line in out.splitlines() if line.startswith("proved: ")]
+    assert len(proved) == 1 and "4 inference pods share one 16 GiB GPU" in proved[0]
+    assert int(proved[0].split("kept serving (")[1].split()[0]) > 0

@@ -1,7 +1,7 @@
 /* Modules and libraries of real GPU images (cubins, fat binaries): kernels by name, variables
  * with device memory, and the memory loading takes.
  *
- *   cuda_modules <image file> module|library [op]...
+ *   cuda_modules <image file> module|library|library:preserved|library:table [op]...
  *
  * ops, each printing one "key=value" line:
  *   global:NAME  global.NAME=<rc> <size> <hex of its first bytes, up to 16>
@@ -81,7 +81,12 @@ int main(int argc, char **argv) {
         return 2;
     }
     char *image = slurp(argv[1]);
-    int library = strcmp(argv[2], "library") == 0;
+    /* library:preserved passes CU_LIBRARY_BINARY_IS_PRESERVED (1), a flag, with no values
+     * array, as cuBLAS 13 does; library:table passes the host table option (0) the same way,
+     * which needs a value. */
+    int library = strncmp(argv[2], "library", 7) == 0;
+    CUlibraryOption opt[1] = {(CUlibraryOption)(strcmp(argv[2], "library:table") == 0 ? 0 : 1)};
+    unsigned int nopt = strchr(argv[2], ':') ? 1 : 0;
     CK(cuInit(0));
     CUdevice dev;
     CUcontext ctx;
@@ -93,7 +98,7 @@ int main(int argc, char **argv) {
     printf("free0=%zu\n", free_bytes());
     CUmodule mod = NULL;
     CUlibrary lib = NULL;
-    CUresult rc = library ? cuLibraryLoadData(&lib, image, NULL, NULL, 0, NULL, NULL, 0) : cuModuleLoadData(&mod, image);
+    CUresult rc = library ? cuLibraryLoadData(&lib, image, NULL, NULL, 0, nopt ? opt : NULL, NULL, nopt) : cuModuleLoadData(&mod, image);
     printf("load=%d\n", (int)rc);
     if (rc != CUDA_SUCCESS) {
         free(image);

@@ -686,3 +686,35 @@ def test_the_tools_context_table_the_13_5_runtime_needs_exists(simgpu_node: Node
     assert found["slot3"] == "801"  # CUDA_ERROR_NOT_SUPPORTED, and the trace names the slot
     assert "export table 21318c60 slot 3 called" in found["stderr"]
     assert ask("00" * 16)["rc"] == str(NOT_FOUND)
+
+
+_LT_TABLE = r"""
+import ctypes
+cuda = ctypes.CDLL("libcuda.so.1")
+table = ctypes.c_void_p()
+uuid = (ctypes.c_ubyte * 16)(*bytes.fromhex("1734dc26800d47458726c0f1e7dd8bca"))
+print("rc=%d" % cuda.cuGetExportTable(ctypes.byref(table), uuid))
+size = ctypes.c_uint64.from_address(table.value).value
+slots = (ctypes.c_uint64 * (size // 8)).from_address(table.value)
+print("size=%d" % size)
+print("filled=%d" % all(slots[1:]))
+out = (ctypes.c_uint64 * 2)(7, 7)
+fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+print("slot4=%d" % fn(slots[4])(ctypes.addressof(out), ctypes.addressof(out) + 8))
+print("untouched=%d" % (list(out) == [7, 7]))
+"""
+
+
+def test_the_table_cublaslt_13_calls_without_checking_exists(simgpu_node: Node) -> None:
+    # cuBLASLt 13's half-precision heuristics call slot 4 of table 1734dc26-... whether or not
+    # the driver gave it (a NULL jump without it); on "not supported" they go their own way.
+    proc = subprocess.run(
+        [sys.executable, "-c", _LT_TABLE],
+        env={**simgpu_node.env(), "SIMGPU_TRACE": "1"},
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    found = parse(proc.stdout)
+    assert (found["rc"], found["filled"], found["untouched"]) == (str(SUCCESS), "1", "1")
+    assert int(found["size"]) >= 5 * 8  # slot 4 is in the table
+    assert found["slot4"] == "801"  # CUDA_ERROR_NOT_SUPPORTED, named by the trace
+    assert "export table lt slot 4 called" in proc.stderr

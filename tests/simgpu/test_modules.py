@@ -202,6 +202,18 @@ def test_a_library_takes_its_memory_in_a_context_on_first_use_until_the_context_
     assert out["free_destroyed"] == out["free0"]  # gone with the context, the library kept
 
 
+def test_a_library_loads_with_the_binary_is_preserved_flag_and_no_values(
+    native_bin: Path, simgpu_node: Node, tmp_path: Path, cubin: bytes
+) -> None:
+    """CU_LIBRARY_BINARY_IS_PRESERVED is a flag: cuBLAS 13 passes it with no values array (its
+    cubins failed to load, and every gemm needing one with CUBLAS_STATUS_INTERNAL_ERROR). The
+    host table option takes a value: without one it is refused."""
+    image = write(tmp_path, "t.cubin", cubin)
+    out = run(native_bin, simgpu_node.env(), image, "library:preserved", "func:scale")
+    assert (out["load"], out["func.scale"]) == ("0", "0")
+    assert run(native_bin, simgpu_node.env(), image, "library:table")["load"] == "1"
+
+
 def test_module_memory_counts_against_the_containers_driver_limit(
     native_bin: Path, simgpu_node: Node, tmp_path: Path
 ) -> None:

@@ -350,7 +350,11 @@ static CUresult library_load(CUlibrary *library, const void *code, unsigned int 
                              unsigned int numLib, CUlibraryOption *lib, void **libv) {
     CUresult rc = sim_ready();
     if (rc != CUDA_SUCCESS) return rc;
-    if ((numJit && (!jit || !jitv)) || (numLib && (!lib || !libv))) return CUDA_ERROR_INVALID_VALUE;
+    if ((numJit && (!jit || !jitv)) || (numLib && !lib)) return CUDA_ERROR_INVALID_VALUE;
+    /* CU_LIBRARY_BINARY_IS_PRESERVED (1) is a flag with no value: cuBLAS 13 passes it with a NULL
+     * values array for its cubins. Only the host table option (0) reads a value. */
+    for (unsigned int i = 0; i < numLib; i++)
+        if ((int)lib[i] == 0 && !libv) return CUDA_ERROR_INVALID_VALUE;
     struct CUmod_st *m = NULL;
     rc = module_load(&m, code, NULL, 1);
     if (rc == CUDA_SUCCESS) *library = (CUlibrary)(void *)m;

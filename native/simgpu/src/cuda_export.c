@@ -170,6 +170,26 @@ static CUresult integrity(uint32_t version, uint64_t unix_seconds, uint64_t *res
     return sim_integrity_answer(version, unix_seconds, result, k_cudart, k_integrity, k_integrity[1]);
 }
 
+/* --- 1734dc26-...: asked for by cuBLASLt 13 -------------------------------------------------
+ * cuBLASLt 13.1's half-precision matmul heuristics ask for it and call its slot 4 (two output
+ * pointers) without checking that the driver gave the table: without one they jump through
+ * NULL. What the slots do is not public; each answers CUDA_ERROR_NOT_SUPPORTED (named by
+ * SIMGPU_TRACE=1), on which cuBLASLt takes its path without them. The size is our guess. */
+UNKNOWN_SLOT(lt, 1)
+UNKNOWN_SLOT(lt, 2)
+UNKNOWN_SLOT(lt, 3)
+UNKNOWN_SLOT(lt, 4)
+UNKNOWN_SLOT(lt, 5)
+UNKNOWN_SLOT(lt, 6)
+UNKNOWN_SLOT(lt, 7)
+UNKNOWN_SLOT(lt, 8)
+
+#define LT_SLOTS 9
+static void *const k_lt[LT_SLOTS] = {
+    SIZE_SLOT(LT_SLOTS),  SLOT(unknown_lt_1), SLOT(unknown_lt_2), SLOT(unknown_lt_3), SLOT(unknown_lt_4),
+    SLOT(unknown_lt_5), SLOT(unknown_lt_6), SLOT(unknown_lt_7), SLOT(unknown_lt_8),
+};
+
 /* --- lookup ------------------------------------------------------------------------------- */
 
 struct table {
@@ -185,6 +205,7 @@ static const struct table k_tables[] = {
     {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb, 0xd5, 0x00, 0x6d, 0xfa, 0x7e}, k_checks},
     {{0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba, 0x12, 0x3c, 0x66, 0xe1, 0xf2}, k_integrity},
     {{0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2}, sim_tools_ctx_table},
+    {{0x17, 0x34, 0xdc, 0x26, 0x80, 0x0d, 0x47, 0x45, 0x87, 0x26, 0xc0, 0xf1, 0xe7, 0xdd, 0x8b, 0xca}, k_lt},
 };
 
 /* Works before cuInit, as the real one does: the runtime asks before initialising. */
@@ -198,7 +219,8 @@ CUresult cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTable
     }
     if (sim_trace()) {
         const uint8_t *b = (const uint8_t *)pExportTableId->bytes;
-        fprintf(stderr, "simgpu: export table %02x%02x%02x%02x-... not provided\n", b[0], b[1], b[2], b[3]);
+        fprintf(stderr, "simgpu: export table %02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x not provided\n",
+                b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
     }
     *ppExportTable = NULL;
     return CUDA_ERROR_NOT_FOUND;

@@ -7,12 +7,16 @@ this command only picks how containers run here and says so.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from vgpu_plugin.node.host import native
+
+NO_TORCH = 3  # --inference where PyTorch is not installed
 
 HOW = {
     "runc": "containers under runc",
@@ -41,6 +45,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep the work dir (logs, state)")
     p.add_argument(
+        "--inference",
+        action="store_true",
+        help="instead: 4 PyTorch inference pods on one 16 GiB GPU, each sizing its KV cache "
+        f"to its slice (needs the torch extra; exit {NO_TORCH} without it)",
+    )
+    p.add_argument(
         "--runtime",
         default="auto",
         choices=["auto", *HOW],
@@ -53,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(text, flush=True)
 
+    if args.inference and importlib.util.find_spec("torch") is None:
+        print("vgpu-plugin demo --inference: PyTorch is not installed here; install the torch "
+              "extra: pip install '.[torch]'", file=sys.stderr)  # fmt: skip
+        return NO_TORCH
     try:
-        from vgpu_plugin.sim import demo
+        from vgpu_plugin.sim import demo, inference_demo
         from vgpu_plugin.sim.process import choose_runtime
     except ImportError as exc:
         print(f"vgpu-plugin demo: the simulator is not part of this install ({exc}); the "
@@ -72,13 +86,25 @@ def run(args: argparse.Namespace) -> int:
     say(f"vgpu-plugin demo: one simulated GPU node, the real plugin, {HOW[runtime]}")
     if runtime != "runc":
         say(f"      ({why})")
+    if args.inference:
+        return finish(args, work, say, lambda: inference_demo.run_inference_demo(
+            work, args.seconds, say, runtime))  # fmt: skip
     if any(p.name == "cupy" for p in demo.default_pods(args.seconds)):
         say("      (CuPy is installed here: a 'cupy' pod allocates through NVIDIA's CUDA "
             "runtime too)")  # fmt: skip
-    rc = 0
+
+    def plain() -> bool:
+        return all(p.held for p in demo.run_demo(work, args.seconds, say, runtime))
+
+    return finish(args, work, say, plain)
+
+
+def finish(
+    args: argparse.Namespace, work: Path, say: Callable[[str], None], scenario: Callable[[], bool]
+) -> int:
+    """Run the scenario: exit 0 when everything held, 1 when not or on a failure."""
     try:
-        pods = demo.run_demo(work, args.seconds, say, runtime)
-        rc = 0 if all(p.held for p in pods) else 1
+        rc = 0 if scenario() else 1
     except Exception as exc:
         print(f"vgpu-plugin demo failed: {exc} (logs in {work})", file=sys.stderr)
         args.keep = True

@@ -153,6 +153,40 @@ class Kube:
             raise
         return True
 
+    def exec(
+        self, pod: str, command: list[str], container: str = "main", namespace: str = NAMESPACE
+    ) -> str:
+        """``command``'s stdout in a running container (as ``kubectl exec``); fails naming its
+        exit status and stderr when it does not exit 0."""
+        from kubernetes.stream import stream
+
+        resp = stream(
+            client.CoreV1Api(self.api).connect_get_namespaced_pod_exec,
+            pod,
+            namespace,
+            container=container,
+            command=command,
+            stderr=True,
+            stdin=False,
+            stdout=True,
+            tty=False,
+            _preload_content=False,
+        )
+        try:
+            resp.run_forever(timeout=120)
+            out, err, rc = resp.read_stdout(), resp.read_stderr(), resp.returncode
+        finally:
+            resp.close()
+        if rc != 0:
+            raise AssertionError(f"exec {command} in {namespace}/{pod}: exit {rc}: {err}")
+        return str(out)
+
+    def probe_in(self, pod: str, container: str = "main") -> dict[str, Any]:
+        """A new CUDA process in a running workload container: the probe's JSON."""
+        out = self.exec(pod, ["sh", "-c", 'exec python3 -c "$PROBE"'], container)
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
+
     # -- states ---------------------------------------------------------------------------
 
     def pod(self, name: str) -> Any:

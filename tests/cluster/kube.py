@@ -14,6 +14,11 @@ from kubernetes.client.rest import ApiException
 T = TypeVar("T")
 PROBE = (Path(__file__).parent / "probe.py").read_text()
 IMAGE = "vgpu-plugin:cluster-test"
+EXEC_WITH_PID1_ENV = (
+    "import os; env = dict(kv.split('=', 1) for kv in open('/proc/1/environ').read()"
+    ".split(chr(0)) if '=' in kv); os.execve('/usr/bin/python3', ['python3', '-c', env['PROBE']],"
+    " env)"
+)
 NAMESPACE = "default"
 RESOURCE_GROUP, RESOURCE_VERSION = "resource.k8s.io", "v1"
 
@@ -178,12 +183,17 @@ class Kube:
         finally:
             resp.close()
         if rc != 0:
-            raise AssertionError(f"exec {command} in {namespace}/{pod}: exit {rc}: {err}")
+            raise AssertionError(
+                f"exec {command} in {namespace}/{pod}: exit {rc}: {out.strip()} {err.strip()}"
+            )
         return str(out)
 
     def probe_in(self, pod: str, container: str = "main") -> dict[str, Any]:
-        """A new CUDA process in a running workload container: the probe's JSON."""
-        out = self.exec(pod, ["sh", "-c", 'exec python3 -c "$PROBE"'], container)
+        """A new CUDA process in a running workload container: the probe's JSON. It runs with
+        the environment of the container's first process: containerd execs with the spec it
+        knows, without what the toolkit's runtime stand-in added at create (LD_LIBRARY_PATH to
+        simgpu's libcuda, which the real toolkit puts in the linker's path instead)."""
+        out = self.exec(pod, ["python3", "-c", EXEC_WITH_PID1_ENV], container)
         result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         return result
 

@@ -174,7 +174,7 @@ def test_rolling_upgrade_keeps_running_pods_limits(
         (old,) = plugin_pods(kube)
         upgrade(
             plugin,
-            f"podAnnotations.vgpu-test/rollout={time.time_ns()}",
+            f"podAnnotations.vgpu-test/rollout=r{time.time_ns()}",
             "updateStrategy.rollingUpdate.maxSurge=1",
             "updateStrategy.rollingUpdate.maxUnavailable=0",
         )

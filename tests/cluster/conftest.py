@@ -3,12 +3,14 @@ the plugin installed into it by helm from deploy/helm/vgpu-plugin."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deployment import helm as deployment_helm
@@ -23,6 +25,9 @@ VALUES = Path(__file__).parent / "values.yaml"
 RELEASE, PLUGIN_NS = "vgpu", "vgpu-system"
 GPUS = 2  # GPU 0: DRA (values.yaml dra.gpus), GPU 1: the device plugin's slices
 SPLIT = 4
+GRACE = 4.0  # values.yaml cleanupGraceSeconds
+HOST_ROOT = "/var/lib/vgpu"  # values.yaml hostRoot
+CDI_DIR = "/var/run/cdi"  # values.yaml cdiSpecDir
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -113,13 +118,28 @@ def plugin_pods(kube: Kube) -> list[object]:
     return list(kube.core.list_namespaced_pod(PLUGIN_NS).items)
 
 
+def crash_looping(kube: Kube) -> None:
+    """Fails with the plugin container's last log when it has exited twice."""
+    for p in plugin_pods(kube):
+        for s in p.status.container_statuses or []:  # type: ignore[attr-defined]
+            if s.restart_count >= 2:
+                log = kube.core.read_namespaced_pod_log(
+                    p.metadata.name,  # type: ignore[attr-defined]
+                    PLUGIN_NS,
+                    container=s.name,
+                    previous=True,
+                )
+                raise AssertionError(f"plugin container {s.name} crash-loops:\n{log[-4000:]}")
+
+
 def wait_plugin_ready(kube: Kube, cluster: Cluster) -> None:
     """Both front ends up: the node's slice capacity and the driver's ResourceSlice."""
-    wait_for(
-        f"{SPLIT} nvidia.com/gpu allocatable",
-        lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT),
-        180,
-    )
+
+    def capacity() -> bool:
+        crash_looping(kube)
+        return kube.allocatable("nvidia.com/gpu") == str(SPLIT)
+
+    wait_for(f"{SPLIT} nvidia.com/gpu allocatable", capacity, 180)
     wait_for("the driver's ResourceSlice", kube.resource_slices, 120)
 
 
@@ -139,3 +159,41 @@ def plugin(cluster: Cluster, kube: Kube, helm: Helm) -> Iterator[Helm]:
         _timing(f"chart installed in {time.monotonic() - t0:.1f}s")
     wait_plugin_ready(kube, cluster)
     yield helm
+
+
+def plugin_status(kube: Kube) -> dict[str, Any]:
+    """``vgpu-plugin status --json`` in the plugin's pod, as docs/operations.md runs it."""
+    (p,) = plugin_pods(kube)
+    out = kube.exec(
+        p.metadata.name,  # type: ignore[attr-defined]
+        ["vgpu-plugin", "status", "--json"],
+        container="vgpu-plugin",
+        namespace=PLUGIN_NS,
+    )
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def allocation_files(cluster: Cluster) -> set[str]:
+    """The per-allocation files on the node: limits, container dirs, CDI specs."""
+    found: set[str] = set()
+    for d in (f"{HOST_ROOT}/limits", f"{HOST_ROOT}/containers", CDI_DIR):
+        path: Path = cluster.node_path(d)
+        if path.is_dir():
+            found.update(f"{d}/{p.name}" for p in path.iterdir())
+    return found
+
+
+def upgrade(helm: Helm, *sets: str) -> None:
+    """``helm upgrade`` of the release with the tier's values and ``--set`` each of ``sets``."""
+    args = [a for s in sets for a in ("--set", s)]
+    helm("upgrade", RELEASE, str(CHART), "-n", PLUGIN_NS, "-f", str(VALUES), *args)
+
+
+def ready_plugin_pods(kube: Kube) -> list[Any]:
+    return [
+        p
+        for p in plugin_pods(kube)
+        if p.metadata.deletion_timestamp is None  # type: ignore[attr-defined]
+        and any(s.ready for s in p.status.container_statuses or [])  # type: ignore[attr-defined]
+    ]

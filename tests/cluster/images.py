@@ -2,14 +2,15 @@
 
 - ``vgpu-plugin:cluster-test``: Debian bookworm (``debootstrap --variant=minbase
   --include=python3``, cached under build/cluster/) plus the project's wheel and its
-  dependency wheels (``pip wheel`` of this checkout), installed offline into the root
-  filesystem's dist-packages. It is the plugin's image as the chart runs it, and the workload
-  pods' image (python3 over simgpu's libcuda through ctypes).
+  dependency wheels (``pip wheel`` of this checkout with its ``dra`` extra), installed offline
+  into the root filesystem's dist-packages. It is the plugin's image as the chart runs it, and
+  the workload pods' image (python3 over simgpu's libcuda through ctypes).
 - ``registry.k8s.io/pause:3.10``: a static ``pause`` (a few lines of C), containerd's pinned
   sandbox image.
 
 Each is written as a docker-archive tarball (``ctr images import`` reads it). Layers are cached:
-the base rootfs once, the wheel layer per content hash of src/, native/ and pyproject.toml.
+the base rootfs once, the wheel layer per content hash of src/, native/, pyproject.toml and this
+recipe.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _layer_from_dir(src: Path, out: Path) -> None:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    files = [ROOT / "pyproject.toml"]
+    files = [ROOT / "pyproject.toml", Path(__file__).resolve()]
     for top in ("src", "native"):
         files += sorted(
             p for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts
@@ -126,7 +127,8 @@ def _app_layer(layers: Path) -> tuple[Path, Path]:
         return layer, native
     wheels = layers / f"wheels-{key}"
     shutil.rmtree(wheels, ignore_errors=True)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels), str(ROOT)])
+    # With the dra extra, as the image's default build (DRA=true): the tier runs the driver.
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(wheels), f"{ROOT}[dra]"])
     shutil.rmtree(stage, ignore_errors=True)
     site = stage / SITE
     _run(
@@ -142,7 +144,7 @@ def _app_layer(layers: Path) -> tuple[Path, Path]:
             "--target",
             str(site),
             "--no-compile",
-            "vgpu-plugin",
+            "vgpu-plugin[dra]",
         ]
     )
     shutil.rmtree(site / "bin", ignore_errors=True)

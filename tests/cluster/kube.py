@@ -14,6 +14,11 @@ from kubernetes.client.rest import ApiException
 T = TypeVar("T")
 PROBE = (Path(__file__).parent / "probe.py").read_text()
 IMAGE = "vgpu-plugin:cluster-test"
+EXEC_WITH_PID1_ENV = (
+    "import os; env = dict(kv.split('=', 1) for kv in open('/proc/1/environ').read()"
+    ".split(chr(0)) if '=' in kv); os.execve('/usr/bin/python3', ['python3', '-c', env['PROBE']],"
+    " env)"
+)
 NAMESPACE = "default"
 RESOURCE_GROUP, RESOURCE_VERSION = "resource.k8s.io", "v1"
 
@@ -152,6 +157,45 @@ class Kube:
                 return False
             raise
         return True
+
+    def exec(
+        self, pod: str, command: list[str], container: str = "main", namespace: str = NAMESPACE
+    ) -> str:
+        """``command``'s stdout in a running container (as ``kubectl exec``); fails naming its
+        exit status and stderr when it does not exit 0."""
+        from kubernetes.stream import stream
+
+        resp = stream(
+            client.CoreV1Api(self.api).connect_get_namespaced_pod_exec,
+            pod,
+            namespace,
+            container=container,
+            command=command,
+            stderr=True,
+            stdin=False,
+            stdout=True,
+            tty=False,
+            _preload_content=False,
+        )
+        try:
+            resp.run_forever(timeout=120)
+            out, err, rc = resp.read_stdout(), resp.read_stderr(), resp.returncode
+        finally:
+            resp.close()
+        if rc != 0:
+            raise AssertionError(
+                f"exec {command} in {namespace}/{pod}: exit {rc}: {out.strip()} {err.strip()}"
+            )
+        return str(out)
+
+    def probe_in(self, pod: str, container: str = "main") -> dict[str, Any]:
+        """A new CUDA process in a running workload container: the probe's JSON. It runs with
+        the environment of the container's first process: containerd execs with the spec it
+        knows, without what the toolkit's runtime stand-in added at create (LD_LIBRARY_PATH to
+        simgpu's libcuda, which the real toolkit puts in the linker's path instead)."""
+        out = self.exec(pod, ["python3", "-c", EXEC_WITH_PID1_ENV], container)
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
 
     # -- states ---------------------------------------------------------------------------
 

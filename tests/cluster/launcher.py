@@ -36,6 +36,7 @@ from typing import Any
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+MS_BIND, MS_REC = 4096, 16384
 NODE_IP = "10.99.0.1"
 SERVICE_RANGE = "10.96.0.0/24"
 SERVICE_IP = "10.96.0.1"
@@ -58,6 +59,19 @@ def run(*cmd: str, **kw: Any) -> str:
     return proc.stdout
 
 
+def covered_by(paths: list[Path], tmpfs: tuple[str, ...]) -> list[Path]:
+    """The topmost of ``paths`` (resolved) that lie under one of the ``tmpfs`` mount points,
+    so would be hidden by it. A path that is such a mount point itself cannot be kept."""
+    under: set[Path] = set()
+    for p in (q.resolve() for q in paths):
+        for d in map(Path, tmpfs):
+            if p == d:
+                raise RuntimeError(f"{p} is where the tier mounts a tmpfs: move it elsewhere")
+            if p.is_relative_to(d):
+                under.add(p)
+    return sorted(p for p in under if not any(p != q and p.is_relative_to(q) for q in under))
+
+
 class Launcher:
     def __init__(self, settings: dict[str, Any]) -> None:
         self.s = settings
@@ -74,13 +88,35 @@ class Launcher:
 
     # -- namespace, cgroups ---------------------------------------------------------------
 
+    def kept_paths(self) -> list[Path]:
+        """What the tier runs from: the checkout (its build/ holds the binaries, images, work
+        dir), the Python running us, and each path the settings name."""
+        paths = [Path(__file__).resolve().parents[2], Path(sys.prefix), Path(sys.executable)]
+        paths += [self.work, self.bin, Path(self.s["toolkit_cdi_dir"]), Path(self.s["runtime"])]
+        paths += [Path(t) for t in self.s["images"]]
+        return paths
+
     def enter_namespace(self) -> None:
         if libc.unshare(CLONE_NEWNS | CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS|CLONE_NEWNET)")
         run("mount", "--make-rprivate", "/")
+        # A checkout under /tmp (a CI's fresh clone) would vanish under the tmpfs: hold each
+        # such path open first and bind it back onto the tmpfs at its own path.
+        keep = covered_by(self.kept_paths(), TMPFS)
+        held = {p: (os.open(p, os.O_PATH), p.is_dir()) for p in keep}
         for d in TMPFS:
             run("mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", d)
         os.chmod("/tmp", 0o1777)
+        for path, (fd, is_dir) in held.items():
+            if is_dir:
+                path.mkdir(parents=True, exist_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            source = f"/proc/self/fd/{fd}".encode()
+            if libc.mount(source, str(path).encode(), None, MS_BIND | MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), f"bind {path} back over the tmpfs")
+            os.close(fd)
         run("ip", "link", "set", "lo", "up")
         run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")

@@ -6,10 +6,29 @@ from __future__ import annotations
 import time
 
 from .cluster import Cluster
-from .conftest import PLUGIN_NS, Helm, plugin_pods
+from .conftest import (
+    CDI_DIR,
+    GRACE,
+    HOST_ROOT,
+    PLUGIN_NS,
+    SPLIT,
+    Helm,
+    allocation_files,
+    plugin_pods,
+)
 from .kube import Kube, claim, pod, wait_for
 
-GRACE = 4.0  # values.yaml cleanupGraceSeconds
+# The processes in a container whose arguments include "serve" (this one's own do not).
+COUNT_SERVE = """
+import os
+n = 0
+for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        n += "serve" in open(f"/proc/{pid}/cmdline", "rb").read().decode().split(chr(0))
+    except OSError:
+        pass
+print(n)
+"""
 PAST_GRACE = 5 * GRACE  # several sweeps (every grace/4) after the grace ran out
 
 
@@ -189,3 +208,61 @@ def test_extended_resource_form(cluster: Cluster, kube: Kube, plugin: Helm) -> N
         assert result["total_mib"] == 1024, result
     finally:
         kube.delete_pods("extended")
+
+
+def test_pod_deletion_unprepares_the_claim(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """Deleting the pod (the claim stays) unprepares: the claim's limits, container dir and CDI
+    spec leave the node, and the claim is reserved for nobody."""
+    before = allocation_files(cluster)
+    kube.create_claim(claim("unprepare", "2Gi", "10"))
+    kube.create_pod(
+        pod(
+            "unprepare",
+            'exec python3 -c "$PROBE" hold',
+            claims=[{"name": "gpu", "resourceClaimName": "unprepare"}],
+        )
+    )
+    try:
+        held = wait_for("the claim pod's probe", lambda: kube.probed("unprepare"), 120)
+        assert held["total_mib"] == 2 * 1024, held
+        made = allocation_files(cluster) - before
+        assert any(f.startswith(f"{HOST_ROOT}/limits/dra-") for f in made), made
+        assert any(f.startswith(CDI_DIR) for f in made), made
+        kube.delete_pods("unprepare")
+        wait_for("the claim's files removed", lambda: not (allocation_files(cluster) & made), 120)
+        status = kube.get_claim("unprepare")["status"]
+        assert not status.get("reservedFor"), status
+    finally:
+        kube.delete_pods("unprepare")
+        kube.delete_claims("unprepare")
+
+
+def test_both_front_ends_in_one_process(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """dra.gpus splits the node: one plugin process serves GPU 1's slices (nvidia.com/gpu) and
+    GPU 0 as the driver's device, both at once."""
+    (p,) = plugin_pods(kube)
+    assert [c.name for c in p.spec.containers] == ["vgpu-plugin"], p.spec.containers
+    log = kube.core.read_namespaced_pod_log(p.metadata.name, PLUGIN_NS, container="vgpu-plugin")
+    assert "front ends: device-plugin, dra" in log, log[-2000:]
+    serving = kube.exec(
+        p.metadata.name,
+        ["python3", "-c", COUNT_SERVE],
+        container="vgpu-plugin",
+        namespace=PLUGIN_NS,
+    )
+    assert serving.strip() == "1", serving  # one serve process in the plugin's container
+    assert kube.allocatable("nvidia.com/gpu") == str(SPLIT)
+    (device,) = [d for s in kube.resource_slices() for d in s["spec"].get("devices", [])]
+    assert device["attributes"]["uuid"]["string"] == cluster.gpus[0], device
+    kube.create_claim(claim("both", "3Gi", "10"))
+    kube.create_pod(pod("both-dra", 'exec python3 -c "$PROBE"',
+                        claims=[{"name": "gpu", "resourceClaimName": "both"}]))  # fmt: skip
+    kube.create_pod(pod("both-slice", 'exec python3 -c "$PROBE"', limits={"nvidia.com/gpu": "1"}))
+    try:
+        dra = wait_for("the claim pod's CUDA start", lambda: kube.finished("both-dra"), 120)
+        one = wait_for("the slice pod's CUDA start", lambda: kube.finished("both-slice"), 120)
+        assert dra["total_mib"] == 3 * 1024, dra
+        assert one["total_mib"] == 16 * 1024 // SPLIT, one
+    finally:
+        kube.delete_pods("both-dra", "both-slice")
+        kube.delete_claims("both")

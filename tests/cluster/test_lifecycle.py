@@ -4,26 +4,24 @@ installs it again for any test after it)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
 from .cluster import Cluster
-from .conftest import PLUGIN_NS, SPLIT, Helm, plugin_pods
+from .conftest import (
+    CDI_DIR,
+    GRACE,
+    PLUGIN_NS,
+    SPLIT,
+    Helm,
+    allocation_files,
+    plugin_pods,
+    ready_plugin_pods,
+    upgrade,
+)
 from .kube import Kube, claim, pod, wait_for
 
-HOST_ROOT = "/var/lib/vgpu"  # values.yaml hostRoot
-CDI_DIR = "/var/run/cdi"  # values.yaml cdiSpecDir
 SLICE_MIB = 16 * 1024 // SPLIT
 PROBE_AND_HOLD = 'exec python3 -c "$PROBE" hold'  # a live CUDA process while the pod runs
-
-
-def allocation_files(cluster: Cluster) -> set[str]:
-    """The per-allocation files on the node: limits, container dirs, CDI specs."""
-    found: set[str] = set()
-    for d in (f"{HOST_ROOT}/limits", f"{HOST_ROOT}/containers", CDI_DIR):
-        path: Path = cluster.node_path(d)
-        if path.is_dir():
-            found.update(f"{d}/{p.name}" for p in path.iterdir())
-    return found
 
 
 def test_deleted_pods_leave_no_allocation_files(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
@@ -56,8 +54,17 @@ def test_kubelet_restart(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
     """After a kubelet restart the plugin registers again: new pods of both front ends get
     their GPUs with their limits."""
     kube.create_pod(pod("before-restart", PROBE_AND_HOLD, limits={"nvidia.com/gpu": "1"}))
+    kube.create_claim(claim("before-restart", "2Gi", "10"))
+    kube.create_pod(
+        pod(
+            "before-restart-dra",
+            PROBE_AND_HOLD,
+            claims=[{"name": "gpu", "resourceClaimName": "before-restart"}],
+        )
+    )
     try:
         wait_for("a pod before the restart", lambda: kube.probed("before-restart"), 120)
+        wait_for("a claim pod before the restart", lambda: kube.probed("before-restart-dra"), 120)
         cluster.control("restart kubelet")
         kube.create_pod(
             pod("after-restart", 'exec python3 -c "$PROBE"', limits={"nvidia.com/gpu": "1"})
@@ -77,19 +84,29 @@ def test_kubelet_restart(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
         assert one["total_mib"] == SLICE_MIB, one
         assert dra["total_mib"] == 3 * 1024, dra
         assert kube.running("before-restart")
+        # The claim prepared before the restart still holds: a new CUDA process in its pod.
+        assert kube.probe_in("before-restart-dra")["total_mib"] == 2 * 1024
+        assert kube.probe_in("before-restart")["total_mib"] == SLICE_MIB
     finally:
-        kube.delete_pods("before-restart", "after-restart", "after-restart-dra")
-        kube.delete_claims("after-restart")
+        kube.delete_pods("before-restart", "before-restart-dra", "after-restart",
+                         "after-restart-dra")  # fmt: skip
+        kube.delete_claims("before-restart", "after-restart")
 
 
 def test_plugin_pod_replaced(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
     """The DaemonSet's new pod serves again, and a running workload keeps its allocation."""
     before = allocation_files(cluster)
     kube.create_pod(pod("survivor", PROBE_AND_HOLD, limits={"nvidia.com/gpu": "1"}))
+    kube.create_claim(claim("survivor", "2Gi", "10"))
+    kube.create_pod(
+        pod("survivor-dra", PROBE_AND_HOLD,
+            claims=[{"name": "gpu", "resourceClaimName": "survivor"}])
+    )  # fmt: skip
     try:
         wait_for("the workload's probe", lambda: kube.probed("survivor"), 120)
-        held = {f for f in allocation_files(cluster) - before if "/limits/" in f}
-        assert held
+        wait_for("the claim workload's probe", lambda: kube.probed("survivor-dra"), 120)
+        held = {f for f in allocation_files(cluster) - before if "/limits/" in f or CDI_DIR in f}
+        assert any("/limits/dra-" in f for f in held) and any(CDI_DIR in f for f in held), held
         (old,) = plugin_pods(kube)
         kube.core.delete_namespaced_pod(old.metadata.name, PLUGIN_NS)  # type: ignore[attr-defined]
         wait_for(
@@ -105,10 +122,88 @@ def test_plugin_pod_replaced(cluster: Cluster, kube: Kube, plugin: Helm) -> None
         kube.create_pod(pod("newcomer", 'exec python3 -c "$PROBE"', limits={"nvidia.com/gpu": "1"}))
         result = wait_for("a pod served by the new plugin", lambda: kube.finished("newcomer"), 180)
         assert result["total_mib"] == SLICE_MIB, result
-        assert kube.running("survivor")
-        assert held <= allocation_files(cluster), "the running pod's limits file was removed"
+        time.sleep(3 * GRACE)  # the new plugin's cleanup passes, well past the grace
+        assert kube.running("survivor") and kube.running("survivor-dra")
+        assert held <= allocation_files(cluster), "a running pod's limits or CDI spec was removed"
+        # New CUDA processes in the running pods still get their limits.
+        assert kube.probe_in("survivor")["total_mib"] == SLICE_MIB
+        assert kube.probe_in("survivor-dra")["total_mib"] == 2 * 1024
     finally:
-        kube.delete_pods("survivor", "newcomer")
+        kube.delete_pods("survivor", "survivor-dra", "newcomer")
+        kube.delete_claims("survivor")
+
+
+def test_split_hot_reload(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """A changed split (helm upgrade: the ConfigMap only) reaches the node without a restart of
+    the plugin: the new capacity and slice size; a running pod keeps its old slice's limit."""
+    kube.create_pod(pod("reload-held", PROBE_AND_HOLD, limits={"nvidia.com/gpu": "1"}))
+    try:
+        wait_for("the running pod's probe", lambda: kube.probed("reload-held"), 120)
+        (old,) = plugin_pods(kube)
+        upgrade(plugin, "config.sharing.splitCount=2")
+        wait_for("2 nvidia.com/gpu allocatable", lambda: kube.allocatable("nvidia.com/gpu") == "2",
+                 180)  # fmt: skip
+        (now,) = plugin_pods(kube)
+        assert now.metadata.uid == old.metadata.uid  # type: ignore[attr-defined]
+        assert [s.restart_count for s in now.status.container_statuses] == [0]  # type: ignore[attr-defined]
+        kube.create_pod(pod("reload-new", 'exec python3 -c "$PROBE"',
+                            limits={"nvidia.com/gpu": "1"}))  # fmt: skip
+        result = wait_for("a pod of the new split", lambda: kube.finished("reload-new"), 120)
+        assert result["total_mib"] == 16 * 1024 // 2, result
+        assert kube.probe_in("reload-held")["total_mib"] == SLICE_MIB
+    finally:
+        kube.delete_pods("reload-held", "reload-new")
+        plugin.install()  # the tier's values: the split back to SPLIT
+        wait_for(f"{SPLIT} nvidia.com/gpu allocatable again",
+                 lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT), 180)  # fmt: skip
+
+
+def test_rolling_upgrade_keeps_running_pods_limits(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """helm upgrade with a changed pod template, new pod before the old one stops (surge):
+    running workloads keep their limits, and both front ends serve from the new pod after the
+    old one stopped (its stop does not take the new pod's sockets)."""
+    kube.create_pod(pod("roll-slice", PROBE_AND_HOLD, limits={"nvidia.com/gpu": "1"}))
+    kube.create_claim(claim("roll", "2Gi", "10"))
+    kube.create_pod(pod("roll-dra", PROBE_AND_HOLD,
+                        claims=[{"name": "gpu", "resourceClaimName": "roll"}]))  # fmt: skip
+    try:
+        wait_for("the slice workload's probe", lambda: kube.probed("roll-slice"), 120)
+        wait_for("the claim workload's probe", lambda: kube.probed("roll-dra"), 120)
+        (old,) = plugin_pods(kube)
+        upgrade(
+            plugin,
+            f"podAnnotations.vgpu-test/rollout=r{time.time_ns()}",
+            "updateStrategy.rollingUpdate.maxSurge=1",
+            "updateStrategy.rollingUpdate.maxUnavailable=0",
+        )
+        old_uid = old.metadata.uid  # type: ignore[attr-defined]
+        wait_for(
+            "the new plugin pod alone and ready",
+            lambda: (
+                [p.metadata.uid for p in plugin_pods(kube)] != [old_uid]
+                and len(plugin_pods(kube)) == 1
+                and ready_plugin_pods(kube)
+            ),
+            180,
+        )
+        wait_for(f"{SPLIT} nvidia.com/gpu allocatable",
+                 lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT), 120)  # fmt: skip
+        assert kube.probe_in("roll-slice")["total_mib"] == SLICE_MIB
+        assert kube.probe_in("roll-dra")["total_mib"] == 2 * 1024
+        kube.create_claim(claim("roll-after", "3Gi", "10"))
+        after = [{"name": "gpu", "resourceClaimName": "roll-after"}]
+        kube.create_pod(pod("roll-after-dra", 'exec python3 -c "$PROBE"', claims=after))
+        kube.create_pod(pod("roll-after", 'exec python3 -c "$PROBE"',
+                            limits={"nvidia.com/gpu": "1"}))  # fmt: skip
+        dra = wait_for("a claim prepared by the new pod", lambda: kube.finished("roll-after-dra"))
+        one = wait_for("a slice from the new pod", lambda: kube.finished("roll-after"))
+        assert dra["total_mib"] == 3 * 1024, dra
+        assert one["total_mib"] == SLICE_MIB, one
+    finally:
+        kube.delete_pods("roll-slice", "roll-dra", "roll-after", "roll-after-dra")
+        kube.delete_claims("roll", "roll-after")
 
 
 def test_uninstall_leaves_no_gpus_behind(cluster: Cluster, kube: Kube, plugin: Helm) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from . import assets, nvidia_runtime
+from . import assets, launcher, nvidia_runtime
 from .cluster import toolkit_spec
 
 
@@ -58,3 +58,16 @@ def test_runtime_leaves_other_containers_alone_and_refuses_unknown_gpus() -> Non
     assert nvidia_runtime.apply(plain, spec) == _config("/data")
     with pytest.raises(SystemExit, match="unknown GPU 'GPU-z'"):
         nvidia_runtime.apply(_config(nvidia_runtime.PREFIX + "GPU-z"), spec)
+
+
+def test_paths_under_the_tiers_tmpfs_are_kept_topmost(tmp_path: Path) -> None:
+    """A fresh clone under /tmp: its checkout (binaries, images, work dir) must be bound back
+    over the tmpfs the launcher mounts on /tmp, or the node cannot find kube-apiserver."""
+    repo = tmp_path / "repo"
+    (repo / "build" / "cluster").mkdir(parents=True)
+    paths = [repo, repo / "build" / "cluster", Path("/usr/bin"), tmp_path / "shared" / "k8s"]
+    tmpfs = (str(tmp_path), "/run")
+    assert launcher.covered_by(paths, tmpfs) == sorted([repo, tmp_path / "shared" / "k8s"])
+    assert launcher.covered_by([Path("/usr/bin")], tmpfs) == []
+    with pytest.raises(RuntimeError, match="where the tier mounts a tmpfs"):
+        launcher.covered_by([tmp_path], tmpfs)

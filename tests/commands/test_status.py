@@ -338,6 +338,31 @@ def test_nvml_figures_and_drift_warning() -> None:
     assert f"0 {GPU_A}" in text.split("Containers")[1]
 
 
+def test_an_init_containers_slice_reused_by_the_app_container_is_counted_once() -> None:
+    """The kubelet gives an ended init container's slices to the app container after it: one
+    slice, two records (the init one kept while the pod lives). The GPU counts it once, for the
+    app container; the init container's shows as ended (issue 20: 18432/16384 MiB on 8/8)."""
+    slice_ = GpuLimit(GPU_A, 2048 * MIB, 0)
+    pod = {"namespace": "ml", "pod": "train"}
+    init = rec("init", 100, (f"{GPU_A}-0",), slice_, **pod, container="fetch")
+    main = rec("main", 101, (f"{GPU_A}-0",), slice_, **pod, container="server")
+    other = rec("other", 102, (f"{GPU_A}-1",), slice_, **pod, container="side")
+    facts = [GpuFacts(GPU_A, 0, "sim", 16 << 30, 8, None, True)]
+    view = build_view([init, main, other], {}, facts)
+    (gpu,) = view.gpus
+    assert (gpu.slices_allocated, gpu.memory_limited) == (2, 4096 * MIB)
+    assert {a.id: a.ended for a in view.allocations} == {
+        "init": True,
+        "main": False,
+        "other": False,
+    }
+    assert "ml/train/fetch (ended)" in render_status(view)
+    # While a process of the init container is alive it counts (the app one has not started).
+    live = Snap((Dev(GPU_A, 100 * MIB),), (Proc(True, (100 * MIB,)),))
+    view = build_view([init, main], {"init": live}, facts)
+    assert not next(a for a in view.allocations if a.id == "init").ended
+
+
 # --- end to end: a real region held by a live process, NVML from the simulated GPUs ----------
 
 # Attaches to the region as a container's process does, charges `bytes` on device 0, reports,

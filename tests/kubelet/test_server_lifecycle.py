@@ -472,3 +472,44 @@ def test_a_withdrawing_stop_leaves_the_kubelet_no_devices(
     else:
         assert kubelet.updates(RESOURCE) == updates
         assert len(kubelet.devices(RESOURCE) or []) == 4
+
+
+def test_a_stream_the_kubelet_ends_is_registered_again(
+    kubelet: KubeletEmulator, server: DevicePluginServer
+) -> None:
+    """The kubelet drops the plugin it serves with (issue 20's rolling update: an older
+    instance's stream ended): the plugin registers again, or the node keeps capacity 0."""
+    server.start()
+    first = kubelet.wait_registrations(1, timeout=30)[0].endpoint
+    kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)
+    kubelet.disconnect(RESOURCE)
+    assert [r.endpoint for r in kubelet.wait_registrations(2, timeout=30)] == [first, first]
+    assert len(kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)) == 4
+
+
+def test_a_rolling_update_with_surge_keeps_the_devices(
+    kubelet: KubeletEmulator, backend: FakeBackend, plugin_dir: Path
+) -> None:
+    """Old and new instance serve at once; the old one's withdrawing stop leaves the devices
+    to the new one, and when the kubelet then drops the new one (as kubelet 1.36 does when
+    the old stream ends) it registers again. Neither takes the endpoint back while the other
+    serves (the two would take turns)."""
+    old = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.05)
+    new = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.05)
+    old.start()
+    try:
+        a = kubelet.wait_registrations(1, timeout=30)[0].endpoint
+        new.start()
+        b = kubelet.wait_registrations(2, timeout=30)[1].endpoint
+        kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)
+        updates = kubelet.updates(RESOURCE)
+        old.stop(grace=0.2, withdraw=True)
+        assert kubelet.updates(RESOURCE) == updates  # no empty list sent over the new one
+        assert len(kubelet.devices(RESOURCE) or []) == 4
+        kubelet.disconnect(RESOURCE)
+        regs = kubelet.wait_registrations(3, timeout=30)
+        assert len(kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)) == 4
+        assert [r.endpoint for r in kubelet.registrations] == [a, b, b], regs
+    finally:
+        old.stop(grace=0.2)
+        new.stop(grace=0.2)

@@ -285,7 +285,7 @@ def test_the_driver_limit_a_process_found_is_exported_as_confirmed_or_not_applie
 
 def test_an_untrusted_region_exports_its_limit_but_no_usage(node: Node) -> None:
     node.store.add(record("bad", 1, GpuLimit(GPU_A, 1000 * MIB, 0)))
-    node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000 * MIB, 0)))
+    node.store.add(record("foreign", 2, GpuLimit(GPU_A, 1000 * MIB, 0), k=1))
     node.regions.put(node.root, "bad", ValueError("bad magic"))
     node.regions.put(node.root, "foreign", Snap((Dev(GPU_B, 1 << 40),), ()))
     got = node.scrape()

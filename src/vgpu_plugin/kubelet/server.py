@@ -12,6 +12,7 @@ What is advertised and allocated is the ``Backend``'s business (see ``backend.py
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -50,6 +51,37 @@ log = logging.getLogger(__name__)
 _MAX_SOCKET_PATH = 107
 # The names _socket_name makes: vgpu-<resource>-<pid>-<6 hex>.sock.
 _OUR_SOCKET = re.compile(r"^vgpu-[A-Za-z0-9_.-]+-[0-9]+-[0-9a-f]{6}\.sock$")
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def other_instance_serves(plugin_dir: Path, socket_prefix: str, own: Path | None) -> bool:
+    """Whether another live instance of this plugin serves the same resource: a socket named
+    ``<socket_prefix><pid>-<hex>.sock`` other than ``own`` that accepts connections."""
+    try:
+        names = os.listdir(plugin_dir)
+    except OSError:
+        return False
+    for name in names:
+        path = plugin_dir / name
+        if (
+            name.startswith(socket_prefix)
+            and _OUR_SOCKET.match(name)
+            and re.fullmatch(r"[0-9]+-[0-9a-f]{6}\.sock", name[len(socket_prefix) :])
+            and path != own
+            and _answers(path)
+        ):
+            return True
+    return False
 
 
 def remove_stale_sockets(plugin_dir: Path) -> list[Path]:
@@ -184,7 +216,13 @@ class DevicePluginServer:
         capacity for the resource drops to 0 at once (the kubelet otherwise keeps the last
         count after the plugin is gone: a stale extended resource after an uninstall). Pods
         already given devices keep them; the kubelet asks nothing of a plugin to run them."""
-        if withdraw and not self._stopping.is_set():
+        own = self._own[0] if self._own is not None else None
+        if withdraw and other_instance_serves(self.plugin_dir, self._socket_prefix(), own):
+            # A newer instance serves the resource (a rolling update with surge): the
+            # devices stay on the node, with it.
+            log.info("device plugin for %s: another instance serves it, devices left to it",
+                     self.resource_name)  # fmt: skip
+        elif withdraw and not self._stopping.is_set():
             told = self._service.withdraw(timeout=max(grace, 0.5) + 1.0)
             log.info("device plugin for %s: devices withdrawn (%d streams told)",
                      self.resource_name, told)  # fmt: skip
@@ -212,9 +250,12 @@ class DevicePluginServer:
 
     # -- serving ------------------------------------------------------------------------
 
-    def _socket_name(self) -> str:
+    def _socket_prefix(self) -> str:
         resource = re.sub(r"[^A-Za-z0-9_.]+", "-", self.resource_name).strip("-")[:40]
-        return f"vgpu-{resource}-{os.getpid()}-{secrets.token_hex(3)}.sock"
+        return f"vgpu-{resource}-"
+
+    def _socket_name(self) -> str:
+        return f"{self._socket_prefix()}{os.getpid()}-{secrets.token_hex(3)}.sock"
 
     def _serve_fresh(self) -> None:
         """Stops any previous server and serves on a new, unique socket."""
@@ -317,11 +358,20 @@ class DevicePluginServer:
                 need_serve = self._own_gone()
                 continue
             backoff = self._backoff_initial
+            self._service.dropped.clear()
             self._on_registered(kubelet)
-            self._poll_until(self._restart_seen)
+            self._poll_until(functools.partial(self._restart_or_dropped, kubelet))
             self._registered.clear()
             self._detector.disarm()
-            if self._restart_reason is not None:
+            if self._restart_reason is None and self._service.dropped.is_set():
+                log.info(
+                    "the kubelet ended the ListAndWatch stream of %s and no other instance "
+                    "serves it: registering again",
+                    self.resource_name,
+                    extra={"resource": self.resource_name},
+                )
+                need_serve = self._own_gone()
+            elif self._restart_reason is not None:
                 if self.hooks.on_restart is not None:
                     self.hooks.on_restart(self._restart_reason)
                 log.info(
@@ -344,6 +394,20 @@ class DevicePluginServer:
         )
         if self.hooks.on_register is not None:
             self.hooks.on_register(path.name)
+
+    def _restart_or_dropped(self, kubelet: FileId) -> bool:
+        return self._restart_seen() or self._dropped_alone(kubelet)
+
+    def _dropped_alone(self, kubelet: FileId) -> bool:
+        """The kubelet ended our stream while it still serves, the same kubelet (a restart
+        is the detector's), and no other live instance of ours serves the resource (a newer
+        one that took over, or an older one still stopping): registering again is ours."""
+        if not self._service.dropped.is_set() or self._own_gone():
+            return False
+        if file_id(self.kubelet_socket) != kubelet or not _answers(self.kubelet_socket):
+            return False
+        own = self._own[0] if self._own is not None else None
+        return not other_instance_serves(self.plugin_dir, self._socket_prefix(), own)
 
     def _kubelet_replaced_or_own_gone(self, seen: FileId) -> Callable[[], bool]:
         return lambda: file_id(self.kubelet_socket) != seen or self._own_gone()

@@ -138,6 +138,10 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._streams = streams or StreamSlots(DEFAULT_MAX_STREAMS)
         # Set by a stop that takes the devices off the node: streams send an empty list.
         self.withdrawn = threading.Event()
+        # Set when a stream ends while we serve on: the kubelet let go of this endpoint (a
+        # kubelet disconnects the resource's current plugin when an older instance's stream
+        # ends, as in a rolling update with surge). The server registers again.
+        self.dropped = threading.Event()
         self._sent_empty = 0
         self._sent_cond = threading.Condition()
 
@@ -187,6 +191,8 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         def on_end() -> None:
             ended.set()
             release()
+            if not self._stopping.is_set() and not self.withdrawn.is_set():
+                self.dropped.set()
             self._feed.poke()
 
         context.add_callback(on_end)

@@ -123,6 +123,16 @@ class KubeletEmulator:
         for plugin in plugins:
             self._close(plugin)
 
+    def disconnect(self, resource_name: str) -> None:
+        """What kubelet 1.36 does to the resource's current plugin when an older instance's
+        ListAndWatch stream ends (a rolling update with surge): ends its stream and forgets
+        it, although it serves on."""
+        with self._cond:
+            plugin = self._plugins.pop(resource_name, None)
+            self._cond.notify_all()
+        if plugin is not None:
+            self._close(plugin)
+
     def restart(self) -> None:
         """What a restarting kubelet does: stop, delete every socket here, serve again."""
         self.stop()

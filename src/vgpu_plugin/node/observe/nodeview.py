@@ -142,8 +142,9 @@ class AllocationView:
     processes_alive: int
     region_state: str  # 'ok', 'missing', 'invalid: …' or 'busy: …'
     created: float
-    # Held by no container (the cleaner's verdict) and no live process: waiting out the
-    # cleanup grace. Shown, but not counted in the GPUs' slices and limits.
+    # No live process and held by no container (the cleaner's verdict: waiting out the cleanup
+    # grace) or its every device handed on to a newer container (an init container's, reused
+    # by the app container). Shown, but not counted in the GPUs' slices and limits.
     ended: bool = False
     frontend: str = DEVICE_PLUGIN  # DEVICE_PLUGIN or DRA
     # A DRA allocation's claim, "<namespace>/<name>" (its containers share the allocation).
@@ -334,6 +335,28 @@ def claim_view(claim: PreparedClaim, region: RegionRead) -> AllocationView:
     return replace(view, frontend=DRA, claim=f"{claim.namespace}/{claim.name}")
 
 
+def _mark_handed_on(
+    records: Sequence[AllocationRecord], views: Sequence[AllocationView]
+) -> list[AllocationView]:
+    """Ends each allocation whose every device the kubelet gave to a newer container and which
+    has no live process: an init container's slices reused by the app container after it. The
+    record stays (held through the kubelet's checkpoint while the pod lives, in case the init
+    container runs again), but one slice is counted once, for its newest holder."""
+    newest: dict[str, tuple[float, str]] = {}
+    for r, v in zip(records, views, strict=True):
+        if v.ended:
+            continue
+        for d in r.device_ids:
+            key = (r.created, r.allocation_id)
+            newest[d] = max(newest.get(d, key), key)
+    out = []
+    for r, v in zip(records, views, strict=True):
+        key = (r.created, r.allocation_id)
+        handed_on = bool(r.device_ids) and all(newest.get(d, key) > key for d in r.device_ids)
+        out.append(replace(v, ended=True) if handed_on and v.processes_alive == 0 else v)
+    return out
+
+
 def build_view(
     records: Sequence[AllocationRecord],
     regions: Mapping[str, RegionRead],
@@ -347,7 +370,8 @@ def build_view(
     DRA records among ``records`` (and ``claims``: those of a claims file not migrated into the
     ledger yet) are listed as claims beside the device plugin's allocations and counted in
     their GPUs' limits and usage (not in slices); DRA records not ``prepared`` are left out.
-    Ended allocations are listed but count in no GPU's slices, limits or usage."""
+    Ended allocations (released, or handed on: see ``_mark_handed_on``) are listed but count
+    in no GPU's slices, limits or usage."""
     missing = RegionProblem(REGION_MISSING)
     ledger_claims = prepared_claims([r for r in records if r.front_end == DRA])
     known = {c.allocation_id for c in ledger_claims}
@@ -361,6 +385,7 @@ def build_view(
         )
         for r in records
     ]
+    plugin = _mark_handed_on(records, plugin)
     dra = [claim_view(c, regions.get(c.allocation_id, missing)) for c in claims]
     allocations = tuple(sorted(plugin + dra, key=lambda a: (a.created, a.id)))
     ended = {a.id for a in allocations if a.ended}

@@ -15,7 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import native_build
 import pytest
 from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until, start_together
 
@@ -120,11 +119,6 @@ def test_16_processes_x_4_threads_never_exceed_the_limit_and_free_back(
     assert stats["refused"] > 0 and stats["granted"] > stats["refused"] // 100
     assert stats["peak"] > limit - 192 * MIB  # the limit was really contended
     assert stats["final"] == stats["contexts"]
-
-
-@pytest.fixture(scope="module")
-def tsan_tree() -> Path:
-    return native_build.build("tsan")
 
 
 def test_threads_in_the_shim_race_nothing_under_tsan(

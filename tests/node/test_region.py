@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import native_build
 import pytest
 
 from vgpu_plugin.core.devices import GpuLimit
@@ -403,13 +402,13 @@ def _stress(tools: Tools, path: Path, *args: object) -> dict[str, float]:
 # native_tree: the host's reads (read_region) go through the release build of this tree, not
 # whatever an earlier install left (its region layout may be older).
 @pytest.fixture(scope="module")
-def asan_tools(native_tree: Path) -> Tools:
-    return Tools(native_build.build("asan"))
+def asan_tools(asan_tree: Path) -> Tools:
+    return Tools(asan_tree)
 
 
 @pytest.fixture(scope="module")
-def tsan_tools(native_tree: Path) -> Tools:
-    return Tools(native_build.build("tsan"))
+def tsan_tools(tsan_tree: Path) -> Tools:
+    return Tools(tsan_tree)
 
 
 @pytest.mark.slow

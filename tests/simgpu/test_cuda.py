@@ -15,7 +15,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import native_build
 import pytest
 from conftest import make_node
 
@@ -606,39 +605,11 @@ def test_a_lost_gpu_fails_its_calls(simgpu_node: Node, native_bin: Path) -> None
 # --- the compat header ------------------------------------------------------------------------
 
 
-def build_compat() -> Path:
-    """The `compat` variant (our cuda.h), configured as native_build does; only the simulated
-    driver and these programs, the rest of the tree is not this test's subject."""
-    out = native_build.BUILD_ROOT / "native-compat"
-    if not (out / "CMakeCache.txt").exists():
-        cmd = ["cmake", "-S", str(native_build.ROOT / "native"), "-B", str(out)]
-        subprocess.run(
-            [*cmd, "-DVGPU_BUILD_TESTS=ON", *native_build.VARIANTS["compat"]],
-            check=True,
-            capture_output=True,
-        )
-    programs = sorted(p.stem for p in (native_build.ROOT / "tests" / "native").glob("cuda_*.c"))
-    proc = subprocess.run(
-        [
-            "cmake",
-            "--build",
-            str(out),
-            f"-j{os.cpu_count() or 2}",
-            "--target",
-            "simgpu_cuda",
-            *programs,
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    return out
-
-
 @pytest.mark.slow
-def test_compat_header_builds_and_has_nvidia_abi(simgpu_node: Node, native_tree: Path) -> None:
-    compat = build_compat()  # every cuda_* program compiles against our header too
+def test_compat_header_builds_and_has_nvidia_abi(
+    simgpu_node: Node, native_tree: Path, compat_tree: Path
+) -> None:
+    compat = compat_tree  # every cuda_* program compiles against our header too
     ours = run(compat / "tests", simgpu_node.env(), "cuda_abi")
     nvidia = run(native_tree / "tests", simgpu_node.env(), "cuda_abi")
     assert ours.pop("header") == "compat"

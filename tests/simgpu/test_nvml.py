@@ -8,7 +8,6 @@ stood in for by tests/native/nvml_gpu_process, which uses the node through libsi
 from __future__ import annotations
 
 import json
-import os
 import selectors
 import signal
 import subprocess
@@ -459,29 +458,10 @@ def test_c_program_built_against_nvidia_header(simgpu_node: Node, native_tree: P
     assert (legacy.returncode, legacy.stdout) == (0, "ok 2\n"), legacy.stderr
 
 
-def _build_compat() -> Path:
-    """The compat variant (our own nvml.h), configured as native_build does, NVML targets only:
-    the rest of the tree is not this test's subject."""
-    out = native_build.BUILD_ROOT / "native-compat"
-    if not (out / "CMakeCache.txt").exists():
-        cmd = ["cmake", "-S", str(native_build.ROOT / "native"), "-B", str(out)]
-        subprocess.run(
-            [*cmd, "-DVGPU_BUILD_TESTS=ON", *native_build.VARIANTS["compat"]], check=True
-        )
-    targets = ["simgpu_nvml", "nvml_api_check", "nvml_legacy_check"]
-    jobs = f"-j{os.cpu_count() or 2}"
-    proc = subprocess.run(
-        ["cmake", "--build", str(out), jobs, "--target", *targets],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    return out
-
-
-def test_compat_header_has_nvidia_abi(simgpu_node: Node, native_tree: Path) -> None:
-    compat = _build_compat()
+def test_compat_header_has_nvidia_abi(
+    simgpu_node: Node, native_tree: Path, compat_tree: Path
+) -> None:
+    compat = compat_tree
     env = env_with(simgpu_node)
     compat_env = dict(env, LD_LIBRARY_PATH=str(compat / "simgpu"))
     own = _api_check(compat, compat_env)

@@ -151,6 +151,33 @@ def gpu_process(native_bin: Path, node: Node, *steps: str) -> Iterator[subproces
                 pipe.close()
 
 
+SECOND = 1_000_000_000  # ns
+
+
+def busy_span(proc: subprocess.Popen[str]) -> tuple[int, int]:
+    """The span a busy step of nvml_gpu_process put on the timeline, on simgpu's clock (ns)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("busy "), f"nvml_gpu_process said {line!r}, not its busy span"
+    _, _gpu, start, end = line.split()
+    return int(start), int(end)
+
+
+def sleep_until(t_ns: int) -> None:
+    """Sleep until simgpu's clock (CLOCK_MONOTONIC, which time.monotonic_ns reads) passes t_ns:
+    the NVML windows are placed on the timeline by the clock, not by how long a sleep took."""
+    while (left := t_ns - time.monotonic_ns()) >= 0:
+        time.sleep(left / SECOND + 0.001)
+
+
+def answered_by(end_ns: int, what: str) -> None:
+    """A query meant to fall inside a busy span did: else say so, rather than fail on a
+    figure. The spans leave seconds for one query; only a host that starved this test for
+    that long misses it."""
+    late = time.monotonic_ns() - end_ns
+    assert late <= 0, f"{what} answered {late / SECOND:.1f} s after the busy span: a starved host"
+
+
 DEVICES = """
 out = []
 for i in range(N.nvmlDeviceGetCount()):
@@ -364,10 +391,12 @@ def test_utilization_follows_the_timeline(simgpu_node: Node, native_bin: Path) -
     )
     with pynvml_on(env_with(simgpu_node)) as nvml:
         assert nvml(util) == [0, 0]
-        with gpu_process(native_bin, simgpu_node, "busy:0:3000"):
-            time.sleep(1.3)  # a full one-second window of back-to-back kernels
+        with gpu_process(native_bin, simgpu_node, "busy:0:60000") as proc:
+            start, end = busy_span(proc)
+            sleep_until(start + SECOND)  # a full one-second window of back-to-back kernels
             busy, idle = nvml(util)
-        assert busy >= 97 and idle == 0
+            answered_by(end, "nvmlDeviceGetUtilizationRates")
+        assert (busy, idle) == (100, 0)
 
 
 PROCESS_UTIL = """
@@ -389,15 +418,17 @@ def test_process_utilization_names_the_process_that_kept_the_gpu_busy(
 ) -> None:
     with pynvml_on(env_with(simgpu_node)) as nvml:
         assert process_util(nvml, 0) == "not found"  # nothing ran yet: NVML_ERROR_NOT_FOUND
-        with gpu_process(native_bin, simgpu_node, "busy:0:1500") as busy:
-            time.sleep(1.3)
+        with gpu_process(native_bin, simgpu_node, "busy:0:2500") as busy:
+            start, end = busy_span(busy)
+            sleep_until(start + SECOND)  # the whole sample period inside the busy span
             samples = process_util(nvml, 0)
+            answered_by(end, "nvmlDeviceGetProcessUtilization")
             assert process_util(nvml, 1) == "not found"  # the other GPU stayed idle
         [[pid, sm, mem, stamped]] = samples
-        assert pid == busy.pid and sm >= 90 and mem == 0 and stamped
+        assert pid == busy.pid and sm == 100 and mem == 0 and stamped
         # A lastSeenTimeStamp in the future leaves no sample to report.
         assert process_util(nvml, 0, since=int((time.time() + 60) * 1e6)) == "not found"
-        time.sleep(1.1)  # the one-second sample period has passed: nothing ran since
+        sleep_until(end + SECOND)  # the one-second sample period has passed: nothing ran since
         assert process_util(nvml, 0) == "not found"
 
 

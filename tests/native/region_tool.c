@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -495,10 +496,17 @@ static int cmd_race_limit(int rounds, double max_seconds) {
     __atomic_store_n(&f->slot_hwm, (uint32_t)VGPU_MAX_SLOTS, __ATOMIC_SEQ_CST);
     munmap(f, sizeof *f);
     pid_t pids[RACERS];
+    pid_t referee = getpid();
     for (int i = 0; i < RACERS; i++) {
         pids[i] = fork();
         CHECK(pids[i] >= 0, "fork");
-        if (pids[i] == 0) racer(b, i, rounds);
+        if (pids[i] == 0) {
+            /* Racers spin for the next round: if the referee dies (a failed check, a test's
+             * timeout), they must not spin on for ever. */
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            if (getppid() != referee) _exit(1);
+            racer(b, i, rounds);
+        }
     }
     struct vgpu_region_snapshot *s = malloc(sizeof *s);
     int both = 0, none = 0, ran = 0;

@@ -279,8 +279,11 @@ static int cmd_snap_loop(uint64_t ms) {
     uint64_t views[MAX_REASONS][2];
     int nreasons = 0, nviews = 0;
     uint64_t ok = 0, failed = 0, deadline = now_ns() + ms * 1000000u;
+    /* Past `ms`, on until it has met both a snapshot and a refusal (a loaded host may leave the
+     * tenant's side idle for the whole time), for 30 s at most. */
+    uint64_t give_up = deadline + 30000000000ull;
     struct vgpu_region_snapshot *s = malloc(sizeof *s);
-    while (now_ns() < deadline) {
+    for (uint64_t t; (t = now_ns()) < deadline || ((!ok || !failed) && t < give_up);) {
         char err[VGPU_REGION_ERRLEN];
         int rc = R.snapshot(path, s, err, sizeof err);
         if (rc == VGPU_REGION_OK) {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,13 +22,58 @@ from vgpu_plugin.sim.node import EmulatedNode
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 from vgpu_plugin.sim.toolkit import ToolkitSettings
 
+# The session fixtures that hold a native build, and the build each needs. A build takes from
+# seconds to minutes (a loaded 2-CPU host, the sanitizer variants): pytest_collection_finish
+# makes the ones the selected tests use before the first test starts, so that no test's
+# pytest-timeout counts a compiler's time. The fixtures then find them made.
+NATIVE_BUILDS: dict[str, Callable[[], Path]] = {
+    "native_tree": lambda: native_build.build("release"),
+    "asan_tree": lambda: native_build.build("asan"),
+    "tsan_tree": lambda: native_build.build("tsan"),
+    "compat_tree": lambda: native_build.build("compat", native_build.compat_targets()),
+}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for name, make in NATIVE_BUILDS.items():
+        if name not in used:
+            continue
+        if reporter is not None:
+            reporter.write_line(f"native build for {name} (before the tests, untimed)")
+        # A failure is raised again by the fixture, as the error of the tests that need it.
+        with contextlib.suppress(RuntimeError):
+            make()
+
 
 @pytest.fixture(scope="session")
 def native_tree() -> Path:
     """The release build of native/ with the test programs; the package's code uses it too."""
-    tree = native_build.build("release")
+    tree = NATIVE_BUILDS["native_tree"]()
     os.environ[native.NATIVE_DIR_ENV] = str(tree)
     return tree
+
+
+@pytest.fixture(scope="session")
+def asan_tree(native_tree: Path) -> Path:
+    """The AddressSanitizer + UBSan build. native_tree: the host's reads (read_region) go through
+    the release build of this tree, not whatever an earlier install left."""
+    return NATIVE_BUILDS["asan_tree"]()
+
+
+@pytest.fixture(scope="session")
+def tsan_tree(native_tree: Path) -> Path:
+    """The ThreadSanitizer build (native_tree: as asan_tree)."""
+    return NATIVE_BUILDS["tsan_tree"]()
+
+
+@pytest.fixture(scope="session")
+def compat_tree() -> Path:
+    """The compat variant (our own cuda.h and nvml.h), its drivers and ABI programs only."""
+    return NATIVE_BUILDS["compat_tree"]()
 
 
 @pytest.fixture(scope="session")

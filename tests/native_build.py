@@ -26,6 +26,18 @@ VARIANTS: dict[str, list[str]] = {
     "compat": ["-DCMAKE_BUILD_TYPE=Release", "-DVGPU_CUDA_HEADERS=OFF", "-DVGPU_NVML_INCLUDE_DIR="],
 }
 
+# What one pytest process built already (or failed to build, with why): a build is asked for
+# by the session's start hook (tests/conftest.py) and again by the fixture that uses it.
+_built: dict[tuple[str, tuple[str, ...]], Path] = {}
+_failed: dict[tuple[str, tuple[str, ...]], str] = {}
+
+
+def compat_targets() -> list[str]:
+    """The compat variant's subject: the simulated drivers and the programs that check their
+    ABI against NVIDIA's headers; the rest of the tree builds in the other variants."""
+    programs = sorted(p.stem for p in (ROOT / "tests" / "native").glob("cuda_*.c"))
+    return ["simgpu_cuda", "simgpu_nvml", "nvml_api_check", "nvml_legacy_check", *programs]
+
 
 def nvml_include_dir() -> Path | None:
     """nvml.h from the nvidia-nvml-dev wheel, if installed."""
@@ -39,8 +51,23 @@ def nvml_include_dir() -> Path | None:
     return None
 
 
-def build(variant: str = "release") -> Path:
-    """Configure (once) and build a variant; returns its build dir (a native tree)."""
+def build(variant: str = "release", targets: list[str] | None = None) -> Path:
+    """Configure (once) and build a variant (all of it, or only ``targets``); returns its
+    build dir (a native tree). Once per process: a second call answers from memory."""
+    key = (variant, tuple(targets or ()))
+    if key in _built:
+        return _built[key]
+    if key in _failed:
+        raise RuntimeError(_failed[key])
+    try:
+        _built[key] = _build(variant, targets)
+    except RuntimeError as exc:
+        _failed[key] = str(exc)
+        raise
+    return _built[key]
+
+
+def _build(variant: str, targets: list[str] | None) -> Path:
     if shutil.which("cmake") is None:
         raise RuntimeError("cmake is not installed: `apt-get install cmake` (see .ci/run)")
     out = BUILD_ROOT / f"native-{variant}"
@@ -51,7 +78,8 @@ def build(variant: str = "release") -> Path:
             args.append(f"-DVGPU_NVML_INCLUDE_DIR={nvml}")
     if not (out / "CMakeCache.txt").exists():
         _run(["cmake", "-S", str(ROOT / "native"), "-B", str(out), "-DVGPU_BUILD_TESTS=ON", *args])
-    _run(["cmake", "--build", str(out), f"-j{os.cpu_count() or 2}"])
+    only = ["--target", *targets] if targets else []
+    _run(["cmake", "--build", str(out), f"-j{os.cpu_count() or 2}", *only])
     return out
 
 
@@ -71,7 +99,7 @@ def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-20000:] + proc.stderr[-20000:])
-        raise RuntimeError(f"native build failed: {' '.join(cmd)}")
+        raise RuntimeError(f"native build failed (its output is above): {' '.join(cmd)}")
 
 
 if __name__ == "__main__":

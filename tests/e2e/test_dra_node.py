@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,15 +107,19 @@ def test_a_6gi_30_percent_claim_is_held_to_6gi_and_30_percent(dra_node: DraOnNod
 def test_two_containers_sharing_a_claim_share_its_memory(dra_node: DraOnNode) -> None:
     pod = dra_node.claim("pair", "4Gi", "50")
     first = dra_node.node.start_container(
-        pod, [*WORKLOAD, "alloc", "--target-mib", "3072", "--hold", "6"]
+        pod, [*WORKLOAD, "alloc", "--target-mib", "3072", "--hold", "600"]
     )
     try:
-        time.sleep(2.5)  # the first container holds 3 GiB + its context
+        # The first container holds 3 GiB + its context once it says so (its line, not a
+        # sleep: a loaded host starts it late), and until it is killed.
+        assert first.stdout is not None
+        assert json.loads(first.stdout.readline())["allocated_mib"] == 3072
         second = one(
             dra_node.node.run_container(pod, [*WORKLOAD, "alloc", "--target-mib", "99999"])
         )
         # One region, one limit: the second container gets what the first left of 4 GiB.
         assert second["allocated_mib"] <= 4096 - 3072 - 2 * 256
     finally:
-        first.communicate(timeout=30)
+        dra_node.node.runtime.kill(pod.containers[0])
+        first.communicate(timeout=60)
     assert len(list(Path(dra_node.node.host_root, "containers").glob("dra-*"))) == 1

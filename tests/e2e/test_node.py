@@ -102,11 +102,13 @@ def test_a_killed_process_gives_its_memory_back_within_a_second(
 ) -> None:
     node = make_emulated_node()
     pod = node.admit("pod", 1)
-    # Inside one container: a holder takes most of the limit and is SIGKILLed; a second
-    # process then gets the whole budget back within a second.
+    # Inside one container: a holder takes most of the limit and is SIGKILLed once it says
+    # it holds it (its line, not a sleep: a loaded host starts it late); a second process
+    # then gets the whole budget back within a second.
     script = (
-        f"{PY} alloc --target-mib 3072 --hold 60 & holder=$!; sleep 1.5; kill -9 $holder; "
-        f"wait $holder; sleep 1; {PY} alloc --target-mib 3584 --chunk-mib 512"
+        f"( {PY} alloc --target-mib 3072 --hold 60 & echo $!; wait ) | "
+        '{ read -r holder; read -r held; echo "$held"; kill -9 "$holder"; }; '
+        f"sleep 1; {PY} alloc --target-mib 3584 --chunk-mib 512"
     )
     found = results(node.run_container(pod, ["sh", "-c", script]))
     assert found[0]["allocated_mib"] == 3072
@@ -127,11 +129,10 @@ def test_status_sees_a_killed_process_go(make_emulated_node: NodeFactory) -> Non
 
     assert used_mib() >= 2048
     node.runtime.kill(pod.containers[0])
-    t0 = time.monotonic()
-    while used_mib() != 0:
-        assert time.monotonic() - t0 < 1.5, "usage still charged after the process died"
-        time.sleep(0.05)
-    proc.wait(10)
+    # Once the container's process is gone (reaped: its runtime has exited), the very next
+    # status counts nothing for it: no timer, no window a loaded host could miss.
+    proc.wait(120)
+    assert used_mib() == 0, "usage still charged after the process died"
 
 
 def test_ended_container_dirs_are_cleaned_after_the_grace_period(

@@ -37,7 +37,7 @@ class FakeLister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
         if self.fail is not None:
             context.abort(self.fail, "kubelet says no")
         if self.hang.is_set():
-            self.release.wait(10)
+            self.release.wait(60)  # past the tests' 30 s bounds: a deadline ignored shows
         return pb.ListPodResourcesResponse(pod_resources=self.pods)
 
     def GetAllocatableResources(self, request: Any, context: Any) -> Any:
@@ -129,7 +129,7 @@ def test_a_socket_nobody_serves_is_unavailable_within_the_timeout() -> None:
         start = time.monotonic()
         with pytest.raises(PodResourcesUnavailable):
             list_assignments(sock, RES, timeout=1)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 30  # bounded: far from a hang, far from load's delays
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -144,4 +144,4 @@ def test_errors_and_hangs_are_unavailable(kubelet: tuple[FakeLister, Path]) -> N
     start = time.monotonic()
     with pytest.raises(PodResourcesUnavailable, match="DEADLINE_EXCEEDED"):
         list_assignments(sock, RES, timeout=0.3)
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 30  # the 0.3 s deadline, not the 60 s hang, ended it

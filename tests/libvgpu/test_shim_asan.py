@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import native_build
 import pytest
 import test_shim_compute as compute
 import test_shim_hostpid as hostpid
@@ -21,13 +20,6 @@ from test_shim_helpers import Shim
 from vgpu_plugin.sim.simgpu import Node
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def asan_tree(native_tree: Path) -> Path:
-    # native_tree: the host's reads (read_region) go through the release build of this tree,
-    # not whatever an earlier install left (its region layout may be older).
-    return native_build.build("asan")
 
 
 @pytest.fixture

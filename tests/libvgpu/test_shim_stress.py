@@ -15,7 +15,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import native_build
 import pytest
 from test_shim_helpers import CONTEXT, GIB, MIB, Shim, finish, read_until, start_together
 
@@ -90,7 +89,8 @@ def _drive(
         refused += int(done["refused"])
     # Every survivor has freed all it allocated and is still alive: what the region holds now
     # is their contexts, and the victims' memory has been reclaimed.
-    reclaim_by = time.monotonic() + 1.0
+    # (A bound, not a window: the wait ends when it holds; a loaded host may take a while.)
+    reclaim_by = time.monotonic() + 30.0
     while _used(shim)[0] != len(survivors) * CONTEXT and time.monotonic() < reclaim_by:
         time.sleep(0.02)
     final = _used(shim)[0]
@@ -120,11 +120,6 @@ def test_16_processes_x_4_threads_never_exceed_the_limit_and_free_back(
     assert stats["refused"] > 0 and stats["granted"] > stats["refused"] // 100
     assert stats["peak"] > limit - 192 * MIB  # the limit was really contended
     assert stats["final"] == stats["contexts"]
-
-
-@pytest.fixture(scope="module")
-def tsan_tree() -> Path:
-    return native_build.build("tsan")
 
 
 def test_threads_in_the_shim_race_nothing_under_tsan(

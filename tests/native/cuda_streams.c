@@ -96,27 +96,35 @@ static void events(void) {
 
 /* --- per-thread default streams against the legacy stream -------------------------------- */
 
+/* A's kernel: long enough that B's queries, made at once, come while it runs even on a
+ * loaded host; B says so ("late") if they did not, rather than report a wrong order. */
+#define A_KERNEL_MS 500.0
+
 struct side {
     pthread_barrier_t go, done;
     int mode; /* 0: thread A queues on its per-thread stream, 1: on the legacy stream */
+    double launched_ms; /* when A called its launch (its kernel started no sooner) */
 };
 
 static void *thread_a(void *arg) {
     struct side *sd = arg;
     CK(cuCtxSetCurrent(g_ctx));
-    CUfunction k100 = kernel("k100ms");
+    CUfunction k500 = kernel("k500ms");
     for (int round = 0; round < 2; round++) {
         pthread_barrier_wait(&sd->go);
-        if (sd->mode == 0) CK(launch_ptsz(k100, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
-        else CK(cuLaunchKernel(k100, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
+        sd->launched_ms = now_ms(); /* before: the kernel starts no sooner, ends 500 ms later */
+        if (sd->mode == 0) CK(launch_ptsz(k500, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
+        else CK(cuLaunchKernel(k500, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL));
         pthread_barrier_wait(&sd->done);
     }
     return NULL;
 }
 
-/* Thread B records an event on each kind of stream while A's 100 ms kernel is queued, and
- * queries it at once: CUDA_ERROR_NOT_READY means that stream is ordered behind A's work. */
-static void b_side(const char *round, CUstream blocking, CUstream nonblocking) {
+/* Thread B records an event on each kind of stream while A's 500 ms kernel is queued, and
+ * queries it at once: CUDA_ERROR_NOT_READY means that stream is ordered behind A's work.
+ * Times are printed from A's launch: a stream behind A's kernel is done no sooner than it. */
+static void b_side(const char *round, const struct side *sd, CUstream blocking,
+                   CUstream nonblocking) {
     CUevent e[5];
     for (int i = 0; i < 5; i++) CK(cuEventCreate(&e[i], 0));
     CK(record_ptsz(e[0], NULL)); /* B's per-thread stream, through the _ptsz API */
@@ -127,11 +135,11 @@ static void b_side(const char *round, CUstream blocking, CUstream nonblocking) {
     const char *names[] = {"ptds", "ptds_handle", "nonblocking", "blocking", "legacy"};
     for (int i = 0; i < 5; i++) printf("%s_%s=%d\n", round, names[i], (int)cuEventQuery(e[i]));
     printf("%s_legacy_stream_query=%d\n", round, (int)cuStreamQuery(NULL)); /* nothing queued on it */
-    double t0 = now_ms();
+    printf("%s_late=%d\n", round, now_ms() - sd->launched_ms >= A_KERNEL_MS);
     CK(cuEventSynchronize(e[0]));
-    printf("%s_ptds_wait_ms=%.2f\n", round, now_ms() - t0);
+    printf("%s_ptds_done_ms=%.2f\n", round, now_ms() - sd->launched_ms);
     CK(cuEventSynchronize(e[4]));
-    printf("%s_legacy_wait_ms=%.2f\n", round, now_ms() - t0);
+    printf("%s_legacy_done_ms=%.2f\n", round, now_ms() - sd->launched_ms);
     for (int i = 0; i < 5; i++) CK(cuEventDestroy(e[i]));
 }
 
@@ -149,7 +157,7 @@ static void ptds(void) {
         sd.mode = r;
         pthread_barrier_wait(&sd.go);
         pthread_barrier_wait(&sd.done);
-        b_side(rounds[r], blocking, nonblocking);
+        b_side(rounds[r], &sd, blocking, nonblocking);
         CK(cuCtxSynchronize());
     }
     pthread_join(a, NULL);
@@ -283,7 +291,8 @@ int main(int argc, char **argv) {
     CK(cuModuleLoadData(&g_mod, "simgpu-module 1\n"
                                 "kernel k10ms 10ms   # the tests' unit of work\n"
                                 "kernel k100ms 100000\n"
-                                "kernel k500us 500us\n"));
+                                "kernel k500us 500us\n"
+                                "kernel k500ms 500ms\n"));
     if (strcmp(what, "events") == 0) events();
     else if (strcmp(what, "ptds") == 0) ptds();
     else if (strcmp(what, "graph") == 0) graph();

@@ -6,8 +6,9 @@
  *   mem:GPU:MIB     charge MIB MiB on physical GPU GPU
  *   ctx:GPU         create a context on GPU (charges the node's context overhead)
  *   busy:GPU:MS     keep GPU busy for MS ms with back-to-back 5 ms kernels
- * Memory and contexts are set up first, then it prints "ready", runs the busy steps, prints
- * "done" and holds everything until stdin closes (or it is killed).
+ * Memory and contexts are set up first, then it prints "ready", runs the busy steps (each
+ * prints "busy GPU START END", its span on simgpu's clock, CLOCK_MONOTONIC ns), prints "done"
+ * and holds everything until stdin closes (or it is killed).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,17 +18,17 @@
 
 #define KERNEL_NS 5000000ull
 
-/* Like a stream with launches queued ahead: the next kernel is submitted before the previous
- * one ends, so the GPU never idles between them. */
+/* Like a stream with every launch queued up front: the kernels sit back to back on the
+ * timeline, so the span is exactly [start, end] however late this process is scheduled (a
+ * loaded host). The tests time their queries by the printed span, on the same clock. */
 static void keep_busy(uint32_t gpu, uint64_t ms) {
     uint64_t owner = simgpu_timeline_owner(); /* one context of this process */
-    uint64_t stop = simgpu_now_ns() + ms * 1000000ull;
-    uint64_t end = simgpu_timeline_submit(gpu, owner, simgpu_now_ns(), KERNEL_NS);
-    while (end < stop) {
-        uint64_t next = simgpu_timeline_submit(gpu, owner, simgpu_now_ns(), KERNEL_NS);
-        simgpu_sleep_until(end);
-        end = next;
-    }
+    uint64_t now = simgpu_now_ns();
+    uint64_t start = simgpu_timeline_submit(gpu, owner, now, KERNEL_NS) - KERNEL_NS;
+    uint64_t end = start + KERNEL_NS;
+    while (end < start + ms * 1000000ull) end = simgpu_timeline_submit(gpu, owner, now, KERNEL_NS);
+    printf("busy %u %llu %llu\n", gpu, (unsigned long long)start, (unsigned long long)end);
+    fflush(stdout);
     simgpu_sleep_until(end);
 }
 

@@ -115,14 +115,21 @@ static inline uint64_t parse_size(const char *s) {
     }
 }
 
-/* Check a snapshot's books: each device's used is its processes' sum and within the limit. */
-static inline void check_books(const struct vgpu_region_snapshot *s, const char *when) {
+/* A snapshot's books: each device's used is what its live processes hold ... */
+static inline void check_sums(const struct vgpu_region_snapshot *s, const char *when) {
     for (uint32_t d = 0; d < s->device_count; d++) {
         uint64_t sum = 0;
         for (uint32_t i = 0; i < s->process_count; i++)
             if (s->processes[i].alive) sum += s->processes[i].used[d];
         CHECK(sum == s->devices[d].used, "%s: device %u used %llu, live processes hold %llu", when, d,
               (unsigned long long)s->devices[d].used, (unsigned long long)sum);
+    }
+}
+
+/* ... and within its limit. */
+static inline void check_books(const struct vgpu_region_snapshot *s, const char *when) {
+    check_sums(s, when);
+    for (uint32_t d = 0; d < s->device_count; d++) {
         CHECK(s->devices[d].used <= s->devices[d].memory_limit,
               "%s: device %u used %llu over its limit %llu", when, d,
               (unsigned long long)s->devices[d].used,

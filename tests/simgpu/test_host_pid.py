@@ -10,12 +10,19 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from conftest import child_of, require_root
-from test_nvml import USAGE, env_with, process_util, pynvml_on
+from test_nvml import (
+    USAGE,
+    answered_by,
+    busy_span,
+    env_with,
+    process_util,
+    pynvml_on,
+    sleep_until,
+)
 
 from vgpu_plugin.sim.simgpu import Node
 
@@ -41,7 +48,7 @@ def test_a_process_in_its_own_pid_namespace_is_listed_by_its_node_pid(
     if knob:
         env["SIMGPU_HOST_PROC"] = str(host_proc)
     argv = in_pid_namespace(
-        [str(native_bin / "nvml_gpu_process"), "mem:0:64", "busy:0:1500"], host_proc
+        [str(native_bin / "nvml_gpu_process"), "mem:0:64", "busy:0:10000"], host_proc
     )
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -52,10 +59,12 @@ def test_a_process_in_its_own_pid_namespace_is_listed_by_its_node_pid(
         node_pid = child_of(proc.pid)
         assert node_pid != 1
         want = node_pid if knob else 1  # unset: the pid it sees, pid 1 of its namespace
+        start, end = busy_span(proc)
         with pynvml_on(env_with(simgpu_node)) as nvml:
             assert nvml(USAGE)[0][1] == [[want, 64 * MIB]]
-            time.sleep(0.3)
+            sleep_until(start + 10_000_000)  # 10 ms of its kernels have run
             [[pid, *_]] = process_util(nvml, 0)
+            answered_by(end, "nvmlDeviceGetProcessUtilization")
             assert pid == want
     finally:
         proc.kill()

@@ -131,7 +131,7 @@ static void reap(int wait) {
             if (ms < 0) ms = 0;
             held = overlap_trim(p->ctx, p->start, &ms);
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
-            vgpu_pace_add(p->d->pace, p->charged - settle_charge(p->key, measured));
+            vgpu_pace_add(p->d, p->charged - settle_charge(p->key, measured));
             vgpu_note_gpu_time(p->d, (uint64_t)measured);
         }
         if (!held) event_put(p->start, p->ctx);
@@ -192,7 +192,7 @@ static CUresult record(CUevent e, CUstream s, int ptsz) {
 static int __attribute__((noinline)) pace_begin(struct paced *pc, CUstream s, int ptsz, uint64_t key) {
     CUcontext sctx;
     struct vgpu_dev *d = vgpu_stream_dev(s, ptsz, &sctx);
-    if (!d || !d->sm || !d->pace) return 0;
+    if (!d || !(d->sm || d->req) || !d->pace) return 0;
     /* Work captured into a graph does not run now: its graph is paced when launched. */
     CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
     __typeof__(cuStreamIsCapturing) *is_cap = ptsz ? vgpu.real.cuStreamIsCapturing_ptsz : vgpu.real.cuStreamIsCapturing;
@@ -204,8 +204,8 @@ static int __attribute__((noinline)) pace_begin(struct paced *pc, CUstream s, in
     int64_t est = estimate(key);
     pc->start = event_get(pc->ctx);
     pthread_mutex_unlock(&g.mu);
-    vgpu_pace_wait(d->pace, d->sm);
-    vgpu_pace_add(d->pace, -est);
+    vgpu_pace_wait(d);
+    vgpu_pace_add(d, -est);
     pc->d = d;
     pc->stream = s;
     pc->ptsz = ptsz;
@@ -227,7 +227,7 @@ static void pace_end(struct paced *pc, CUresult rc) {
         g.ring[(g.head + g.len) % RING] = (struct pending){pc->start, end, pc->ctx, pc->d, pc->charged, pc->key};
         g.len++;
     } else {
-        if (rc != CUDA_SUCCESS) vgpu_pace_add(pc->d->pace, pc->charged); /* nothing ran */
+        if (rc != CUDA_SUCCESS) vgpu_pace_add(pc->d, pc->charged); /* nothing ran */
         event_put(pc->start, pc->ctx);
         event_put(end, pc->ctx);
     }

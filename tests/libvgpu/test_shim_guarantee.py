@@ -7,9 +7,11 @@ host that delays the launchers shifts when work runs, not how the GPU's time was
 
 A container is a region and pacing file in its own directory under tmp_path; tmp_path is
 also the peers directory (VGPU_COMPUTE_PEERS), as the host's read-only mount of every
-container's directory is in production. Without the guarantee scheme (today's `none`: the
-shim does not pace at 100 %) the all-busy split is a third each, and with caps at the shares
-(`proportional`) two busy containers of four use half the GPU: these tests fail with either.
+container's directory is in production. Without the guarantee scheme these fail: with
+today's `none` (not paced) the all-busy split is a third each (33.2 / 33.4 / 33.3) and the
+newcomer's neighbours keep a third each; with caps at the shares (`proportional`) two busy
+containers of four use half the GPU (49 %) and the tenant that fills its own shared bucket
+gets 32 % of a 25 % share.
 """
 
 from __future__ import annotations
@@ -21,53 +23,23 @@ import threading
 import time
 from pathlib import Path
 
-from test_shim_compute import shim_on
+from test_shim_compute import MS, all_running, shares, shim_on, timeline
 from test_shim_helpers import Shim, finish
-
-from vgpu_plugin.sim.simgpu import Node
 
 KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whole run
 IN_FLIGHT = 8
-MS = 1_000_000
 
 
 def container(shim: Shim, name: str, request: int, cap: int = 100) -> dict[str, str]:
-    env = shim.env(
-        {"CUDA_DEVICE_SM_LIMIT": str(cap), "CUDA_DEVICE_SM_REQUEST": str(request)}
-    )
+    env = shim.env({"CUDA_DEVICE_SM_LIMIT": str(cap), "CUDA_DEVICE_SM_REQUEST": str(request)})
     (shim.tmp / name).mkdir(exist_ok=True)
     env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(shim.tmp / name / "r.cache")
     env["VGPU_COMPUTE_PEERS"] = str(shim.tmp)
     return env
 
 
-
 def run(shim: Shim, env: dict[str, str], seconds: int) -> subprocess.Popen[str]:
     return shim.start("shim_launch", "handle", 0, "kernel", KERNEL_US, seconds, IN_FLIGHT, env=env)
-
-
-def timeline(node: Node, pids: list[int], t0: int, t1: int, step: int) -> list[dict[int, int]]:
-    """Per `step` ns of simgpu's clock in [t0, t1), each pid's GPU time."""
-    out = []
-    for t in range(t0, t1, step):
-        got = node.busy(0, t, t + step)
-        out.append({p: got.get(p, 0) for p in pids})
-    return out
-
-
-def all_running(node: Node, pids: list[int], t0: int, t1: int) -> tuple[int, int]:
-    """The span of simgpu time, in 50 ms steps, from the first step in which every pid's work
-    ran to the last: the part of the run in which all of them were launching."""
-    step = 50 * MS
-    steps = timeline(node, pids, t0, t1, step)
-    both = [i for i, s in enumerate(steps) if all(s[p] > 0 for p in pids)]
-    assert both, steps
-    return t0 + both[0] * step, t0 + (both[-1] + 1) * step
-
-
-def shares(node: Node, pids: list[int], a: int, b: int) -> list[float]:
-    got = node.busy(0, a, b)
-    return [100.0 * got.get(p, 0) / (b - a) for p in pids]
 
 
 def finish_all(procs: list[subprocess.Popen[str]]) -> None:
@@ -113,8 +85,8 @@ def test_idle_guarantees_are_lent_to_the_busy(native_tree: Path, tmp_path: Path)
 def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
     native_tree: Path, tmp_path: Path
 ) -> None:
-    """A (50 %) and B (25 %) busy, C (25 %) idle, so A and B use C's time; C starts: from
-    100 ms after its first kernel ran, the split is its guarantees'."""
+    """A (50 %) and B (25 %) busy, C (25 %) idle, so A and B use C's time; C starts and gets
+    its guarantee from its first kernel on."""
     shim = shim_on(native_tree, tmp_path, 1)
     envs = [container(shim, n, r) for n, r in (("a", 50), ("b", 25), ("c", 25))]
     t0 = time.monotonic_ns()
@@ -135,8 +107,10 @@ def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
     # C's GPU time from its first kernel on is its guarantee's (its first kernels, charged
     # before any was measured, run ahead and are paid back within the window) ...
     assert split(c0, c0 + 500 * MS)[2] >= 23.0, split(c0, c0 + 500 * MS)
-    # ... and A, which had been using C's time, is back to its own from 100 ms on.
-    assert split(c0 + 100 * MS, c0 + 500 * MS)[0] >= 48.0, split(c0 + 100 * MS, c0 + 500 * MS)
+    # ... and A, which had been using C's time, is back to its own once the work it queued
+    # before C came (up to a window of its bucket at the higher rate) has run.
+    late_split = split(c0 + 200 * MS, c0 + 700 * MS)
+    assert late_split[0] >= 48.0, late_split
 
 
 PACE_HEADER = 64

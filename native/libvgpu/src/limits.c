@@ -218,8 +218,6 @@ struct env_val {
 };
 
 enum { ENV_MEM, ENV_SM, ENV_REQ };
-static const char *const ENV_NAMES[] = {"CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT",
-                                        "CUDA_DEVICE_SM_REQUEST"};
 
 /* NAME or NAME_<i>: -1 for NAME, i, or -2 when it is neither. */
 static int env_index(const char *entry, const char *name, const char **value) {
@@ -244,9 +242,15 @@ static void load_env(struct vgpu_config *c) {
     int any = 0, max_index = -1;
     for (char **e = environ; e && *e; e++) {
         const char *v = NULL;
-        int kind = ENV_MEM, i = -2;
-        for (; kind <= ENV_REQ && i == -2; kind++) i = env_index(*e, ENV_NAMES[kind], &v);
-        kind--;
+        int kind = ENV_MEM, i = env_index(*e, "CUDA_DEVICE_MEMORY_LIMIT", &v);
+        if (i == -2) {
+            kind = ENV_SM;
+            i = env_index(*e, "CUDA_DEVICE_SM_LIMIT", &v);
+        }
+        if (i == -2) {
+            kind = ENV_REQ;
+            i = env_index(*e, "CUDA_DEVICE_SM_REQUEST", &v);
+        }
         if (i == -2) continue;
         int is_mem = kind == ENV_MEM;
         any = 1;

@@ -20,7 +20,7 @@
 #define REGION_DIR "/tmp/vgpu"
 #define DEFAULT_REGION REGION_DIR "/vgpu.cache"
 #define DEFAULT_LOCK_DIR "/tmp/vgpulock"
-#define DEFAULT_PEERS_DIR "/run/vgpu/peers"
+#define DEFAULT_PEERS_DIR "/etc/vgpu/peers"
 
 extern char **environ;
 

@@ -30,12 +30,14 @@ SharingValue = int | float | str
 
 @dataclass(frozen=True)
 class Sharing:
-    """How one GPU is split; ``compute`` is ``"none"``, ``"proportional"`` or a percent."""
+    """How one GPU is split; ``compute`` is ``"none"``, ``"proportional"``, ``"guaranteed"``
+    or a percent; ``compute_limit``: the cap of a ``guaranteed`` container (docs/compute.md)."""
 
     split_count: int = 10
     memory_scaling: float = 1.0
     compute: str | int = "none"
     placement: str = "binpack"
+    compute_limit: int = 100
 
     @property
     def oversubscribed(self) -> bool:
@@ -48,6 +50,7 @@ SHARING_KEYS: Mapping[str, str] = MappingProxyType(
         "splitCount": "split_count",
         "memoryScaling": "memory_scaling",
         "compute": "compute",
+        "computeLimit": "compute_limit",
         "placement": "placement",
     }
 )

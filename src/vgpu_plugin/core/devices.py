@@ -23,7 +23,8 @@ class GpuLimit:
 
     uuid: str
     memory_bytes: int
-    compute_percent: int  # 1..100; 0: not limited
+    compute_percent: int  # 1..100; 0: not limited (with a request: the cap, 100 none)
+    compute_request: int = 0  # guaranteed percent (sharing.compute: guaranteed); 0: none
 
     @property
     def memory_mib(self) -> int:
@@ -129,11 +130,13 @@ def slice_memory_mib(memory_total: int, sharing: Sharing) -> int:
 def slice_compute_percent(sharing: Sharing) -> int:
     if sharing.compute == "none":
         return 0
-    if sharing.compute == "proportional":
+    if sharing.compute in ("proportional", "guaranteed"):  # a cap, or a guarantee
         return max(1, 100 // sharing.split_count)
     if isinstance(sharing.compute, int) and 1 <= sharing.compute <= 100:
         return sharing.compute
-    raise ValueError(f"compute must be none, proportional or 1..100, got {sharing.compute!r}")
+    raise ValueError(
+        f"compute must be none, proportional, guaranteed or 1..100, got {sharing.compute!r}"
+    )
 
 
 def plan_gpu(gpu: PhysicalGpu, sharing: Sharing, override: int | None = None) -> GpuPlan:

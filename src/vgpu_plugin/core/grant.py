@@ -93,14 +93,19 @@ def grant(plan: NodePlan, device_ids: Sequence[str], allocation_id: str) -> Gran
         slices = by_gpu.get(gpu_plan.gpu.uuid)
         if not slices:
             continue
-        compute = sum(s.compute_percent for s in slices)
+        compute = min(100, sum(s.compute_percent for s in slices))
+        memory = sum(s.memory_mib for s in slices) * MIB
+        sharing = gpu_plan.sharing
+        if sharing.compute == "guaranteed":  # the slices' shares are the guarantee
+            cap = sharing.compute_limit
+            limit = GpuLimit(gpu_plan.gpu.uuid, memory, cap, min(cap, compute))
+        else:
+            limit = GpuLimit(gpu_plan.gpu.uuid, memory, compute)
         gpus.append(
             GpuGrant(
                 gpu=gpu_plan.gpu,
                 slice_ids=tuple(s.id for s in sorted(slices, key=lambda s: s.k)),
-                limit=GpuLimit(
-                    gpu_plan.gpu.uuid, sum(s.memory_mib for s in slices) * MIB, min(100, compute)
-                ),
+                limit=limit,
             )
         )
         oversubscribed = oversubscribed or gpu_plan.sharing.oversubscribed

@@ -13,8 +13,10 @@ from vgpu_plugin.commands.cli import main
 from vgpu_plugin.core.allocation import Mount, container_spec
 from vgpu_plugin.core.config import Config, ConfigError, Sharing, parse_config
 from vgpu_plugin.core.devices import MIB, GpuLimit, NodePlan, PhysicalGpu, plan_node
-from vgpu_plugin.core.grant import grant
+from vgpu_plugin.core.dra import ClaimError, check_fits
+from vgpu_plugin.core.grant import Amount, grant, grant_amounts
 from vgpu_plugin.core.limits import LimitsError, parse_limits, render_limits
+from vgpu_plugin.core.placement import held_by_gpu
 from vgpu_plugin.node.state import AllocationRecord
 
 AAAA = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
@@ -113,3 +115,28 @@ def test_check_config_shows_the_guarantee_and_the_cap(
         25,
         75,
     )
+
+
+def test_a_dra_claims_compute_is_its_guarantee_under_a_compute_limit() -> None:
+    gpu = PhysicalGpu(0, AAAA, "NVIDIA H100 80GB HBM3", 81559 * MIB, 0, "b", 0)
+    config = parse_config("version: v1\ndra: {enabled: true, computeLimit: 90}\n")
+    assert config.dra.compute_limit == 90
+    g = grant_amounts([gpu], [Amount(AAAA, MIB, 30)], "dra-x", config.dra.compute_limit)
+    assert g.gpus[0].limit == GpuLimit(AAAA, MIB, 90, 30)
+    assert container_spec(g, "/r", "1").envs["CUDA_DEVICE_SM_REQUEST_0"] == "30"
+    # A claim of "all of it" (compute 0) is guaranteed all of it, up to the cap.
+    whole = grant_amounts([gpu], [Amount(AAAA, MIB, 0)], "dra-y", 90)
+    assert whole.gpus[0].limit.compute_request == 90
+    # Unset: as before, the claim's compute is its cap.
+    assert grant_amounts([gpu], [Amount(AAAA, MIB, 30)], "dra-z").gpus[0].limit == GpuLimit(
+        AAAA, MIB, 30
+    )
+
+
+def test_what_a_guaranteed_allocation_holds_is_its_guarantee_not_its_cap() -> None:
+    held = [GpuLimit(AAAA, MIB, 100, 50), GpuLimit(AAAA, MIB, 100, 25)]
+    assert held_by_gpu(held)[AAAA].compute_percent == 75
+    # DRA's own check: 75 % promised, a claim of 25 % fits, one of 30 % does not.
+    check_fits("ns/c", {AAAA: 81559 * MIB}, held, [Amount(AAAA, MIB, 25)])
+    with pytest.raises(ClaimError, match="promise 75%"):
+        check_fits("ns/c", {AAAA: 81559 * MIB}, held, [Amount(AAAA, MIB, 30)])

@@ -126,6 +126,7 @@ class DraConfig:
     gpus: tuple[str, ...] = ("all",)
     memory: tuple[int, int, int] = (1 << 30, 1 << 30, 256 << 20)  # default, minimum, step
     compute: tuple[int, int, int] = (10, 1, 1)
+    compute_limit: int | None = None  # set: a claim's compute is a guarantee, this its cap
 
     def serves(self, gpu: PhysicalGpu) -> bool:
         """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
@@ -351,6 +352,7 @@ def _dra(tree: Mapping[str, Any], errors: list[str]) -> DraConfig:
         gpus=tuple(tree.get("gpus", base.gpus)),
         memory=policies[0],
         compute=policies[1],
+        compute_limit=tree.get("computeLimit", base.compute_limit),
     )
 
 

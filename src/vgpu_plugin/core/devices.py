@@ -30,6 +30,11 @@ class GpuLimit:
     def memory_mib(self) -> int:
         return self.memory_bytes // MIB
 
+    @property
+    def promised_percent(self) -> int:
+        """The GPU time promised to the container: its guarantee, else its cap (0: none)."""
+        return self.compute_request or self.compute_percent
+
 
 @dataclass(frozen=True)
 class PhysicalGpu:

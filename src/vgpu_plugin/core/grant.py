@@ -146,13 +146,21 @@ class Amount:
     memory_bytes: int
     compute_percent: int
 
+    @property
+    def promised_percent(self) -> int:
+        return self.compute_percent
+
 
 def grant_amounts(
-    gpus: Sequence[PhysicalGpu], amounts: Sequence[Amount], allocation_id: str
+    gpus: Sequence[PhysicalGpu],
+    amounts: Sequence[Amount],
+    allocation_id: str,
+    compute_limit: int | None = None,
 ) -> Grant:
     """A grant from amounts instead of slices: amounts on one GPU add up (compute capped at
     100), GPUs in physical index order; :class:`InvalidRequest` for a GPU that is not one of
-    ``gpus``, no amount at all, or more memory than the GPU has."""
+    ``gpus``, no amount at all, or more memory than the GPU has. ``compute_limit`` (DRA's
+    ``dra.computeLimit``): the compute asked is a guarantee, this its cap (docs/compute.md)."""
     check_allocation_id(allocation_id)
     if not amounts:
         raise InvalidRequest("empty request: no GPU amounts")
@@ -177,6 +185,11 @@ def grant_amounts(
                 f"GPU {gpu.uuid}: {memory[gpu.uuid]} bytes asked, the GPU has {gpu.memory_total}",
                 gpu.uuid,
             )
-        limit = GpuLimit(gpu.uuid, memory[gpu.uuid], min(100, compute[gpu.uuid]))
+        asked = min(100, compute[gpu.uuid])
+        if compute_limit is None:
+            limit = GpuLimit(gpu.uuid, memory[gpu.uuid], asked)
+        else:  # 0 asked is all of the GPU: guaranteed all of it, up to the cap
+            guarantee = min(compute_limit, asked or 100)
+            limit = GpuLimit(gpu.uuid, memory[gpu.uuid], compute_limit, guarantee)
         out.append(GpuGrant(gpu=gpu, slice_ids=(), limit=limit))
     return Grant(allocation_id, tuple(out), oversubscribed=False)

@@ -778,6 +778,15 @@ SCHEMA: tuple[KeySpec, ...] = (
         "A claim's compute is rounded up to this step.",
         int_in(1, 100),
     ),
+    _leaf(
+        "dra.computeLimit",
+        "integer",
+        None,
+        "1..100",
+        "Set: a claim's compute is a guarantee (idle time lent, docs/compute.md) and this the"
+        " cap of every claim; unset: a claim's compute is its cap.",
+        int_in(1, 100),
+    ),
 )
 
 

@@ -17,6 +17,8 @@ from vgpu_plugin.core.dra import ClaimError, check_fits
 from vgpu_plugin.core.grant import Amount, grant, grant_amounts
 from vgpu_plugin.core.limits import LimitsError, parse_limits, render_limits
 from vgpu_plugin.core.placement import held_by_gpu
+from vgpu_plugin.node.metrics import ALLOCATION_FAMILIES
+from vgpu_plugin.node.nodeview import REGION_MISSING, RegionProblem, allocation_view
 from vgpu_plugin.node.state import AllocationRecord
 
 AAAA = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
@@ -140,3 +142,14 @@ def test_what_a_guaranteed_allocation_holds_is_its_guarantee_not_its_cap() -> No
     check_fits("ns/c", {AAAA: 81559 * MIB}, held, [Amount(AAAA, MIB, 25)])
     with pytest.raises(ClaimError, match="promise 75%"):
         check_fits("ns/c", {AAAA: 81559 * MIB}, held, [Amount(AAAA, MIB, 30)])
+
+
+def test_the_node_view_and_metrics_show_the_guarantee_beside_the_cap() -> None:
+    limit = GpuLimit(AAAA, 4096 * MIB, 80, 25)
+    record = AllocationRecord("a1", (f"{AAAA}-0",), "nvidia.com/gpu", 1.0, (limit,))
+    view = allocation_view(record, RegionProblem(REGION_MISSING), None)
+    (gpu,) = view.gpus
+    assert (gpu.compute_guarantee, gpu.compute_limit) == (25, 80)
+    values = {name: value(view, gpu) for name, _, _, value in ALLOCATION_FAMILIES}
+    assert values["vgpu_container_compute_guarantee_ratio"] == 0.25
+    assert values["vgpu_container_compute_limit_ratio"] == 0.8

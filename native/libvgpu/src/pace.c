@@ -13,7 +13,8 @@
  * a process killed between two of them loses at most one refill interval of credit.
  *
  * Guarantees (sharing.compute: guaranteed, docs/compute.md): a container with a guarantee
- * publishes it in its record (`request`) and, at every launch, that it is busy (`active_ns`).
+ * publishes it in its record (`request`) and, as it launches, until when it is busy
+ * (`active_ns`: now, plus the work it has queued as long as that takes at its guarantee).
  * Its rate is worked out from its peers' records, read through the host's read-only mount of
  * every container's directory (peers_dir): the rest of the GPU once the busy peers' guarantees
  * are set aside, never below its own guarantee, never above its cap. Nothing a container
@@ -39,7 +40,6 @@
 #define MIN_SLEEP_NS 20000ll
 #define MAX_SLEEP_NS 20000000ll
 #define BUSY_NS 40000000ull        /* a peer that has not launched for one window is idle */
-#define ACTIVE_STEP_NS 1000000ull  /* active_ns is written at most once a millisecond */
 #define RATE_NS 2000000ull         /* a guaranteed rate is worked out again after 2 ms */
 #define RESCAN_NS 40000000ull      /* the peers' files are looked for again each window */
 #define PEER_MAX 128               /* pacing files read (containers of the node, on any GPU) */
@@ -50,7 +50,7 @@ struct vgpu_pace_dev {
     char uuid[VGPU_UUID_SIZE];
     uint32_t percent;  /* as the creator of the file wrote it */
     uint32_t request;  /* the container's guarantee in percent, 0 none (its peers read it) */
-    uint64_t active_ns; /* CLOCK_MONOTONIC of its latest launch, or wait to launch, here */
+    uint64_t active_ns; /* CLOCK_MONOTONIC until which it is busy here (see above) */
     uint64_t held_ns;  /* how long its launches waited in all (metrics) */
     uint64_t reserved1[3];
     /* its own cache line: what every launch touches */
@@ -226,7 +226,7 @@ static void scan_dir(int fd, int depth, const struct stat *own) {
     closedir(dir);
 }
 
-static void rescan(uint64_t now) {
+static void __attribute__((noinline)) rescan(uint64_t now) {
     for (int i = 0; i < g_peers.n; i++) close(g_peers.fd[i]);
     g_peers.n = 0;
     g_peers.scanned_ns = now;
@@ -239,7 +239,7 @@ static void rescan(uint64_t now) {
 /* The sum of the guarantees of the peers busy on GPU `uuid` (g_peers.mu held). A peer's record
  * is the peer's to write: a value out of range counts as none, and one that claims more only
  * lowers what is lent to us, never our guarantee. */
-static int busy_peers_percent(const char *uuid, uint64_t now) {
+static int __attribute__((noinline)) busy_peers_percent(const char *uuid, uint64_t now) {
     static struct pace_file f; /* g_peers.mu held: one buffer, off the stack */
     int sum = 0;
     for (int i = 0; i < g_peers.n && sum < 100; i++) {
@@ -260,9 +260,14 @@ static int busy_peers_percent(const char *uuid, uint64_t now) {
 
 /* A guaranteed container's rate now: what its busy peers' guarantees leave, within
  * [guarantee, cap]; worked out again at most every RATE_NS (by one thread at a time). */
-static int guaranteed_rate(struct vgpu_dev *d, uint64_t now) {
+static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns) {
     int rate = __atomic_load_n(&d->rate, __ATOMIC_RELAXED);
     if (LIKELY(now - __atomic_load_n(&d->rate_ns, __ATOMIC_RELAXED) < RATE_NS)) return rate;
+    /* Launching, or waiting to, is being busy, and so is having work queued: told here, at
+     * most every RATE_NS, as the time until which that work would run at our guarantee
+     * (peers take us for idle one window after it). */
+    uint64_t until = now + queued_ns * 100 / (uint64_t)d->req;
+    __atomic_store_n(&d->pace->active_ns, until, __ATOMIC_RELAXED);
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d->uuid, now);
@@ -275,25 +280,38 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now) {
     return rate;
 }
 
-void vgpu_pace_wait(struct vgpu_dev *d) {
+/* refill() for a process's private bucket: no other process refills it, so plain (relaxed)
+ * moves do; two of its threads refilling at once may add one interval twice, which only
+ * this process can cause and which the shared bucket still bounds across processes. */
+static void refill_own(struct vgpu_pace_dev *p, int percent, uint64_t now) {
+    uint64_t last = __atomic_load_n(&p->last_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->last_ns, now, __ATOMIC_RELAXED);
+    if (UNLIKELY(last == 0) || now <= last) return;
+    uint64_t dt = now - last;
+    int64_t cap = CAP_NS * percent / 100;
+    int64_t add = dt > 1000000000ull ? cap : (int64_t)(dt * (uint64_t)percent / 100);
+    int64_t t = __atomic_add_fetch(&p->tokens, add, __ATOMIC_RELAXED);
+    if (t > cap) __atomic_store_n(&p->tokens, cap, __ATOMIC_RELAXED);
+}
+
+void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns) {
     struct vgpu_pace_dev *p = d->pace, *own = d->own;
     uint64_t waited = 0;
     for (;;) {
         uint64_t now = now_ns();
         int percent = d->sm;
-        if (d->req) {
-            /* Waiting to launch is being busy too: a held-back container keeps its claim. */
-            if (now - __atomic_load_n(&p->active_ns, __ATOMIC_RELAXED) >= ACTIVE_STEP_NS)
-                __atomic_store_n(&p->active_ns, now, __ATOMIC_RELAXED);
-            percent = guaranteed_rate(d, now);
-        }
+        if (d->req) percent = guaranteed_rate(d, now, queued_ns);
         refill(p, percent, now);
         int64_t t = __atomic_load_n(&p->tokens, __ATOMIC_ACQUIRE);
         if (own) {
             /* The shared bucket is in a file the tenant can write: the private one holds
-             * this process to the rate whatever is written there. */
-            refill(own, percent, now);
-            int64_t o = __atomic_load_n(&own->tokens, __ATOMIC_ACQUIRE);
+             * this process to the rate whatever is written there. It is refilled only when
+             * it reads empty: the same credit, later, off the common path. */
+            int64_t o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
+            if (o < 0) {
+                refill_own(own, percent, now);
+                o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
+            }
             t = o < t ? o : t;
         }
         if (t >= 0) break;

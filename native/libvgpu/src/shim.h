@@ -356,8 +356,8 @@ VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percen
 /* A bucket of this process's own (NULL out of memory). */
 VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
 /* Wait while d's budget is in debt (its rate: d->sm, or with a guarantee the rate worked out
- * from the GPU's busy peers). */
-VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d);
+ * from the GPU's busy peers; `queued_ns`: the GPU work the process has queued there). */
+VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 /* Credit (ns > 0) or charge (ns < 0) d's budget. */
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
 /* The driver's entry points are loaded: unpaced kernel launches go straight to them. */

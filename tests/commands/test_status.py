@@ -202,6 +202,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
         "gpus": [
             {
                 "compute_limit": 25,
+                "compute_guarantee": 0,
                 "driver_limit": NOT_REQUESTED,
                 "driver_limit_confirmed": 0,
                 "fallbacks": 1,
@@ -215,6 +216,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
             },
             {
                 "compute_limit": 50,
+                "compute_guarantee": 0,
                 "driver_limit": NOT_REQUESTED,
                 "driver_limit_confirmed": 0,
                 "fallbacks": 0,

@@ -103,15 +103,16 @@ def test_version_is_required() -> None:
         ("sharing: {memoryScaling: no}", "sharing.memoryScaling: must be a number > 0, got false"),
         (
             "sharing: {compute: half}",
-            "sharing.compute: must be none, proportional or a percent 1..100, got 'half'",
+            "sharing.compute: must be none, proportional, guaranteed or a percent 1..100,"
+            " got 'half'",
         ),
         (
             "sharing: {compute: 0}",
-            "sharing.compute: must be none, proportional or a percent 1..100, got 0",
+            "sharing.compute: must be none, proportional, guaranteed or a percent 1..100, got 0",
         ),
         (
             "sharing: {compute: 101}",
-            "sharing.compute: must be none, proportional or a percent 1..100, got 101",
+            "sharing.compute: must be none, proportional, guaranteed or a percent 1..100, got 101",
         ),
         ("sharing: {placement: pack}", "sharing.placement: must be binpack or spread, got 'pack'"),
         ("version: v2", "version: must be v1, got 'v2'"),
@@ -141,7 +142,8 @@ def test_override_errors_carry_the_item_index() -> None:
         """
     )
     assert errors == [
-        "overrides[1].sharing.compute: must be none, proportional or a percent 1..100, got 'half'"
+        "overrides[1].sharing.compute: must be none, proportional, guaranteed or a percent"
+        " 1..100, got 'half'"
     ]
 
 

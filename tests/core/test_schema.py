@@ -14,6 +14,7 @@ CONFIG_FIELD = {
     "sharing.splitCount": lambda c: c.sharing.split_count,
     "sharing.memoryScaling": lambda c: c.sharing.memory_scaling,
     "sharing.compute": lambda c: c.sharing.compute,
+    "sharing.computeLimit": lambda c: c.sharing.compute_limit,
     "sharing.placement": lambda c: c.sharing.placement,
     "overrides": lambda c: c.overrides,
     "hostRoot": lambda c: c.host_root,
@@ -92,10 +93,10 @@ def test_a_file_written_from_the_schema_defaults_parses_to_the_default_config() 
 
 def test_override_sharing_accepts_exactly_the_plain_sharing_keys() -> None:
     leaves = {k for k, s in children("sharing").items() if not s.is_container}
-    assert leaves == {"splitCount", "memoryScaling", "compute", "placement"}
+    assert leaves == {"splitCount", "memoryScaling", "compute", "placement", "computeLimit"}
     text = (
         "version: v1\noverrides: [{match: {nodeNames: [a]}, sharing: {splitCount: 2,"
-        " memoryScaling: 2, compute: 5, placement: spread}}]\n"
+        " memoryScaling: 2, compute: 5, placement: spread, computeLimit: 90}}]\n"
     )
     assert len(parse_config(text).overrides[0].sharing) == len(leaves)
 

@@ -4,6 +4,7 @@ accepts, links that lead somewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import sys
@@ -23,8 +24,8 @@ from vgpu_plugin.commands import cli, serve
 from vgpu_plugin.commands.settings import FLAGS
 from vgpu_plugin.core import allocation
 from vgpu_plugin.core.config import parse_config
-from vgpu_plugin.core.devices import MIB, PhysicalGpu, plan_node
-from vgpu_plugin.core.grant import Grant, grant
+from vgpu_plugin.core.devices import MIB, GpuLimit, PhysicalGpu, plan_node
+from vgpu_plugin.core.grant import GpuGrant, Grant, grant
 from vgpu_plugin.core.schema import SCHEMA
 from vgpu_plugin.node.observe.metrics import serve_metrics
 
@@ -327,12 +328,17 @@ def example(name: str) -> str:
     return m.group(1)
 
 
-def _worked_example() -> allocation.ContainerSpec:
+def _worked_example(compute: str | None = None) -> allocation.ContainerSpec:
     a = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
     b = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
     gpus = [PhysicalGpu(i, u, "NVIDIA H100 80GB HBM3", 81559 * MIB, i, "", 0) for i, u in
             enumerate((a, b))]  # fmt: skip
-    plan = plan_node(parse_config(example("config")), gpus, "node", {})
+    config = parse_config(example("config"))
+    if compute is not None:
+        config = dataclasses.replace(
+            config, sharing=dataclasses.replace(config.sharing, compute=compute)
+        )
+    plan = plan_node(config, gpus, "node", {})
     g = grant(plan, [f"{b}-1", f"{a}-0", f"{a}-3"], "0193ab12cd34ef56")
     return allocation.container_spec(g, "/usr/local/vgpu", "0.1.0-3f2a9c1e7b04")
 
@@ -352,9 +358,13 @@ def test_the_allocate_tables_name_what_the_code_sets() -> None:
     envs = {r[0].strip("`") for r in table_after(CONTRACTS, "### Environment")}
     set_by_code = {re.sub(r"_\d+$", "_<i>", name) for name in _worked_example().envs}
     set_by_code.add("CUDA_DEVICE_SM_LIMIT")  # only when every GPU has the same share
+    guaranteed = _worked_example(compute="guaranteed")  # adds the guarantee and the peers
+    set_by_code |= {re.sub(r"_\d+$", "_<i>", name) for name in guaranteed.envs}
     assert envs == set_by_code
     root, version, alloc_id, lock_dir = "/r", "1.0-abc", "id0", "/locks"
-    g = Grant(alloc_id, (), False)
+    gpu = PhysicalGpu(0, "GPU-a", "m", MIB, 0, "", 0)
+    limit = GpuLimit("GPU-a", MIB, 100, 25)
+    g = Grant(alloc_id, (GpuGrant(gpu, ("GPU-a-0",), limit),), False)
     code = {
         m.container_path: (m.host_path, "ro" if m.read_only else "rw")
         for m in allocation.container_spec(g, root, version, lock_dir).mounts

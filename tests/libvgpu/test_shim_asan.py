@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import test_shim_compute as compute
+import test_shim_guarantee as guarantee
 import test_shim_hostpid as hostpid
 import test_shim_invariant as invariant
 import test_shim_late_contexts as late
@@ -130,6 +131,13 @@ def test_contexts(asan: Shim) -> None:
 
 def test_paced_launches(asan_tree: Path, tmp_path: Path) -> None:
     compute.test_every_launch_api_is_paced(asan_tree, tmp_path)
+
+
+# Guarantees: the peers' files read, the private bucket, a tenant writing its own file.
+def test_guaranteed_launches(asan_tree: Path, tmp_path: Path) -> None:
+    guarantee.test_a_tenant_filling_its_own_budget_gets_no_more_than_its_guarantee(
+        asan_tree, tmp_path
+    )
 
 
 # The invariant's paths (pools, contexts every way, graphs, NVML process lists, lock files).

@@ -1,8 +1,11 @@
 """The compute limit: each container's GPU time share tracks CUDA_DEVICE_SM_LIMIT.
 
 Program: tests/native/shim_launch.c, which launches kernels of a known duration as fast as the
-shim lets it and reports the GPU time its kernels took in each one-second window (window 0 is
-the warm-up). A container is a set of processes with one region (and pacing file); two
+shim lets it. Shares are measured in simgpu's own clock, from the simulated GPU's record of
+whose work ran when (`Node.busy`), in one-second windows of that clock from one second after
+the processes' work started: a loaded host (load 15 on 2 cores) delays when the program sees
+its kernels complete, which the program's own windows would count in the wrong second, but
+not when they ran. A container is a set of processes with one region (and pacing file); two
 containers on one GPU are two regions. On the simulated GPU, work of all processes runs one
 piece at a time, as kernels of different processes do on a time-sliced GPU.
 """
@@ -15,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from test_shim_helpers import Result, Shim, finish
+from test_shim_helpers import Shim, finish
 
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
@@ -50,19 +53,66 @@ def launch(
     return shim.start(*args, env=env)
 
 
-def windows(r: Result, seconds: int) -> list[float]:
-    assert r.rc == 0, r.stderr
-    return [r.float(f"window_{w}") for w in range(1, seconds)]
+MS = 1_000_000
+SECOND = 1000 * MS
 
 
-def assert_share(r: Result, seconds: int, target: float) -> None:
-    got = windows(r, seconds)
+def timeline(
+    node: Node, pids: list[int], t0: int, t1: int, step: int, gpu: int = 0
+) -> list[dict[int, int]]:
+    """Per `step` ns of simgpu's clock in [t0, t1), each pid's GPU time there."""
+    out = []
+    for t in range(t0, t1, step):
+        got = node.busy(gpu, t, t + step)
+        out.append({p: got.get(p, 0) for p in pids})
+    return out
+
+
+def all_running(node: Node, pids: list[int], t0: int, t1: int, gpu: int = 0) -> tuple[int, int]:
+    """The span of simgpu time, in 50 ms steps, from the first step in which every pid's work
+    ran to the last: the part of the run in which all of them were launching."""
+    step = 50 * MS
+    t0 = max(t0, node.recorded_since(gpu))
+    steps = timeline(node, pids, t0, t1, step, gpu)
+    both = [i for i, s in enumerate(steps) if all(s[p] > 0 for p in pids)]
+    assert both, steps
+    return t0 + both[0] * step, t0 + (both[-1] + 1) * step
+
+
+def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[float]:
+    """Each pid's GPU time in [a, b] of simgpu's clock, in percent of that span."""
+    got = node.busy(gpu, a, b)
+    return [100.0 * got.get(p, 0) / (b - a) for p in pids]
+
+
+def gpu_windows(
+    shim: Shim, procs: Sequence[subprocess.Popen[str]], t0: int, gpu: int = 0
+) -> list[float]:
+    """The processes' GPU time together, in percent of each whole second of simgpu's clock
+    from one second after all of them started running (the warm-up) to the end of their
+    work, less the last 200 ms (kernels in flight at the end); at least two windows."""
+    for p in procs:
+        if p.returncode is None:
+            r = finish(p, timeout=120)
+            assert r.rc == 0, r.stderr
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns(), gpu)
+    a = max(a + SECOND, shim.node.recorded_since(gpu))
+    n = (b - 200 * MS - a) // SECOND
+    assert n >= 2, (a, b)
+    return [
+        sum(shares(shim.node, pids, a + k * SECOND, a + (k + 1) * SECOND, gpu)) for k in range(n)
+    ]
+
+
+def assert_share(got: list[float], target: float) -> None:
     assert all(abs(w - target) <= TOLERANCE for w in got), (target, got)
 
 
 def test_limits_of_25_50_75_percent_hold_in_every_second(native_tree: Path, tmp_path: Path) -> None:
     shim = shim_on(native_tree, tmp_path, 3)
     seconds, targets = 5, (25, 50, 75)
+    t0 = time.monotonic_ns()
     procs = [
         launch(shim, container(shim, f"c{i}", CUDA_DEVICE_SM_LIMIT=str(t)), i, "kernel", seconds)
         for i, t in enumerate(targets)
@@ -70,19 +120,19 @@ def test_limits_of_25_50_75_percent_hold_in_every_second(native_tree: Path, tmp_
     time.sleep(3.0)
     # The simulator's own measure (NVML utilization, last second) agrees.
     util = [shim.node.gpu(i).utilization for i in range(3)]
-    results = [finish(p, timeout=60) for p in procs]
-    for r, t, u in zip(results, targets, util, strict=True):
-        assert_share(r, seconds, t)
+    for i, (p, t, u) in enumerate(zip(procs, targets, util, strict=True)):
+        assert_share(gpu_windows(shim, [p], t0, i), t)
         assert abs(u - t) <= TOLERANCE, (t, u)
 
 
 def test_two_containers_on_one_gpu_each_get_their_share(native_tree: Path, tmp_path: Path) -> None:
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 5
+    t0 = time.monotonic_ns()
     a = launch(shim, container(shim, "a", CUDA_DEVICE_SM_LIMIT="25"), 0, "kernel", seconds)
     b = launch(shim, container(shim, "b", CUDA_DEVICE_SM_LIMIT="50"), 0, "kernel", seconds)
-    assert_share(finish(a, timeout=60), seconds, 25)
-    assert_share(finish(b, timeout=60), seconds, 50)
+    assert_share(gpu_windows(shim, [a], t0), 25)
+    assert_share(gpu_windows(shim, [b], t0), 50)
 
 
 def test_short_kernels_beside_long_ones_get_their_share(native_tree: Path, tmp_path: Path) -> None:
@@ -90,11 +140,11 @@ def test_short_kernels_beside_long_ones_get_their_share(native_tree: Path, tmp_p
     long ones, and that wait is not GPU time of theirs."""
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 5
+    t0 = time.monotonic_ns()
     a = launch(shim, container(shim, "a", CUDA_DEVICE_SM_LIMIT="25"), 0, "kernel", seconds, 200)
     b = launch(shim, container(shim, "b", CUDA_DEVICE_SM_LIMIT="50"), 0, "kernel", seconds, 2000)
-    ra, rb = finish(a, timeout=60), finish(b, timeout=60)
-    assert_share(ra, seconds, 25)
-    assert_share(rb, seconds, 50)
+    assert_share(gpu_windows(shim, [a], t0), 25)
+    assert_share(gpu_windows(shim, [b], t0), 50)
 
 
 def test_kernels_of_varying_duration_get_their_share(native_tree: Path, tmp_path: Path) -> None:
@@ -103,9 +153,8 @@ def test_kernels_of_varying_duration_get_their_share(native_tree: Path, tmp_path
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 5
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="30")
-    assert_share(
-        finish(launch(shim, env, 0, "kernel", seconds, (100, 5000)), timeout=60), seconds, 30
-    )
+    t0 = time.monotonic_ns()
+    assert_share(gpu_windows(shim, [launch(shim, env, 0, "kernel", seconds, (100, 5000))], t0), 30)
 
 
 def test_streams_of_one_context_are_not_charged_twice(native_tree: Path, tmp_path: Path) -> None:
@@ -115,9 +164,8 @@ def test_streams_of_one_context_are_not_charged_twice(native_tree: Path, tmp_pat
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 4
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="80")
-    assert_share(
-        finish(launch(shim, env, 0, "kernel", seconds, streams=2), timeout=60), seconds, 80
-    )
+    t0 = time.monotonic_ns()
+    assert_share(gpu_windows(shim, [launch(shim, env, 0, "kernel", seconds, streams=2)], t0), 80)
 
 
 APIS = ["kernel", "ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "graph", "graph_ptsz"]
@@ -126,29 +174,35 @@ APIS = ["kernel", "ptsz", "ex", "ex_ptsz", "coop", "coop_ptsz", "graph", "graph_
 def test_every_launch_api_is_paced(native_tree: Path, tmp_path: Path) -> None:
     """Per-thread default streams, Ex, cooperative and graph launches all count."""
     shim = shim_on(native_tree, tmp_path, len(APIS))
-    seconds = 3
+    seconds = 4
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="40")
+    t0 = time.monotonic_ns()
     procs = [launch(shim, env, i, api, seconds) for i, api in enumerate(APIS)]
-    for api, p in zip(APIS, procs, strict=True):
-        r = finish(p, timeout=60)
-        assert abs(r.float("mean") - 40) <= TOLERANCE, (api, r.stdout)
+    for i, (api, p) in enumerate(zip(APIS, procs, strict=True)):
+        got = gpu_windows(shim, [p], t0, i)
+        assert abs(sum(got) / len(got) - 40) <= TOLERANCE, (api, got)
 
 
 def test_the_processes_of_a_container_share_one_budget(native_tree: Path, tmp_path: Path) -> None:
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 4
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="50")
+    t0 = time.monotonic_ns()
     procs = [launch(shim, env, 0, "kernel", seconds) for _ in range(2)]
-    results = [finish(p, timeout=60) for p in procs]
-    per_window = [sum(w) for w in zip(*(windows(r, seconds) for r in results), strict=True)]
-    assert all(abs(w - 50) <= TOLERANCE for w in per_window), per_window
+    assert_share(gpu_windows(shim, procs, t0), 50)
 
 
 @pytest.mark.parametrize("value", ["0", "100"])
 def test_0_and_100_percent_do_not_pace(native_tree: Path, tmp_path: Path, value: str) -> None:
+    """Measured in simgpu's clock, with 160 ms of work queued: a loaded host that delays the
+    launcher (a 60 ms stall, or load 15 on 2 cores) does not empty the GPU's queue, where
+    pacing at any share below 100 % would hold it to that share."""
     shim = shim_on(native_tree, tmp_path, 1)
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT=value, CUDA_DEVICE_MEMORY_LIMIT="4g")
-    # Two measured windows, so one scheduler stall of this small host (~60 ms seen) cannot
-    # pass for pacing by itself.
-    r = finish(launch(shim, env, 0, "kernel", 3), timeout=60)
-    assert r.float("mean") >= 95  # all the GPU (less the kernels in flight at the end)
+    t0 = time.monotonic_ns()
+    p = shim.start("shim_launch", "handle", 0, "kernel", 5000, 4, 32, env=env)
+    assert finish(p, timeout=120).rc == 0
+    a, b = all_running(shim.node, [p.pid], t0, time.monotonic_ns())
+    a, b = a + 500 * MS, b - 300 * MS
+    assert b - a >= 2000 * MS, (a, b)
+    assert shares(shim.node, [p.pid], a, b)[0] >= 95.0

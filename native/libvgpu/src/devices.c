@@ -113,6 +113,8 @@ static void setup_locked(struct vgpu_dev *d, const char *uuid, int ordinal) {
     d->limit = l.bad ? 0 : l.mem;
     d->fail_closed = vgpu.limited && l.bad;
     d->sm = !l.bad && l.sm > 0 && l.sm < 100 ? l.sm : 0;
+    /* A guarantee is never above the cap (an env pair may say otherwise: the cap wins). */
+    d->req = l.bad || l.req <= 0 ? 0 : d->sm && l.req > d->sm ? d->sm : l.req > 100 ? 100 : l.req;
     /* With any limit set, every allocation is counted (the host reports usage), even on a
      * GPU whose memory is not limited. */
     d->accounted = vgpu.limited && !d->fail_closed;
@@ -139,12 +141,15 @@ static void setup_locked(struct vgpu_dev *d, const char *uuid, int ordinal) {
             if (rl < d->limit) d->limit = rl;
         }
     }
-    if (d->sm && ordinal >= 0) {
-        d->pace = vgpu_pace_attach(uuid, &d->sm);
-        if (!d->pace) d->sm = 0; /* out of memory for even a private bucket */
+    if ((d->sm || d->req) && ordinal >= 0) {
+        d->pace = vgpu_pace_attach(uuid, &d->sm, d->req);
+        if (d->req && d->pace) d->own = vgpu_pace_private();
+        if (!d->pace) d->sm = d->req = 0; /* out of memory for even a private bucket */
+        d->rate = d->req ? d->req : d->sm;
     }
-    VLOG(VGPU_LOG_DEBUG, "GPU %s (ordinal %d): memory limit %llu, SM %d%%%s", uuid, ordinal,
-         (unsigned long long)d->limit, d->sm, d->fail_closed ? ", failing closed" : "");
+    VLOG(VGPU_LOG_DEBUG, "GPU %s (ordinal %d): memory limit %llu, SM %d%%, guaranteed %d%%%s",
+         uuid, ordinal, (unsigned long long)d->limit, d->sm, d->req,
+         d->fail_closed ? ", failing closed" : "");
 }
 
 static struct vgpu_dev *__attribute__((noinline)) resolve(int ordinal) {

@@ -20,6 +20,7 @@
 #define REGION_DIR "/tmp/vgpu"
 #define DEFAULT_REGION REGION_DIR "/vgpu.cache"
 #define DEFAULT_LOCK_DIR "/tmp/vgpulock"
+#define DEFAULT_PEERS_DIR "/etc/vgpu/peers"
 
 static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void say(const char *fmt, ...) {
@@ -123,22 +124,24 @@ static int parse_file(struct vgpu_config *c, const char *path, char *text) {
             continue;
         }
         if (!*line || line[0] == '#') continue;
-        char *f[5];
-        int n = fields(line, f, 5);
+        char *f[6];
+        int n = fields(line, f, 6);
         if (n == 2 && strcmp(f[0], "allocation") == 0 && safe_id(f[1]) &&
             strlen(f[1]) < sizeof c->allocation) {
             copy(c->allocation, sizeof c->allocation, f[1]);
         } else if (n == 2 && strcmp(f[0], "oversubscribe") == 0 &&
                    (strcmp(f[1], "0") == 0 || strcmp(f[1], "1") == 0)) {
             c->oversubscribe = f[1][0] == '1';
-        } else if (n == 4 && strcmp(f[0], "gpu") == 0) {
+        } else if ((n == 4 || n == 5) && strcmp(f[0], "gpu") == 0) {
             struct vgpu_limit l = {.sm = 0};
+            /* The 5th field, the guarantee (sharing.compute: guaranteed), is at most the cap. */
             if (strlen(f[1]) >= sizeof l.uuid || c->count >= VGPU_MAX_DEVICES ||
                 parse_u64(f[2], strlen(f[2]), &l.mem) != 0 || l.mem == 0 ||
-                parse_percent(f[3], &l.sm) != 0) {
+                parse_percent(f[3], &l.sm) != 0 || (n == 5 && parse_percent(f[4], &l.req) != 0) ||
+                (l.req > 0 && l.sm > 0 && l.req > l.sm)) {
                 say("limits file %s: line %d: bad gpu record (want: gpu <uuid> <bytes> "
-                    "<sm-percent>, at most %d); allocations are refused", path, lineno,
-                    VGPU_MAX_DEVICES);
+                    "<sm-percent> [<sm-request>], request <= percent, at most %d); allocations "
+                    "are refused", path, lineno, VGPU_MAX_DEVICES);
                 return -1;
             }
             copy(l.uuid, sizeof l.uuid, f[1]);
@@ -194,6 +197,9 @@ static int load_file(struct vgpu_config *c) {
         c->count = 0;
         return 1;
     }
+    /* Where the GPU's other containers are seen is the host's mount, whatever the envs say:
+     * a process pointed at an empty directory would think its neighbours idle. */
+    if (production) copy(c->peers_dir, sizeof c->peers_dir, DEFAULT_PEERS_DIR);
     /* The region of a mounted limits file is the allocation's, whatever the envs say: a
      * process pointed at a private region would escape the container's shared count. */
     if (production && c->allocation[0])
@@ -208,6 +214,8 @@ struct env_val {
     uint64_t mem;
     int sm;
 };
+
+enum { ENV_MEM, ENV_SM, ENV_REQ };
 
 /* NAME or NAME_<i>: -1 for NAME, i, or -2 when it is neither. */
 static int env_index(const char *entry, const char *name, const char **value) {
@@ -227,16 +235,22 @@ static int env_index(const char *entry, const char *name, const char **value) {
 }
 
 static void load_env(struct vgpu_config *c) {
-    struct env_val mem[VGPU_MAX_DEVICES + 1] = {{0}}, sm[VGPU_MAX_DEVICES + 1] = {{0}};
+    struct env_val mem[VGPU_MAX_DEVICES + 1] = {{0}}, sm[VGPU_MAX_DEVICES + 1] = {{0}},
+                   req[VGPU_MAX_DEVICES + 1] = {{0}};
     int any = 0, max_index = -1;
     for (char **e = vgpu_environ(); e && *e; e++) {
         const char *v = NULL;
-        int is_mem = 1, i = env_index(*e, "CUDA_DEVICE_MEMORY_LIMIT", &v);
+        int kind = ENV_MEM, i = env_index(*e, "CUDA_DEVICE_MEMORY_LIMIT", &v);
         if (i == -2) {
-            is_mem = 0;
+            kind = ENV_SM;
             i = env_index(*e, "CUDA_DEVICE_SM_LIMIT", &v);
         }
+        if (i == -2) {
+            kind = ENV_REQ;
+            i = env_index(*e, "CUDA_DEVICE_SM_REQUEST", &v);
+        }
         if (i == -2) continue;
+        int is_mem = kind == ENV_MEM;
         any = 1;
         const char *eq = strchr(*e, '=');
         int namelen = (int)(eq - *e);
@@ -244,7 +258,7 @@ static void load_env(struct vgpu_config *c) {
             say("%.*s: at most %d devices are supported; ignored", namelen, *e, VGPU_MAX_DEVICES);
             continue;
         }
-        struct env_val *slot = is_mem ? &mem[i + 1] : &sm[i + 1];
+        struct env_val *slot = is_mem ? &mem[i + 1] : kind == ENV_SM ? &sm[i + 1] : &req[i + 1];
         slot->set = 1;
         int ok = is_mem ? vgpu_parse_size(v, &slot->mem) == 0 : parse_percent(v, &slot->sm) == 0;
         if (!ok) {
@@ -276,14 +290,17 @@ static void load_env(struct vgpu_config *c) {
     c->count = c->by_uuid ? nnames : max_index + 1;
     c->dflt.mem = mem[0].set && !mem[0].bad ? mem[0].mem : UINT64_MAX;
     c->dflt.sm = sm[0].set && !sm[0].bad ? sm[0].sm : 0;
-    c->dflt.bad = mem[0].bad || sm[0].bad;
+    c->dflt.req = req[0].set && !req[0].bad ? req[0].sm : 0;
+    c->dflt.bad = mem[0].bad || sm[0].bad || req[0].bad;
     for (int i = 0; i < c->count; i++) {
         struct vgpu_limit *l = &c->dev[i];
-        const struct env_val *m = &mem[i + 1], *s = &sm[i + 1];
+        const struct env_val *m = &mem[i + 1], *s = &sm[i + 1], *r = &req[i + 1];
         if (c->by_uuid) copy(l->uuid, sizeof l->uuid, names[i]);
         l->mem = m->set ? (m->bad ? 0 : m->mem) : c->dflt.mem;
         l->sm = s->set ? (s->bad ? 0 : s->sm) : c->dflt.sm;
-        l->bad = (m->set ? m->bad : mem[0].bad) || (s->set ? s->bad : sm[0].bad);
+        l->req = r->set ? (r->bad ? 0 : r->sm) : c->dflt.req;
+        l->bad = (m->set ? m->bad : mem[0].bad) || (s->set ? s->bad : sm[0].bad) ||
+                 (r->set ? r->bad : req[0].bad);
     }
     const char *os = getenv("CUDA_OVERSUBSCRIBE");
     if (os && *os) {
@@ -299,6 +316,8 @@ void vgpu_config_load(struct vgpu_config *c) {
     copy(c->region_path, sizeof c->region_path, cache && *cache ? cache : DEFAULT_REGION);
     const char *lock = getenv("VGPU_LOCK_DIR");
     copy(c->lock_dir, sizeof c->lock_dir, lock && *lock ? lock : DEFAULT_LOCK_DIR);
+    const char *peers = getenv("VGPU_COMPUTE_PEERS");
+    copy(c->peers_dir, sizeof c->peers_dir, peers && *peers ? peers : DEFAULT_PEERS_DIR);
     if (!load_file(c)) load_env(c);
     /* The pacing file lives beside the region: <name>.cache -> <name>.pace. */
     size_t n = strlen(c->region_path);

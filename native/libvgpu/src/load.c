@@ -101,9 +101,9 @@ static void limits_once(void) {
     vgpu_config_load(&vgpu.cfg);
     vgpu.limited = vgpu.cfg.mode != VGPU_MODE_NONE;
     if (vgpu.cfg.mode == VGPU_MODE_ENV || vgpu.cfg.mode == VGPU_MODE_FILE) {
-        int any = vgpu.cfg.dflt.sm > 0 && vgpu.cfg.dflt.sm < 100;
+        int any = (vgpu.cfg.dflt.sm > 0 && vgpu.cfg.dflt.sm < 100) || vgpu.cfg.dflt.req > 0;
         for (int i = 0; i < vgpu.cfg.count; i++)
-            any |= vgpu.cfg.dev[i].sm > 0 && vgpu.cfg.dev[i].sm < 100;
+            any |= (vgpu.cfg.dev[i].sm > 0 && vgpu.cfg.dev[i].sm < 100) || vgpu.cfg.dev[i].req > 0;
         vgpu.pace_any = any;
     }
     VLOG(VGPU_LOG_DEBUG, "limits from %s, %d device record(s), pacing %s",

@@ -10,7 +10,18 @@
  * scheduler starved for a few tens of milliseconds catches up.
  *
  * Crash safety: there is no lock. Every update is one atomic instruction on the shared file;
- * a process killed between two of them loses at most one refill interval of credit. */
+ * a process killed between two of them loses at most one refill interval of credit.
+ *
+ * Guarantees (sharing.compute: guaranteed, docs/compute.md): a container with a guarantee
+ * publishes it in its record (`request`) and, as it launches, until when it is busy
+ * (`active_ns`: now, plus the work it has queued as long as that takes at its guarantee).
+ * Its rate is worked out from its peers' records, read through the host's read-only mount of
+ * every container's directory (peers_dir): the rest of the GPU once the busy peers' guarantees
+ * are set aside, never below its own guarantee, never above its cap. Nothing a container
+ * writes can lower a peer's rate below that peer's guarantee (a peer's rate comes from its
+ * own read-only limits and records only others can write), and its own records only bear on
+ * what it lends (security.md). */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -28,12 +39,20 @@
 #define CAP_NS 40000000ll          /* 40 ms of wall time's worth of credit at most */
 #define MIN_SLEEP_NS 20000ll
 #define MAX_SLEEP_NS 20000000ll
+#define BUSY_NS 40000000ull        /* a peer that has not launched for one window is idle */
+#define RATE_NS 2000000ull         /* a guaranteed rate is worked out again after 2 ms */
+#define RESCAN_NS 40000000ull      /* the peers' files are looked for again each window */
+#define PEER_MAX 128               /* pacing files read (containers of the node, on any GPU) */
+#define PEER_TOP_ENTRIES 4096      /* entries of peers_dir looked at */
+#define PEER_DIR_ENTRIES 64        /* entries of one container's directory looked at */
 
 struct vgpu_pace_dev {
     char uuid[VGPU_UUID_SIZE];
     uint32_t percent;  /* as the creator of the file wrote it */
-    uint32_t reserved0;
-    uint64_t reserved1[5];
+    uint32_t request;  /* the container's guarantee in percent, 0 none (its peers read it) */
+    uint64_t active_ns; /* CLOCK_MONOTONIC until which it is busy here (see above) */
+    uint64_t held_ns;  /* how long its launches waited in all (metrics) */
+    uint64_t reserved1[3];
     /* its own cache line: what every launch touches */
     int64_t tokens;    /* ns of GPU time available; negative: debt */
     uint64_t last_ns;  /* CLOCK_MONOTONIC of the last refill; 0: not started */
@@ -110,7 +129,7 @@ static struct pace_file *map_file(const char *path) {
     return f;
 }
 
-struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent) {
+struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent, int req) {
     if (g_file_state == 0) {
         g_file = map_file(vgpu.cfg.pace_path);
         g_file_state = g_file ? 1 : -1;
@@ -119,7 +138,8 @@ struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent) {
         struct vgpu_pace_dev *p = &g_file->dev[i];
         if (strcasecmp(p->uuid, uuid) != 0) continue;
         /* The file's share was written by the first process: nobody gets more than it. */
-        if (p->percent > 0 && p->percent < (uint32_t)*percent) *percent = (int)p->percent;
+        if (*percent > 0 && p->percent > 0 && p->percent < (uint32_t)*percent) *percent = (int)p->percent;
+        __atomic_store_n(&p->request, (uint32_t)req, __ATOMIC_RELAXED);
         return p;
     }
     /* No shared budget: pace this process alone rather than not at all. */
@@ -129,6 +149,8 @@ struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent) {
     if (own) snprintf(own->uuid, sizeof own->uuid, "%s", uuid);
     return own;
 }
+
+struct vgpu_pace_dev *vgpu_pace_private(void) { return calloc(1, sizeof(struct vgpu_pace_dev)); }
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -155,20 +177,157 @@ static void refill(struct vgpu_pace_dev *p, int percent, uint64_t now) {
     }
 }
 
-void vgpu_pace_wait(struct vgpu_pace_dev *p, int percent) {
+/* --- the GPU's other containers (guarantees) -------------------------------------------------
+ * Their pacing files, open read-only (never mapped: a peer that truncated its file would make
+ * our reads fault), found under peers_dir: <peers_dir>/<container>/<name>.pace. Bounded
+ * everywhere a peer could make us work (entries looked at, files kept). */
+static struct {
+    pthread_mutex_t mu;
+    int fd[PEER_MAX];
+    int n;
+    uint64_t scanned_ns;
+} g_peers = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static int is_pace_name(const char *n) {
+    size_t l = strlen(n);
+    return n[0] != '.' && l > 5 && strcmp(n + l - 5, ".pace") == 0;
+}
+
+static void peer_add(int dirfd, const char *name, const struct stat *own) {
+    if (g_peers.n >= PEER_MAX) return;
+    int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != sizeof(struct pace_file) ||
+        (own && st.st_dev == own->st_dev && st.st_ino == own->st_ino)) {
+        close(fd); /* not a pacing file, or our own container's (seen through the mount) */
+        return;
+    }
+    g_peers.fd[g_peers.n++] = fd;
+}
+
+/* Pacing files in directory `fd` (taken over), and one level of subdirectories below. */
+static void scan_dir(int fd, int depth, const struct stat *own) {
+    DIR *dir = fdopendir(fd);
+    if (!dir) {
+        close(fd);
+        return;
+    }
+    int budget = depth ? PEER_DIR_ENTRIES : PEER_TOP_ENTRIES;
+    for (struct dirent *e; budget-- > 0 && (e = readdir(dir));) {
+        if (e->d_name[0] == '.') continue;
+        if (is_pace_name(e->d_name)) {
+            peer_add(dirfd(dir), e->d_name, own);
+        } else if (depth == 0 && (e->d_type == DT_DIR || e->d_type == DT_UNKNOWN)) {
+            int sub = openat(dirfd(dir), e->d_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+            if (sub >= 0) scan_dir(sub, 1, own);
+        }
+    }
+    closedir(dir);
+}
+
+static void __attribute__((noinline)) rescan(uint64_t now) {
+    for (int i = 0; i < g_peers.n; i++) close(g_peers.fd[i]);
+    g_peers.n = 0;
+    g_peers.scanned_ns = now;
+    struct stat own;
+    int have_own = stat(vgpu.cfg.pace_path, &own) == 0;
+    int fd = open(vgpu.cfg.peers_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NONBLOCK);
+    if (fd >= 0) scan_dir(fd, 0, have_own ? &own : NULL);
+}
+
+/* The sum of the guarantees of the peers busy on GPU `uuid` (g_peers.mu held). A peer's record
+ * is the peer's to write: a value out of range counts as none, and one that claims more only
+ * lowers what is lent to us, never our guarantee. */
+static int __attribute__((noinline)) busy_peers_percent(const char *uuid, uint64_t now) {
+    static struct pace_file f; /* g_peers.mu held: one buffer, off the stack */
+    int sum = 0;
+    for (int i = 0; i < g_peers.n && sum < 100; i++) {
+        if (pread(g_peers.fd[i], &f, sizeof f, 0) != (ssize_t)sizeof f) continue;
+        if (memcmp(f.magic, PACE_MAGIC, sizeof f.magic) != 0 || f.version != PACE_VERSION) continue;
+        uint32_t n = f.count < VGPU_MAX_DEVICES ? f.count : VGPU_MAX_DEVICES;
+        for (uint32_t k = 0; k < n; k++) {
+            struct vgpu_pace_dev *p = &f.dev[k];
+            p->uuid[sizeof p->uuid - 1] = 0;
+            if (strcasecmp(p->uuid, uuid) != 0) continue;
+            if (p->request > 0 && p->request <= 100 && p->active_ns + BUSY_NS > now)
+                sum += (int)p->request;
+            break;
+        }
+    }
+    return sum < 100 ? sum : 100;
+}
+
+/* A guaranteed container's rate now: what its busy peers' guarantees leave, within
+ * [guarantee, cap]; worked out again at most every RATE_NS (by one thread at a time). */
+static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns) {
+    int rate = __atomic_load_n(&d->rate, __ATOMIC_RELAXED);
+    if (LIKELY(now - __atomic_load_n(&d->rate_ns, __ATOMIC_RELAXED) < RATE_NS)) return rate;
+    /* Launching, or waiting to, is being busy, and so is having work queued: told here, at
+     * most every RATE_NS, as the time until which that work would run at our guarantee
+     * (peers take us for idle one window after it). */
+    uint64_t until = now + queued_ns * 100 / (uint64_t)d->req;
+    __atomic_store_n(&d->pace->active_ns, until, __ATOMIC_RELAXED);
+    if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
+    if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
+    int left = 100 - busy_peers_percent(d->uuid, now);
+    pthread_mutex_unlock(&g_peers.mu);
+    int cap = d->sm ? d->sm : 100;
+    rate = left > d->req ? left : d->req;
+    rate = rate < cap ? rate : cap;
+    __atomic_store_n(&d->rate, rate, __ATOMIC_RELAXED);
+    __atomic_store_n(&d->rate_ns, now, __ATOMIC_RELAXED);
+    return rate;
+}
+
+/* refill() for a process's private bucket: no other process refills it, so plain (relaxed)
+ * moves do; two of its threads refilling at once may add one interval twice, which only
+ * this process can cause and which the shared bucket still bounds across processes. */
+static void refill_own(struct vgpu_pace_dev *p, int percent, uint64_t now) {
+    uint64_t last = __atomic_load_n(&p->last_ns, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->last_ns, now, __ATOMIC_RELAXED);
+    if (UNLIKELY(last == 0) || now <= last) return;
+    uint64_t dt = now - last;
+    int64_t cap = CAP_NS * percent / 100;
+    int64_t add = dt > 1000000000ull ? cap : (int64_t)(dt * (uint64_t)percent / 100);
+    int64_t t = __atomic_add_fetch(&p->tokens, add, __ATOMIC_RELAXED);
+    if (t > cap) __atomic_store_n(&p->tokens, cap, __ATOMIC_RELAXED);
+}
+
+void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns) {
+    struct vgpu_pace_dev *p = d->pace, *own = d->own;
+    uint64_t waited = 0;
     for (;;) {
-        refill(p, percent, now_ns());
+        uint64_t now = now_ns();
+        int percent = d->sm;
+        if (d->req) percent = guaranteed_rate(d, now, queued_ns);
+        refill(p, percent, now);
         int64_t t = __atomic_load_n(&p->tokens, __ATOMIC_ACQUIRE);
-        if (t >= 0) return;
+        if (own) {
+            /* The shared bucket is in a file the tenant can write: the private one holds
+             * this process to the rate whatever is written there. It is refilled only when
+             * it reads empty: the same credit, later, off the common path. */
+            int64_t o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
+            if (o < 0) {
+                refill_own(own, percent, now);
+                o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
+            }
+            t = o < t ? o : t;
+        }
+        if (t >= 0) break;
         /* Sleep until the debt would be repaid at our rate (others may repay it sooner). */
         int64_t ns = -t * 100 / percent;
         ns = ns < MIN_SLEEP_NS ? MIN_SLEEP_NS : ns > MAX_SLEEP_NS ? MAX_SLEEP_NS : ns;
         struct timespec ts = {ns / 1000000000ll, ns % 1000000000ll};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
         }
+        waited += (uint64_t)ns;
     }
+    if (UNLIKELY(waited)) __atomic_add_fetch(&p->held_ns, waited, __ATOMIC_RELAXED);
 }
 
-void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns) {
-    if (ns) __atomic_add_fetch(&p->tokens, ns, __ATOMIC_ACQ_REL);
+void vgpu_pace_add(struct vgpu_dev *d, int64_t ns) {
+    if (!ns) return;
+    __atomic_add_fetch(&d->pace->tokens, ns, __ATOMIC_ACQ_REL);
+    if (d->own) __atomic_add_fetch(&d->own->tokens, ns, __ATOMIC_ACQ_REL);
 }

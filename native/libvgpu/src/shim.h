@@ -98,6 +98,7 @@ struct vgpu_limit {
     char uuid[VGPU_UUID_SIZE]; /* empty: applies by CUDA ordinal (env without UUIDs) */
     uint64_t mem;              /* bytes; UINT64_MAX: no memory limit */
     int sm;                    /* 0..100, 0 = not limited */
+    int req;                   /* 0..100 guaranteed (sharing.compute: guaranteed), 0 = none */
     int bad;                   /* a value was rejected: this device fails closed */
 };
 
@@ -113,6 +114,7 @@ struct vgpu_config {
     char region_path[4096];
     char pace_path[4096];
     char lock_dir[4096];
+    char peers_dir[4096];              /* the GPU's other containers' pacing files, read-only */
 };
 
 /* Parse the limits file or the envs into `c` (messages on stderr). */
@@ -134,8 +136,14 @@ struct vgpu_dev {
     int accounted;            /* allocations go through the region */
     int fail_closed;          /* allocations are refused */
     uint64_t limit;           /* bytes; UINT64_MAX when none */
-    int sm;                   /* 1..99: launches are paced */
+    int sm;                   /* 1..99: launches are paced to this cap */
+    int req;                  /* 1..100: guaranteed share; launches are paced to the rate
+                               * pace.c works out from the GPU's busy peers (cap: sm, or 100) */
+    int rate;                 /* guaranteed: the rate last worked out, and when (relaxed) */
+    uint64_t rate_ns;
     struct vgpu_pace_dev *pace;
+    struct vgpu_pace_dev *own; /* guaranteed: this process's private bucket at the same rate,
+                                * which nothing the tenant writes can fill (pace.c) */
     struct vgpu_region *region; /* the attachment its usage is read from (when accounted) */
     char uuid[VGPU_UUID_SIZE];
 };
@@ -345,10 +353,16 @@ VGPU_HIDDEN CUresult vgpu_primary_get(CUcontext *pctx, CUdevice dev,
 VGPU_HIDDEN struct vgpu_dev *vgpu_stream_dev(CUstream s, int ptsz, CUcontext *ctx_out);
 
 /* pace.c / launch.c */
-/* The shared budget of GPU `uuid` (vgpu.mu held); may lower *percent to the file's. */
-VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent);
-VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_pace_dev *p, int percent);
-VGPU_HIDDEN void vgpu_pace_add(struct vgpu_pace_dev *p, int64_t ns);
+/* The shared budget of GPU `uuid` (vgpu.mu held); may lower *percent to the file's; publishes
+ * the guarantee `req` (0: none) for the GPU's other containers to read. */
+VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent, int req);
+/* A bucket of this process's own (NULL out of memory). */
+VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
+/* Wait while d's budget is in debt (its rate: d->sm, or with a guarantee the rate worked out
+ * from the GPU's busy peers; `queued_ns`: the GPU work the process has queued there). */
+VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
+/* Credit (ns > 0) or charge (ns < 0) d's budget. */
+VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
 /* The driver's entry points are loaded: unpaced kernel launches go straight to them. */
 VGPU_HIDDEN void vgpu_launch_loaded(void);
 /* Drop this process's pending timings in ctx (destroying their events if it still exists). */

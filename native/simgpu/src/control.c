@@ -169,6 +169,46 @@ static int xid_fn(struct simgpu_node *node, int fd, void *arg) {
     return 0;
 }
 
+struct busy_query {
+    uint32_t gpu;
+    uint64_t from_ns, to_ns;
+    struct simgpu_pid_busy *out;
+    uint32_t max, found;
+    uint64_t covered_ns;
+};
+
+static int busy_fn(struct simgpu_node *node, int fd, void *arg) {
+    (void)fd;
+    struct busy_query *q = arg;
+    if (check_gpu(node, q->gpu) != 0) return -1;
+    const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
+    simgpu_lock(node);
+    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
+    /* A ring that never wrapped holds everything; else the oldest span it keeps bounds it. */
+    q->covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
+    for (uint64_t k = 0; k < n; k++) {
+        const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
+        if (sp->end_ns <= q->from_ns) break; /* spans are recorded in time order */
+        uint64_t a = sp->start_ns > q->from_ns ? sp->start_ns : q->from_ns;
+        uint64_t b = sp->end_ns < q->to_ns ? sp->end_ns : q->to_ns;
+        if (b <= a) continue;
+        uint32_t i = 0;
+        while (i < q->found && q->out[i].pid != sp->pid) i++;
+        if (i < q->found) q->out[i].busy_ns += b - a;
+        else if (q->found < q->max) q->out[q->found++] = (struct simgpu_pid_busy){sp->pid, 0, b - a};
+    }
+    simgpu_unlock(node);
+    return 0;
+}
+
+EXPORT int simgpu_node_busy(const char *state_dir, uint32_t gpu, uint64_t from_ns, uint64_t to_ns,
+                            struct simgpu_pid_busy *out, uint32_t max, uint64_t *covered_ns) {
+    struct busy_query q = {gpu, from_ns, to_ns, out, max, 0, 0};
+    if (with_node(state_dir, busy_fn, &q) < 0) return -1;
+    if (covered_ns) *covered_ns = q.covered_ns;
+    return (int)q.found;
+}
+
 EXPORT int simgpu_inject_xid(const char *state_dir, uint32_t gpu, uint64_t xid) {
     struct gpu_query q = {gpu, NULL, NULL, xid, 0};
     return with_node(state_dir, xid_fn, &q);

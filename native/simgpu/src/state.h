@@ -19,9 +19,11 @@
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
 /* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
- * 5: cgroups are identified by their directory too. */
-#define SIMGPU_STATE_VERSION 5u
-#define SIMGPU_BUSY_RING 2048
+ * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans. */
+#define SIMGPU_STATE_VERSION 6u
+/* Spans of work kept per GPU: enough for tests to read seconds of 200 µs kernels of several
+ * processes afterwards in simgpu's clock (simgpu_node_busy). */
+#define SIMGPU_BUSY_RING 16384
 #define SIMGPU_XID_RING 64
 #define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
 #define SIMGPU_CGROUP_PATH 512   /* bytes of a cgroup v2 path ("/kubepods/..."), NUL included */

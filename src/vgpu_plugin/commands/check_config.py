@@ -156,6 +156,8 @@ def _gpu(g: GpuPlan) -> dict[str, Any]:
         "sliceMemoryMiB": g.slice_memory_mib,
         "sliceComputePercent": g.slice_compute_percent,  # 0: not limited
         "compute": sharing.compute,
+        # guaranteed: sliceComputePercent is each slice's guarantee, this the cap
+        "computeLimit": sharing.compute_limit if sharing.compute == "guaranteed" else None,
         "memoryScaling": float(sharing.memory_scaling),
         "oversubscribed": sharing.oversubscribed,
         "placement": sharing.placement,

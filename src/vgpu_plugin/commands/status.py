@@ -185,6 +185,8 @@ def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
     rows = []
     for i, g in enumerate(a.gpus or ()):
         compute = "unlimited" if g.compute_limit == 0 else f"{g.compute_limit}%"
+        if g.compute_guarantee:  # guaranteed, up to the cap
+            compute = f"{g.compute_guarantee}%..{g.compute_limit}%"
         rows.append(
             [
                 who if i == 0 else "",

@@ -26,6 +26,7 @@ from vgpu_plugin.core.defaults import (
     CACHE_DIR,
     CONTAINER_LOCK_DIR,
     LIMITS_PATH,
+    PEERS_PATH,
     PRELOAD_PATH,
     SHIM_PATH,
 )
@@ -138,6 +139,8 @@ def container_spec(
     for i, g in enumerate(grant.gpus):
         envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{g.limit.memory_mib}m"
         envs[f"CUDA_DEVICE_SM_LIMIT_{i}"] = str(g.limit.compute_percent)
+        if g.limit.compute_request:
+            envs[f"CUDA_DEVICE_SM_REQUEST_{i}"] = str(g.limit.compute_request)
     shares = {g.limit.compute_percent for g in grant.gpus}
     if len(shares) == 1:  # the index-less form older shims read
         envs["CUDA_DEVICE_SM_LIMIT"] = str(shares.pop())
@@ -156,13 +159,16 @@ def container_spec(
         envs[MEMORY_LIMIT_ENV] = mib
     limits_path = host_limits_path(host_root, grant.allocation_id)
     allocation_dir = host_allocation_dir(host_root, grant.allocation_id)
-    mounts = (
+    mounts: tuple[Mount, ...] = (
         Mount(SHIM_PATH, host_shim_path(host_root, shim_version), True),
         Mount(PRELOAD_PATH, host_preload_path(host_root), True),
         Mount(LIMITS_PATH, limits_path, True),
         Mount(CACHE_DIR, allocation_dir, False),
         Mount(CONTAINER_LOCK_DIR, posixpath.normpath(lock_dir), False),
     )
+    if any(g.limit.compute_request for g in grant.gpus):
+        # Guarantees: every container's pacing file, read-only (docs/compute.md).
+        mounts += (Mount(PEERS_PATH, f"{_root(host_root)}/containers", True),)
     list_mounts: tuple[Mount, ...] = ()
     if cdi.VOLUME_MOUNTS in strategies:
         list_mounts = tuple(

@@ -30,12 +30,14 @@ SharingValue = int | float | str
 
 @dataclass(frozen=True)
 class Sharing:
-    """How one GPU is split; ``compute`` is ``"none"``, ``"proportional"`` or a percent."""
+    """How one GPU is split; ``compute`` is ``"none"``, ``"proportional"``, ``"guaranteed"``
+    or a percent; ``compute_limit``: the cap of a ``guaranteed`` container (docs/compute.md)."""
 
     split_count: int = 10
     memory_scaling: float = 1.0
     compute: str | int = "none"
     placement: str = "binpack"
+    compute_limit: int = 100
 
     @property
     def oversubscribed(self) -> bool:
@@ -48,6 +50,7 @@ SHARING_KEYS: Mapping[str, str] = MappingProxyType(
         "splitCount": "split_count",
         "memoryScaling": "memory_scaling",
         "compute": "compute",
+        "computeLimit": "compute_limit",
         "placement": "placement",
     }
 )
@@ -123,6 +126,7 @@ class DraConfig:
     gpus: tuple[str, ...] = ("all",)
     memory: tuple[int, int, int] = (1 << 30, 1 << 30, 256 << 20)  # default, minimum, step
     compute: tuple[int, int, int] = (10, 1, 1)
+    compute_limit: int | None = None  # set: a claim's compute is a guarantee, this its cap
 
     def serves(self, gpu: PhysicalGpu) -> bool:
         """Whether ``gpu`` is the DRA driver's (else the device plugin's)."""
@@ -348,6 +352,7 @@ def _dra(tree: Mapping[str, Any], errors: list[str]) -> DraConfig:
         gpus=tuple(tree.get("gpus", base.gpus)),
         memory=policies[0],
         compute=policies[1],
+        compute_limit=tree.get("computeLimit", base.compute_limit),
     )
 
 

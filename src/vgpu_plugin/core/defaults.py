@@ -17,4 +17,5 @@ SHIM_PATH: Final = "/etc/vgpu/libvgpu.so"
 PRELOAD_PATH: Final = "/etc/ld.so.preload"
 LIMITS_PATH: Final = "/etc/vgpu/limits"
 CACHE_DIR: Final = "/tmp/vgpu"
+PEERS_PATH: Final = "/etc/vgpu/peers"  # every container's dir, read-only (compute guarantees)
 CONTAINER_LOCK_DIR: Final = LOCK_DIR  # mounted at the same path as on the host

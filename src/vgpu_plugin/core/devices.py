@@ -23,11 +23,17 @@ class GpuLimit:
 
     uuid: str
     memory_bytes: int
-    compute_percent: int  # 1..100; 0: not limited
+    compute_percent: int  # 1..100; 0: not limited (with a request: the cap, 100 none)
+    compute_request: int = 0  # guaranteed percent (sharing.compute: guaranteed); 0: none
 
     @property
     def memory_mib(self) -> int:
         return self.memory_bytes // MIB
+
+    @property
+    def promised_percent(self) -> int:
+        """The GPU time promised to the container: its guarantee, else its cap (0: none)."""
+        return self.compute_request or self.compute_percent
 
 
 @dataclass(frozen=True)
@@ -129,11 +135,13 @@ def slice_memory_mib(memory_total: int, sharing: Sharing) -> int:
 def slice_compute_percent(sharing: Sharing) -> int:
     if sharing.compute == "none":
         return 0
-    if sharing.compute == "proportional":
+    if sharing.compute in ("proportional", "guaranteed"):  # a cap, or a guarantee
         return max(1, 100 // sharing.split_count)
     if isinstance(sharing.compute, int) and 1 <= sharing.compute <= 100:
         return sharing.compute
-    raise ValueError(f"compute must be none, proportional or 1..100, got {sharing.compute!r}")
+    raise ValueError(
+        f"compute must be none, proportional, guaranteed or 1..100, got {sharing.compute!r}"
+    )
 
 
 def plan_gpu(gpu: PhysicalGpu, sharing: Sharing, override: int | None = None) -> GpuPlan:

@@ -401,6 +401,8 @@ class Promise(Protocol):
     def memory_bytes(self) -> int: ...
     @property
     def compute_percent(self) -> int: ...
+    @property
+    def promised_percent(self) -> int: ...
 
 
 def check_fits(
@@ -414,8 +416,8 @@ def check_fits(
     100 %). The scheduler keeps these sums too; this holds them when it did not (a bug, a
     stale slice, consumable capacity off), so the node never promises more than it has."""
 
-    def percent(p: Promise) -> int:
-        return p.compute_percent or 100
+    def percent(p: Promise) -> int:  # a guarantee is what is promised; else the cap
+        return p.promised_percent or 100
 
     asked_mem: dict[str, int] = {}
     asked_cpu: dict[str, int] = {}

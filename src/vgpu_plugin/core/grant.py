@@ -93,14 +93,19 @@ def grant(plan: NodePlan, device_ids: Sequence[str], allocation_id: str) -> Gran
         slices = by_gpu.get(gpu_plan.gpu.uuid)
         if not slices:
             continue
-        compute = sum(s.compute_percent for s in slices)
+        compute = min(100, sum(s.compute_percent for s in slices))
+        memory = sum(s.memory_mib for s in slices) * MIB
+        sharing = gpu_plan.sharing
+        if sharing.compute == "guaranteed":  # the slices' shares are the guarantee
+            cap = sharing.compute_limit
+            limit = GpuLimit(gpu_plan.gpu.uuid, memory, cap, min(cap, compute))
+        else:
+            limit = GpuLimit(gpu_plan.gpu.uuid, memory, compute)
         gpus.append(
             GpuGrant(
                 gpu=gpu_plan.gpu,
                 slice_ids=tuple(s.id for s in sorted(slices, key=lambda s: s.k)),
-                limit=GpuLimit(
-                    gpu_plan.gpu.uuid, sum(s.memory_mib for s in slices) * MIB, min(100, compute)
-                ),
+                limit=limit,
             )
         )
         oversubscribed = oversubscribed or gpu_plan.sharing.oversubscribed
@@ -141,13 +146,21 @@ class Amount:
     memory_bytes: int
     compute_percent: int
 
+    @property
+    def promised_percent(self) -> int:
+        return self.compute_percent
+
 
 def grant_amounts(
-    gpus: Sequence[PhysicalGpu], amounts: Sequence[Amount], allocation_id: str
+    gpus: Sequence[PhysicalGpu],
+    amounts: Sequence[Amount],
+    allocation_id: str,
+    compute_limit: int | None = None,
 ) -> Grant:
     """A grant from amounts instead of slices: amounts on one GPU add up (compute capped at
     100), GPUs in physical index order; :class:`InvalidRequest` for a GPU that is not one of
-    ``gpus``, no amount at all, or more memory than the GPU has."""
+    ``gpus``, no amount at all, or more memory than the GPU has. ``compute_limit`` (DRA's
+    ``dra.computeLimit``): the compute asked is a guarantee, this its cap (docs/compute.md)."""
     check_allocation_id(allocation_id)
     if not amounts:
         raise InvalidRequest("empty request: no GPU amounts")
@@ -172,6 +185,11 @@ def grant_amounts(
                 f"GPU {gpu.uuid}: {memory[gpu.uuid]} bytes asked, the GPU has {gpu.memory_total}",
                 gpu.uuid,
             )
-        limit = GpuLimit(gpu.uuid, memory[gpu.uuid], min(100, compute[gpu.uuid]))
+        asked = min(100, compute[gpu.uuid])
+        if compute_limit is None:
+            limit = GpuLimit(gpu.uuid, memory[gpu.uuid], asked)
+        else:  # 0 asked is all of the GPU: guaranteed all of it, up to the cap
+            guarantee = min(compute_limit, asked or 100)
+            limit = GpuLimit(gpu.uuid, memory[gpu.uuid], compute_limit, guarantee)
         out.append(GpuGrant(gpu=gpu, slice_ids=(), limit=limit))
     return Grant(allocation_id, tuple(out), oversubscribed=False)

@@ -3,7 +3,7 @@
 vgpu-limits 1
 allocation <allocation-id>
 oversubscribe <0|1>
-gpu <GPU-UUID> <memory-limit-bytes> <sm-percent>
+gpu <GPU-UUID> <memory-limit-bytes> <sm-percent> [<sm-request>]
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ def format_limits(limits: Limits) -> str:
         f"allocation {limits.allocation_id}",
         f"oversubscribe {int(limits.oversubscribe)}",
     ]
-    lines += [f"gpu {g.uuid} {g.memory_bytes} {g.compute_percent}" for g in limits.gpus]
+    lines += [
+        f"gpu {g.uuid} {g.memory_bytes} {g.compute_percent}"
+        + (f" {g.compute_request}" if g.compute_request else "")
+        for g in limits.gpus
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -113,8 +117,9 @@ def _arity(number: int, line: str, values: list[str], count: int) -> None:
 
 
 def _gpu(number: int, line: str, values: list[str], seen: set[str]) -> GpuLimit:
-    _arity(number, line, values, 3)
-    uuid, memory, percent = values
+    _arity(number, line, values, 4 if len(values) == 4 else 3)
+    uuid, memory, percent = values[:3]
+    request = values[3] if len(values) == 4 else "0"
     if not _UUID.match(uuid):
         raise LimitsError(number, f"bad GPU UUID {uuid!r}")
     if uuid in seen:
@@ -123,4 +128,8 @@ def _gpu(number: int, line: str, values: list[str], seen: set[str]) -> GpuLimit:
         raise LimitsError(number, f"memory limit must be decimal bytes > 0, got {memory!r}")
     if not _PERCENT.match(percent) or int(percent) > 100:
         raise LimitsError(number, f"sm percent must be 0..100, got {percent!r}")
-    return GpuLimit(uuid, int(memory), int(percent))
+    # The guarantee is written only when there is one, and never above a cap below 100.
+    cap = int(percent) or 100
+    if len(values) == 4 and (not _PERCENT.match(request) or not 1 <= int(request) <= cap):
+        raise LimitsError(number, f"sm request must be 1..{cap}, got {request!r}")
+    return GpuLimit(uuid, int(memory), int(percent), int(request))

@@ -49,7 +49,7 @@ def held_by_gpu(limits: Iterable[GpuLimit]) -> dict[str, Held]:
     compute: dict[str, int] = {}
     for limit in limits:
         memory[limit.uuid] = memory.get(limit.uuid, 0) + limit.memory_bytes // MIB
-        compute[limit.uuid] = compute.get(limit.uuid, 0) + limit.compute_percent
+        compute[limit.uuid] = compute.get(limit.uuid, 0) + limit.promised_percent
     return {u: Held(memory[u], compute[u]) for u in memory}
 
 

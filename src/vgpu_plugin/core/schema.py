@@ -156,9 +156,9 @@ _PERCENT = re.compile(r"^([0-9]{1,3})\s*%$")
 
 
 def compute(value: object) -> object:
-    """``none``, ``proportional`` or a percent per slice: ``30`` or ``"30%"``."""
-    bad = Invalid(f"must be none, proportional or a percent 1..100, got {show(value)}")
-    if value in ("none", "proportional") and isinstance(value, str):
+    """``none``, ``proportional``, ``guaranteed`` or a percent per slice: ``30`` or ``"30%"``."""
+    bad = Invalid(f"must be none, proportional, guaranteed or a percent 1..100, got {show(value)}")
+    if value in ("none", "proportional", "guaranteed") and isinstance(value, str):
         return value
     if isinstance(value, str) and (m := _PERCENT.match(value.strip())):
         value = int(m.group(1))
@@ -509,10 +509,20 @@ SCHEMA: tuple[KeySpec, ...] = (
         "sharing.compute",
         "string or integer",
         "none",
-        "none | proportional | 1..100",
-        "Compute share per slice: none (not limited), proportional (100 / splitCount %, at"
-        " least 1) or a percent (30 or '30%').",
+        "none | proportional | guaranteed | 1..100",
+        "Compute share per slice: none (not limited), proportional (capped at 100 / splitCount"
+        " %, at least 1), guaranteed (at least 100 / splitCount % while others are busy, idle"
+        " time lent up to computeLimit: docs/compute.md) or a percent cap (30 or '30%').",
         compute,
+    ),
+    _leaf(
+        "sharing.computeLimit",
+        "integer",
+        100,
+        "1..100",
+        "With compute: guaranteed, the most of the GPU's time (percent) a container may use"
+        " when others are idle; a guarantee above it is cut to it.",
+        int_in(1, 100),
     ),
     _leaf(
         "sharing.placement",
@@ -766,6 +776,15 @@ SCHEMA: tuple[KeySpec, ...] = (
         1,
         "1..100",
         "A claim's compute is rounded up to this step.",
+        int_in(1, 100),
+    ),
+    _leaf(
+        "dra.computeLimit",
+        "integer",
+        None,
+        "1..100",
+        "Set: a claim's compute is a guarantee (idle time lent, docs/compute.md) and this the"
+        " cap of every claim; unset: a claim's compute is its cap.",
         int_in(1, 100),
     ),
 )

@@ -194,6 +194,31 @@ class Node:
         _, lib = _lib()
         _check(lib.simgpu_set_lost(str(self.state_dir).encode(), index, 1 if lost else 0))
 
+    def recorded_since(self, index: int) -> int:
+        """From when on (simgpu's clock, ns) GPU ``index``'s record of work is complete."""
+        ffi, lib = _lib()
+        covered = ffi.new("uint64_t *")
+        _check(
+            lib.simgpu_node_busy(str(self.state_dir).encode(), index, 0, 0, ffi.NULL, 0, covered)
+        )
+        return int(covered[0])
+
+    def busy(self, index: int, from_ns: int, to_ns: int) -> dict[int, int]:
+        """Per pid, the GPU time GPU ``index`` ran its work during ``[from_ns, to_ns]`` of
+        simgpu's clock (``time.monotonic_ns()``). Refuses a span part of which has left the
+        simulator's record of work."""
+        ffi, lib = _lib()
+        out = ffi.new("struct simgpu_pid_busy[]", 256)
+        covered = ffi.new("uint64_t *")
+        n = _check(
+            lib.simgpu_node_busy(
+                str(self.state_dir).encode(), index, from_ns, to_ns, out, 256, covered
+            )
+        )
+        if covered[0] > from_ns:
+            raise SimGpuError(f"GPU {index}: work before {covered[0]} ns is no longer recorded")
+        return {int(out[i].pid): int(out[i].busy_ns) for i in range(n)}
+
     def reap(self) -> int:
         """Reclaim dead processes' memory now; returns how many were reclaimed."""
         _, lib = _lib()

@@ -53,6 +53,17 @@ int simgpu_inject_xid(const char *state_dir, uint32_t gpu, uint64_t xid);
 int simgpu_set_lost(const char *state_dir, uint32_t gpu, int32_t lost);
 /* Reclaim the memory of dead processes now (otherwise done lazily). Returns slots freed. */
 int simgpu_reap(const char *state_dir);
+/* GPU time one process got on a GPU in a span of the simulated timeline. */
+struct simgpu_pid_busy {
+    int32_t pid;               /* as NVML reports it */
+    uint32_t reserved;
+    uint64_t busy_ns;
+};
+/* Per process, the GPU time GPU `gpu` ran its work during [from_ns, to_ns] of simgpu's clock
+ * (CLOCK_MONOTONIC); at most `max` processes. *covered_ns: from when on the GPU's record of
+ * work is complete (older work has left its ring). Returns how many processes it wrote. */
+int simgpu_node_busy(const char *state_dir, uint32_t gpu, uint64_t from_ns, uint64_t to_ns,
+                     struct simgpu_pid_busy *out, uint32_t max, uint64_t *covered_ns);
 /* Text of the last error of this thread's control call. */
 const char *simgpu_last_error(void);
 

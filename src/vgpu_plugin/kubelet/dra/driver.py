@@ -242,7 +242,7 @@ class DraDriver:
         )
         aid = dra.allocation_id(claim.uid)
         try:
-            grant = grant_amounts(self._gpus, amounts, aid)
+            grant = grant_amounts(self._gpus, amounts, aid, self._config.dra.compute_limit)
         except InvalidRequest as exc:
             raise dra.ClaimError(f"claim {claim.namespace}/{claim.name}: {exc}") from exc
         spec = container_spec(

@@ -176,7 +176,11 @@ class AllocationRecord:
             created=self.created,
             # Bytes are the unit (the 4th item); the whole MiB before it is for readers of
             # plugins before the one ledger, which read [uuid, MiB, compute].
-            limits=[[g.uuid, g.memory_mib, g.compute_percent, g.memory_bytes] for g in self.limits],
+            limits=[
+                [g.uuid, g.memory_mib, g.compute_percent, g.memory_bytes]
+                + ([g.compute_request] if g.compute_request else [])
+                for g in self.limits
+            ],
             pod=self.pod,
             namespace=self.namespace,
             container=self.container,
@@ -228,6 +232,7 @@ class AllocationRecord:
                     if len(lim) > 3
                     else _typed(lim[1], int, "limits[].memory_mib") * MIB,
                     _typed(lim[2], int, "limits[].compute_percent"),
+                    _typed(lim[4], int, "limits[].compute_request") if len(lim) > 4 else 0,
                 )
                 for lim in raw.get("limits", [])
             )

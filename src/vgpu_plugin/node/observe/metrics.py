@@ -104,6 +104,13 @@ ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
         lambda a, g: g.compute_limit / 100,
     ),
     (
+        "vgpu_container_compute_guarantee_ratio",
+        "compute guaranteed to the container on this GPU while others are busy, 0-1 (compute:"
+        " guaranteed; compute_limit_ratio is then its cap); 0 = none",
+        "gauge",
+        lambda a, g: g.compute_guarantee / 100,
+    ),
+    (
         "vgpu_container_processes",
         "live processes of the container with memory on this GPU",
         "gauge",

@@ -119,12 +119,13 @@ class AllocationGpuView:
     uuid: str
     memory_limit: int  # bytes
     memory_used: int | None  # bytes; None: the region could not be trusted
-    compute_limit: int  # percent, 0 = not limited
+    compute_limit: int  # percent, 0 = not limited (with a guarantee: the cap, 100 none)
     processes: int  # live processes with a charge on this GPU
     refused: int = 0  # allocations refused at the limit (the region's counters, 0 untrusted)
     fallbacks: int = 0  # allocations that fell back to managed memory
     memory_peak: int = 0  # bytes, the highest usage charged
     gpu_seconds: float = 0.0  # GPU time of measured (paced) launches
+    compute_guarantee: int = 0  # percent guaranteed while others are busy; 0 = none
     # Whether the driver holds the container to its limit on this GPU: 'confirmed' (a process
     # of the container found a hard limit at most the grant), 'requested' (asked, nothing
     # confirmed yet), 'not applied: <why>' (a process looked: none, or a larger one), 'off',
@@ -315,6 +316,7 @@ def allocation_view(
             memory_used=used.get(g.uuid, 0) if trusted else None,
             compute_limit=g.compute_percent,
             processes=procs.get(g.uuid, 0),
+            compute_guarantee=g.compute_request,
             **_counters(dev),
             driver_limit=driver,
             driver_limit_confirmed=confirmed,

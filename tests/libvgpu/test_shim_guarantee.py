@@ -1,0 +1,157 @@
+"""Compute guarantees (sharing.compute: guaranteed, docs/compute.md): each container keeps its
+share of a GPU while the others are busy, and idle time goes to whoever is busy.
+
+Every share here is measured in simgpu's own clock: from the simulated GPU's record of which
+process's work ran when (`Node.busy`), not from the programs' wall-clock windows, so a loaded
+host that delays the launchers shifts when work runs, not how the GPU's time was split.
+
+A container is a region and pacing file in its own directory under tmp_path; tmp_path is
+also the peers directory (VGPU_COMPUTE_PEERS), as the host's read-only mount of every
+container's directory is in production. Without the guarantee scheme these fail: with
+today's `none` (not paced) the all-busy split is a third each (33.2 / 33.4 / 33.3) and the
+newcomer's neighbours keep a third each; with caps at the shares (`proportional`) two busy
+containers of four use half the GPU (49 %) and the tenant that fills its own shared bucket
+gets 32 % of a 25 % share.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from test_shim_compute import MS, all_running, shares, shim_on, timeline
+from test_shim_helpers import Shim, finish
+
+KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whole run
+IN_FLIGHT = 8
+
+
+def container(shim: Shim, name: str, request: int, cap: int = 100) -> dict[str, str]:
+    env = shim.env({"CUDA_DEVICE_SM_LIMIT": str(cap), "CUDA_DEVICE_SM_REQUEST": str(request)})
+    (shim.tmp / name).mkdir(exist_ok=True)
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(shim.tmp / name / "r.cache")
+    env["VGPU_COMPUTE_PEERS"] = str(shim.tmp)
+    return env
+
+
+def run(shim: Shim, env: dict[str, str], seconds: int) -> subprocess.Popen[str]:
+    return shim.start("shim_launch", "handle", 0, "kernel", KERNEL_US, seconds, IN_FLIGHT, env=env)
+
+
+def finish_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        r = finish(p, timeout=120)
+        assert r.rc == 0, r.stderr
+
+
+def test_all_busy_each_gets_its_guarantee(native_tree: Path, tmp_path: Path) -> None:
+    """A 4-way split: A holds 2 slices (50 %), B and C one each (25 %); all busy."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    t0 = time.monotonic_ns()
+    envs = [container(shim, n, r) for n, r in (("a", 50), ("b", 25), ("c", 25))]
+    procs = [run(shim, e, 6) for e in envs]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS  # settled, and before the first one stops
+    assert b - a >= 1500 * MS, (a, b)
+    got = shares(shim.node, pids, a, b)
+    total = sum(got)
+    split = [100 * g / total for g in got]  # of the GPU's busy time: host stalls idle it
+    assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
+
+
+def test_idle_guarantees_are_lent_to_the_busy(native_tree: Path, tmp_path: Path) -> None:
+    """Four containers of 25 %; C and D ran a moment and went idle: A and B, busy, use the
+    whole GPU between them."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [container(shim, n, 25) for n in "abcd"]
+    finish_all([run(shim, e, 1) for e in envs[2:]])
+    t0 = time.monotonic_ns()
+    procs = [run(shim, e, 5) for e in envs[:2]]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 500 * MS, b - 300 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    got = shares(shim.node, pids, a, b)
+    assert sum(got) >= 95.0, got
+
+
+def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """A (50 %) and B (25 %) busy, C (25 %) idle, so A and B use C's time; C starts and gets
+    its guarantee, counted from its first kernel on."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [container(shim, n, r) for n, r in (("a", 50), ("b", 25), ("c", 25))]
+    t0 = time.monotonic_ns()
+    busy = [run(shim, e, 6) for e in envs[:2]]
+    time.sleep(2.5)
+    late = run(shim, envs[2], 2)
+    finish_all([late])
+    finish_all(busy)
+    pids = [p.pid for p in (*busy, late)]
+    steps = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
+    first = next(i for i, s in enumerate(steps) if s[late.pid] > 0)
+    c0 = t0 + first * 5 * MS
+
+    def split(a: int, b: int) -> list[float]:
+        got = shares(shim.node, pids, a, b)
+        return [100 * g / sum(got) for g in got]
+
+    # C's GPU time from its first kernel on is its guarantee's (its first kernels, charged
+    # before any was measured, run ahead for ~50 ms and are paid back over the next ~100 ms:
+    # over a second that evens out).
+    assert split(c0, c0 + 1000 * MS)[2] >= 23.0, split(c0, c0 + 1000 * MS)
+    # (That A is back to its 50 % from then on is seen on an idle host, but not asserted: when
+    # the host starves A's launcher, the time A does not ask for is rightly lent to B and C,
+    # and simgpu's record cannot tell that from A being held back.)
+
+
+PACE_HEADER = 64
+PACE_RECORD = 192
+TOKENS = 128  # offset of the bucket in a device record (native/libvgpu/src/pace.c)
+
+
+def test_a_tenant_filling_its_own_budget_gets_no_more_than_its_guarantee(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """Four containers of 25 %, all busy; a process of A keeps writing a full bucket (and
+    the guarantee of 100 %) into A's pacing file, which is A's to write. A stays at 25 %."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [container(shim, n, 25) for n in "abcd"]
+    t0 = time.monotonic_ns()
+    procs = [run(shim, e, 6) for e in envs]
+    pace = tmp_path / "a" / "r.pace"
+    stop = threading.Event()
+
+    def tamper() -> None:
+        while not pace.exists() or pace.stat().st_size == 0:
+            if stop.wait(0.01):
+                return
+        with pace.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            rec = PACE_HEADER
+            while not stop.wait(0.001):
+                struct.pack_into("<I", m, rec + 84, 100)  # request: 100 %
+                struct.pack_into("<q", m, rec + TOKENS, 10**12)  # tokens: a full bucket
+
+    writer = threading.Thread(target=tamper)
+    writer.start()
+    try:
+        finish_all(procs)
+    finally:
+        stop.set()
+        writer.join()
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    got = shares(shim.node, pids, a, b)
+    total = sum(got)
+    split = [100 * g / total for g in got]
+    assert split[0] <= 27.0, (split, got)

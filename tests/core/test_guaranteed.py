@@ -17,9 +17,9 @@ from vgpu_plugin.core.dra import ClaimError, check_fits
 from vgpu_plugin.core.grant import Amount, grant, grant_amounts
 from vgpu_plugin.core.limits import LimitsError, parse_limits, render_limits
 from vgpu_plugin.core.placement import held_by_gpu
-from vgpu_plugin.node.metrics import ALLOCATION_FAMILIES
-from vgpu_plugin.node.nodeview import REGION_MISSING, RegionProblem, allocation_view
-from vgpu_plugin.node.state import AllocationRecord
+from vgpu_plugin.node.ledger.state import AllocationRecord
+from vgpu_plugin.node.observe.metrics import ALLOCATION_FAMILIES
+from vgpu_plugin.node.observe.nodeview import REGION_MISSING, RegionProblem, allocation_view
 
 AAAA = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
 

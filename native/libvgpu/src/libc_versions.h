@@ -24,7 +24,8 @@
  *   so a dlclose of the shim would not unregister them: the shim is linked -z nodelete (never
  *   unmapped), and it is never closed anyway (preloaded, or opened by ctypes);
  * - stat/fstat (2.33) are the __xstat/__fxstat(_STAT_VER_LINUX = 1, ...) calls that <sys/stat.h>
- *   made inline before 2.33; renameat2 (2.28) is its system call, as glibc's wrapper makes it;
+ *   made inline before 2.33; renameat2 (2.28) and openat (2.4) are their system calls, as glibc's
+ *   wrappers make them; directories are read with getdents64 (pace.c), not fdopendir (2.4);
  *   mkostemp (2.7) is replaced below by the same loop over O_CREAT|O_EXCL names.
  * Elsewhere (aarch64: GLIBC_2.17 base, other libcs) nothing changes. */
 #ifndef VGPU_LIBC_VERSIONS_H
@@ -72,6 +73,12 @@ static inline int vgpu_renameat2_(int ofd, const char *old, int nfd, const char 
     return (int)syscall(SYS_renameat2, ofd, old, nfd, new_, fl);
 }
 #define renameat2 vgpu_renameat2_
+
+/* openat (2.4): its system call, as glibc's wrapper makes it (the shim never passes O_CREAT). */
+static inline int vgpu_openat_(int dfd, const char *path, int flags) {
+    return (int)syscall(SYS_openat, dfd, path, flags, 0);
+}
+#define openat vgpu_openat_
 
 /* mkostemp: the six trailing X's replaced until O_CREAT|O_EXCL makes a new file (0600). */
 static inline int vgpu_mkostemp_(char *tmpl, int flags) {

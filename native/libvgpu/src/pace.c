@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -206,24 +207,36 @@ static void peer_add(int dirfd, const char *name, const struct stat *own) {
     g_peers.fd[g_peers.n++] = fd;
 }
 
+/* The kernel's directory record (getdents64): read with the system call rather than
+ * fdopendir, which libc has only since GLIBC_2.4 (libc_versions.h: one version need). */
+struct vgpu_dirent64 {
+    uint64_t ino;
+    int64_t off;
+    unsigned short reclen;
+    unsigned char type;
+    char name[];
+};
+
 /* Pacing files in directory `fd` (taken over), and one level of subdirectories below. */
 static void scan_dir(int fd, int depth, const struct stat *own) {
-    DIR *dir = fdopendir(fd);
-    if (!dir) {
-        close(fd);
-        return;
-    }
+    _Alignas(8) char buf[2048];
     int budget = depth ? PEER_DIR_ENTRIES : PEER_TOP_ENTRIES;
-    for (struct dirent *e; budget-- > 0 && (e = readdir(dir));) {
-        if (e->d_name[0] == '.') continue;
-        if (is_pace_name(e->d_name)) {
-            peer_add(dirfd(dir), e->d_name, own);
-        } else if (depth == 0 && (e->d_type == DT_DIR || e->d_type == DT_UNKNOWN)) {
-            int sub = openat(dirfd(dir), e->d_name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-            if (sub >= 0) scan_dir(sub, 1, own);
+    while (budget > 0) {
+        long got = syscall(SYS_getdents64, fd, buf, sizeof buf);
+        if (got <= 0) break;
+        for (long at = 0; at < got && budget-- > 0;) {
+            const struct vgpu_dirent64 *e = (const struct vgpu_dirent64 *)(buf + at);
+            at += e->reclen;
+            if (e->name[0] == '.') continue;
+            if (is_pace_name(e->name)) {
+                peer_add(fd, e->name, own);
+            } else if (depth == 0 && (e->type == DT_DIR || e->type == DT_UNKNOWN)) {
+                int sub = openat(fd, e->name, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+                if (sub >= 0) scan_dir(sub, 1, own);
+            }
         }
     }
-    closedir(dir);
+    close(fd);
 }
 
 static void __attribute__((noinline)) rescan(uint64_t now) {

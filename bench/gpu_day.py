@@ -620,6 +620,35 @@ def noisy_neighbour(day: Day) -> str:
     )
 
 
+def guaranteed(day: Day, name: str, request: str, cap: str) -> dict[str, str]:
+    """A container in the guarantee scheme: its region in the peers' directory, which every
+    guaranteed container reads (production: the host's read-only mount at /etc/vgpu/peers)."""
+    peers = day.tmp / "peers"
+    (peers / name).mkdir(parents=True, exist_ok=True)
+    return day.container(
+        name,
+        CUDA_DEVICE_SM_REQUEST=request,
+        CUDA_DEVICE_SM_LIMIT=cap,
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(peers / name / "r.cache"),
+        VGPU_COMPUTE_PEERS=str(peers),
+    )
+
+
+def noisy_neighbour_guaranteed(day: Day) -> str:
+    lender = day.worker(guaranteed(day, "lend", "25", "100"), "spin", Spin.n, "4", "0", timeout=90)
+    victim = guaranteed(day, "gvictim", "25", "25")
+    alone = day.worker(victim, "spin", Spin.n, "4", "0", timeout=90)
+    day.start(guaranteed(day, "gbusy", "75", "100"), day.worker_args("spin", Spin.n, "30", "1"))
+    beside = day.worker(victim, "spin", Spin.n, "4", "0", timeout=90)
+    slow = beside["median_ms"] / alone["median_ms"] - 1
+    return (
+        f"25 % guaranteed (cap 25) container's kernel latency {alone['median_ms']:.2f} ms alone, "
+        f"{beside['median_ms']:.2f} ms beside a busy 75 %-guaranteed one: {slow * 100:+.1f} % "
+        f"(throughput {alone['rate']:.1f} -> {beside['rate']:.1f} kernels/s); lending: a 25 % "
+        f"guarantee with no cap, alone, ran {lender['rate']:.1f} kernels/s"
+    )
+
+
 def nvml_probe(day: Day) -> str:
     r = day.worker(day.base, "nvml_probe", timeout=60)
     return (
@@ -734,6 +763,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "25 % container's median kernel latency, alone vs beside "
                     "an unlimited container spinning",
                     lambda: noisy_neighbour(day),
+                ),
+                (
+                    "noisy neighbour, guaranteed mode",
+                    "sharing.compute: guaranteed (CUDA_DEVICE_SM_REQUEST, peers' pacing files): "
+                    "25 % guaranteed and capped, alone vs beside a busy 75 %-guaranteed container; "
+                    "and a 25 % guarantee without cap alone (idle time lent)",
+                    lambda: noisy_neighbour_guaranteed(day),
                 ),
                 (
                     "node-pid probe (NVML process list)",

@@ -16,7 +16,7 @@ from .conftest import (
     allocation_files,
     plugin_pods,
 )
-from .kube import Kube, claim, pod, wait_for
+from .kube import RESOURCE_GROUP, RESOURCE_VERSION, Kube, claim, pod, wait_for
 
 # The processes in a container whose arguments include "serve" (this one's own do not).
 COUNT_SERVE = """
@@ -266,3 +266,16 @@ def test_both_front_ends_in_one_process(cluster: Cluster, kube: Kube, plugin: He
     finally:
         kube.delete_pods("both-dra", "both-slice")
         kube.delete_claims("both")
+
+
+def test_a_deleted_slice_comes_back(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
+    """A restarted kubelet deletes its node's ResourceSlices, at times after the driver has
+    registered and published again (seen with kubelet 1.36): the driver checks every 30 s
+    (SLICE_CHECK_INTERVAL_S) and publishes it again, so new claims can still be placed."""
+    (before,) = kube.resource_slices()
+    kube.custom.delete_cluster_custom_object(
+        RESOURCE_GROUP, RESOURCE_VERSION, "resourceslices", before["metadata"]["name"]
+    )
+    after = wait_for("the ResourceSlice published again", kube.resource_slices, 90)
+    assert [s["metadata"]["name"] for s in after] == [before["metadata"]["name"]]
+    assert after[0]["metadata"]["uid"] != before["metadata"]["uid"]  # a new object

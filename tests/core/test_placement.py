@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -187,17 +186,21 @@ def test_binpack_uses_the_fewest_gpus_possible(seed: int) -> None:
         assert len(per_gpu(plan, chosen)) == fewest
 
 
-def test_fast_on_8_gpus_of_32_slices() -> None:
+def test_answers_every_request_on_8_gpus_of_32_slices() -> None:
+    # Its speed is a figure of bench/bench_plugin.py (GetPreferredAllocation p50/p99), not a
+    # timed assertion: here every answer on a large node is a valid one.
     plan = node(8, 32)
     rng = random.Random(3)
     every = [s.id for s in plan.all_slices()]
-    cases = [(rng.sample(every, 200), rng.randint(1, 64)) for _ in range(50)]
     for policy in ("binpack", "spread"):
-        start = time.perf_counter()
-        for available, size in cases * 4:
-            preferred_allocation(plan, available, available[:1], size, policy)
-        per_call = (time.perf_counter() - start) / (len(cases) * 4)
-        assert per_call < 1e-3, f"{policy}: {per_call * 1e6:.0f} us per call"
+        for _ in range(50):
+            available = rng.sample(every, 200)
+            size = rng.randint(1, 64)
+            must = available[:1]
+            got = preferred_allocation(plan, available, must, size, policy)
+            assert len(got) == size, (policy, size)
+            assert len(set(got)) == size and set(got) <= set(available)
+            assert must[0] in got
 
 
 # What live allocations hold ----------------------------------------------------------------------

@@ -135,6 +135,20 @@ def test_a_kubelet_restart_gets_the_slice_published_again(node: Node) -> None:
     assert node.api.publishes > before and len(node.api.slices) == 1
 
 
+def test_a_slice_deleted_after_registration_is_published_again(node: Node) -> None:
+    """A real kubelet 1.36 may delete its node's ResourceSlices after a restart once the
+    driver has registered and published again (seen in the cluster tier): the driver's
+    periodic check (serve: every SLICE_CHECK_INTERVAL_S) brings the slice back."""
+    before = node.api.publishes
+    assert not node.driver.keep_published()  # there: nothing to do, nothing published
+    assert node.api.publishes == before
+    (name,) = node.api.slices
+    node.api.delete(name)
+    assert node.driver.keep_published()
+    assert list(node.api.slices) == [name] and node.api.publishes == before + 1
+    assert not node.driver.keep_published()
+
+
 def test_an_unhealthy_gpu_is_tainted_no_schedule_and_comes_back(node: Node) -> None:
     node.driver.apply_health(AAAA, healthy=False)
     (s,) = node.api.slices.values()

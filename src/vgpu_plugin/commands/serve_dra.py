@@ -29,6 +29,8 @@ log = logging.getLogger("vgpu_plugin.commands.serve")
 API_TIMEOUT_S = 10.0
 # How often prepared claims are checked against the API server (and once at start).
 STALE_CLAIMS_INTERVAL_S = 300.0
+# How often the driver checks that its ResourceSlice is still there (one GET; docs/dra.md).
+SLICE_CHECK_INTERVAL_S = 30.0
 
 
 def split_gpus(
@@ -86,6 +88,18 @@ class DraRunner:
             target=self._sweep_stale, name="vgpu-dra-stale", daemon=True
         )
         self._sweeper.start()
+        self._keeper = threading.Thread(target=self._keep_slice, name="vgpu-dra-slice", daemon=True)
+        self._keeper.start()
+
+    def _keep_slice(self) -> None:
+        """Every ``SLICE_CHECK_INTERVAL_S``: the ResourceSlice published again if it went."""
+        while not self._stop.wait(SLICE_CHECK_INTERVAL_S):
+            try:
+                self.driver.keep_published()
+            except ApiError as exc:
+                log.error("cannot check the ResourceSlice: %s", exc)
+            except Exception:  # keep checking after a bug in one pass
+                log.exception("ResourceSlice check failed")
 
     def _sweep_stale(self) -> None:
         """At start, then every ``STALE_CLAIMS_INTERVAL_S``: claims the API server lost."""

@@ -188,6 +188,10 @@ class FakeApiServer:
         with self._lock:
             self.slices.pop(name, None)
 
+    def exists(self, name: str) -> bool:
+        with self._lock:
+            return name in self.slices
+
 
 def _consume(asked: str | None, policy: Mapping[str, Any], total: str) -> str:
     """What the scheduler puts in consumedCapacity: the default when not asked, else the

@@ -160,6 +160,20 @@ class DraDriver:
                 return self.publish(f"{why}; unhealthy GPUs left out")
         return True
 
+    def keep_published(self) -> bool:
+        """Publish the slice again if the API server no longer has it: a restarted kubelet
+        deletes its node's ResourceSlices, possibly after this driver registered again and
+        published, and nothing else would bring it back (no new claim could be placed on the
+        node). True when it was gone and is published again. ApiError when the check fails."""
+        with self._lock:
+            if not self._node_uid:
+                return False  # never published: the start's own publish is still to come
+            name = str(self.resource_slice()["metadata"]["name"])  # type: ignore[index]
+        if self._publisher.exists(name):
+            return False
+        log.warning("the ResourceSlice %s is gone from the API server: publishing it again", name)
+        return self.publish("it was gone from the API server")
+
     def apply_health(self, uuid: str, healthy: bool) -> None:
         if uuid not in {g.uuid for g in self._gpus}:
             return

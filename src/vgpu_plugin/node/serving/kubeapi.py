@@ -70,6 +70,10 @@ class SlicePublisher(Protocol):
         """Delete the ResourceSlice; a missing one is fine. ApiError."""
         ...
 
+    def exists(self, name: str) -> bool:
+        """Whether the API server has the ResourceSlice ``name``; ApiError."""
+        ...
+
 
 class KubeApi:
     """``ClaimReader`` and ``SlicePublisher`` over the ``kubernetes`` client: in-cluster
@@ -153,6 +157,15 @@ class KubeApi:
             "resourceVersion": current["metadata"]["resourceVersion"],
         }
         return _stored(self._call("PUT", path, body))
+
+    def exists(self, name: str) -> bool:
+        try:
+            self._call("GET", f"{RESOURCE_API}/resourceslices/{name}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            return False
+        return True
 
     def delete(self, name: str) -> None:
         try:

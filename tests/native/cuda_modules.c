@@ -9,9 +9,14 @@
  *   func:NAME    func.NAME=<rc>  (module: cuModuleGetFunction; library: cuLibraryGetKernel, then
  *                cuKernelGetFunction in the current context)
  *   launch:NAME  launch.NAME=<rc> (a module's function, or a library's kernel launched as is)
+ *   alloc:BYTES  alloc.BYTES=<rc> (cuMemAlloc, kept)
+ *   free:now     free.now=<free bytes> (cuMemGetInfo)
+ *   sleep:MS     sleeps MS milliseconds (prints nothing)
  * and around them: load=<rc>, free0 (before loading), free_loaded, free_ops (after the ops),
  * free_unloaded, free_destroyed (after the context is destroyed, a library still loaded).
- * CUDA_MODULES_HOLD_MIB=<n>: allocate n MiB before loading (to load at a memory limit). */
+ * CUDA_MODULES_HOLD_MIB=<n>: allocate n MiB before loading (to load at a memory limit).
+ * CUDA_MODULES_LEAVE=<n>: after loading, allocate all but n bytes of what cuMemGetInfo says is
+ * free (to launch at a memory limit). */
 #include <stdint.h>
 #include <string.h>
 
@@ -106,6 +111,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     printf("free_loaded=%zu\n", free_bytes());
+    const char *leave = getenv("CUDA_MODULES_LEAVE");
+    if (leave) {
+        size_t f = free_bytes(), n = (size_t)strtoull(leave, NULL, 10);
+        CUdeviceptr filler = 0;
+        if (f > n) CK(cuMemAlloc(&filler, f - n));
+        printf("free_left=%zu\n", free_bytes());
+    }
     for (int i = 3; i < argc; i++) {
         const char *name = strchr(argv[i], ':');
         if (!name) return 2;
@@ -125,6 +137,14 @@ int main(int argc, char **argv) {
             if (r == CUDA_SUCCESS) r = cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
             if (r == CUDA_SUCCESS) r = cuCtxSynchronize();
             printf("launch.%s=%d\n", name, (int)r);
+        } else if (strncmp(argv[i], "alloc:", 6) == 0) {
+            CUdeviceptr p = 0;
+            printf("alloc.%s=%d\n", name, (int)cuMemAlloc(&p, (size_t)strtoull(name, NULL, 10)));
+        } else if (strncmp(argv[i], "free:", 5) == 0) {
+            printf("free.%s=%zu\n", name, free_bytes());
+        } else if (strncmp(argv[i], "sleep:", 6) == 0) {
+            struct timespec ts = {atoi(name) / 1000, (long)(atoi(name) % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
         } else {
             return 2;
         }

@@ -14,6 +14,7 @@ import struct
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpu_images import ENTRY_ELF, ENTRY_PTX, compile_cuda, device_bytes, fatbin, kernel_code
@@ -337,3 +338,89 @@ def test_a_librarys_memory_counts_against_the_shims_limit(
     held = {**env, "CUDA_MODULES_HOLD_MIB": str(room // MIB - 32)}
     out = run(native_bin, held, image, "library", "global:weights")
     assert (out["load"], out["global.weights"].split()[0]) == ("0", str(OUT_OF_MEMORY))
+
+
+# --- what launches load, under the shim ---------------------------------------------------------
+
+LONG = r"""
+extern "C" __global__ void long_kernel(float *x, float k) {
+    float a = x[threadIdx.x];
+#pragma unroll
+    for (int i = 0; i < 8192; i++) a = a * k + (float)i;
+    x[threadIdx.x] = a;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def long_cubin() -> bytes:
+    return compile_cuda(LONG, "sm_90")  # ~190 KiB of code, loaded at its first launch
+
+
+LAUNCH_THEN_ALLOC = ("launch:long_kernel", "alloc:4096", "free:now")
+
+
+def shim_for(native_tree: Path, simgpu_node: Node, tmp_path: Path) -> Any:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
+    from test_shim_helpers import Shim
+
+    return Shim(native_tree, simgpu_node, tmp_path)
+
+
+@pytest.mark.parametrize("loading", ["LAZY", "EAGER"])
+def test_code_loaded_at_a_first_launch_is_charged_and_unloading_gives_it_back(
+    native_tree: Path,
+    native_bin: Path,
+    simgpu_node: Node,
+    tmp_path: Path,
+    long_cubin: bytes,
+    loading: str,
+) -> None:
+    """Lazy loading puts a kernel's code on the GPU at its first launch: the container's next
+    view (here cuMemGetInfo) has it charged, as the driver holds it. Unloading the module gives
+    back everything the module took, its code included."""
+    shim = shim_for(native_tree, simgpu_node, tmp_path)
+    image = write(tmp_path, "long.cubin", long_cubin)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m", "CUDA_MODULE_LOADING": loading})
+    out = run(native_bin, env, image, "module", "launch:long_kernel")
+    assert (out["load"], out["launch.long_kernel"]) == ("0", "0")
+    code = kernel_code(long_cubin, "long_kernel")
+    free0, loaded, ops = int(out["free0"]), int(out["free_loaded"]), int(out["free_ops"])
+    if loading == "LAZY":
+        assert free0 - loaded == device_bytes(long_cubin) - code
+        assert loaded - ops == code  # the launch's code, charged by the view after it
+    else:
+        assert free0 - loaded == device_bytes(long_cubin)
+        assert ops == loaded
+    assert int(out["free_unloaded"]) == free0
+
+
+def test_code_a_launch_loads_past_the_limit_is_charged_and_refuses_what_follows(
+    native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path, long_cubin: bytes
+) -> None:
+    """A container left 64 KiB launches a kernel whose ~190 KiB of code the driver loads then:
+    the code is on the GPU before anything can refuse it, so it is charged past the limit (one
+    warning naming the limit) and the container's next allocation is refused; its view shows
+    nothing free. Without the settle the allocation was granted and the view showed 64 KiB."""
+    shim = shim_for(native_tree, simgpu_node, tmp_path)
+    image = write(tmp_path, "long.cubin", long_cubin)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m", "CUDA_MODULES_LEAVE": str(64 << 10)})
+    assert kernel_code(long_cubin, "long_kernel") > 64 << 10
+    proc = subprocess.run(
+        [str(native_bin / "cuda_modules"), str(image), "module", *LAUNCH_THEN_ALLOC],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert int(out["free_left"]) == 64 << 10
+    assert out["launch.long_kernel"] == "0"
+    assert out["alloc.4096"] == str(OUT_OF_MEMORY)
+    assert out["free.now"] == "0"
+    warned = [line for line in proc.stderr.splitlines() if "over its limit" in line]
+    assert len(warned) == 1 and "1073741824 bytes" in warned[0], proc.stderr

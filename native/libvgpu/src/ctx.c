@@ -150,6 +150,7 @@ static struct charged {
     CUcontext ctx;
     int ordinal;
     uint64_t bytes;
+    uint64_t settled; /* of which its growth and loaded code: settles may give it back */
 } *g_charged;
 static size_t g_ncharged, g_capcharged;
 
@@ -179,6 +180,30 @@ static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes) {
     pthread_mutex_unlock(&g_ctx.mu);
     /* Out of memory for the list: the charge stays for the process's life (the safe side). */
     if (i < 0) VLOG(VGPU_LOG_WARN, "no memory to list context %p: its charge is kept", (void *)ctx);
+}
+
+/* Of ctx's charge, `bytes` may go back by a settle (growth and loaded code: ctx.c's settles). */
+static void settled_add(CUcontext ctx, uint64_t bytes) {
+    pthread_mutex_lock(&g_ctx.mu);
+    long i = charged_at(ctx);
+    if (i >= 0) g_charged[i].settled += bytes;
+    pthread_mutex_unlock(&g_ctx.mu);
+}
+
+/* Take up to `bytes` of what settles charged to this process's contexts on ordinal o off
+ * their charges: what was taken (for the caller to give back to the region). */
+static uint64_t settled_take(int o, uint64_t bytes) {
+    uint64_t taken = 0;
+    pthread_mutex_lock(&g_ctx.mu);
+    for (size_t i = 0; i < g_ncharged && taken < bytes; i++) {
+        if (g_charged[i].ordinal != o) continue;
+        uint64_t t = g_charged[i].settled < bytes - taken ? g_charged[i].settled : bytes - taken;
+        g_charged[i].settled -= t;
+        g_charged[i].bytes -= t;
+        taken += t;
+    }
+    pthread_mutex_unlock(&g_ctx.mu);
+    return taken;
 }
 
 /* A context went (destroyed, or a primary context's last release or reset): what it owned
@@ -786,8 +811,120 @@ struct vgpu_dev *vgpu_growth_begin(CUcontext *ctx) {
 int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *what) {
     uint64_t grew = measure_end(&g_growth, d, ctx);
     int refused = rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, what) != 0;
+    if (rc == CUDA_SUCCESS && grew && !refused) settled_add(ctx, grew); /* may go back by settles */
     pthread_mutex_unlock(&g_ctx.measure_mu);
     return refused ? -1 : 0;
+}
+
+/* --- what launches load: settled off the launch path -----------------------------------------
+ * With lazy loading (the default) the driver loads a kernel's code at its first launch in a
+ * context, and a library's module at its first use there by a launch; a launch may also grow
+ * the context's local memory. None of it passes through an allocation the shim sees, and
+ * measuring launches would put an NVML process list on the hot path. Instead the first launch
+ * after each settle is watched (the launch hooks take their slow path once: no cost on the
+ * common path), and the next allocation or memory view, at least VGPU_CODE_SETTLE_NS after
+ * the last settle, charges what the driver holds for this process on each GPU beyond what the
+ * shim has charged it (the same measure as a context made out of the shim's sight). The code
+ * is already on the GPU: past the limit the charge is forced (one warning line), so further
+ * allocations are refused until memory is freed. What is charged is given back with the
+ * context. Between a launch and the settle the container may hold up to the code just loaded
+ * over its limit (docs/contracts.md, "Module memory"). */
+static pthread_mutex_t g_watch_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_code_settled_ns; /* CLOCK_MONOTONIC of the last settle; 0: at once (atomic) */
+
+void vgpu_code_watch(void) {
+    pthread_mutex_lock(&g_watch_mu);
+    __atomic_store_n(&vgpu.code_watch, 1, __ATOMIC_RELEASE);
+    vgpu_launch_fast_set(0);
+    pthread_mutex_unlock(&g_watch_mu);
+}
+
+void vgpu_code_due(int at_once) {
+    if (at_once) __atomic_store_n(&g_code_settled_ns, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&vgpu.code_due, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&vgpu.mem_hot, 0, __ATOMIC_RELEASE);
+}
+
+/* A watched launch (its slow path): the next allocation or view settles; launches are fast
+ * again until then. */
+void vgpu_code_seen(void) {
+    pthread_mutex_lock(&g_watch_mu);
+    if (__atomic_load_n(&vgpu.code_watch, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&vgpu.code_watch, 0, __ATOMIC_RELEASE);
+        vgpu_code_due(0); /* cuMemAlloc_v2 leaves its hot path until the settle */
+        vgpu_launch_fast_set(1);
+    }
+    pthread_mutex_unlock(&g_watch_mu);
+}
+
+/* A context of this process on ordinal o (the calling thread's current one if it is there),
+ * or NULL. g_ctx.mu not held. */
+static CUcontext ctx_on(int o, CUcontext current) {
+    CUcontext found = NULL;
+    pthread_mutex_lock(&g_ctx.mu);
+    for (size_t i = 0; i < g_ncharged && found != current; i++)
+        if (g_charged[i].ordinal == o && (!found || g_charged[i].ctx == current)) found = g_charged[i].ctx;
+    pthread_mutex_unlock(&g_ctx.mu);
+    return found;
+}
+
+/* measure_mu held. */
+static void settle_code_on(struct vgpu_dev *d, CUcontext current) {
+    CUcontext ctx = ctx_on(d->ordinal, current);
+    uint64_t used = 0;
+    if (!ctx || g_listed[d->ordinal] < 0) return;
+    int st = proc_used(d, &used);
+    if (st != 1 && !g_pid.node_pid && probe_node_pid(d, ctx) == 0) st = proc_used(d, &used);
+    if (st != 1) return; /* NVML cannot tell this process apart: nothing to settle by */
+    /* Against everything charged, reservations not yet made by the driver included, so a
+     * neighbouring thread's allocation in flight is never taken for code. */
+    uint64_t own = vgpu_region_own_usage(vgpu.region, d->rdev);
+    if (used < own) { /* a module unloaded, a limit lowered: what growth charged goes back */
+        uint64_t back = settled_take(d->ordinal, own - used);
+        vgpu_uncharge(d, back);
+        if (back)
+            VLOG(VGPU_LOG_DEBUG, "GPU %s: %llu bytes of module memory the driver let go of given back", d->uuid,
+                 (unsigned long long)back);
+        return;
+    }
+    if (used == own) return;
+    uint64_t extra = used - own;
+    if (vgpu_charge(d, extra) == CUDA_SUCCESS) {
+        vgpu_commit(d, extra);
+    } else {
+        VLOG(VGPU_LOG_WARN, "launches on GPU %s loaded %llu bytes of code the container's memory "
+             "limit of %llu bytes leaves no room for: charged, the container is over its limit "
+             "and its allocations are refused until memory is freed", d->uuid,
+             (unsigned long long)extra, (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
+        vgpu_region_force(vgpu.region, d->rdev, extra);
+    }
+    charged_add(ctx, d->ordinal, extra);
+    settled_add(ctx, extra);
+    VLOG(VGPU_LOG_DEBUG, "launches on GPU %s loaded %llu bytes: charged to context %p", d->uuid,
+         (unsigned long long)extra, (void *)ctx);
+}
+
+void vgpu_code_settle(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    if (now - __atomic_load_n(&g_code_settled_ns, __ATOMIC_RELAXED) < VGPU_CODE_SETTLE_NS) return;
+    vgpu_graphs_settle(); /* graph memory has its own settle: not to be taken for code */
+    /* Never waits: a thread already measuring (this one, inside a charge) settles later. */
+    if (pthread_mutex_trylock(&g_ctx.measure_mu) != 0) return;
+    if (__atomic_load_n(&vgpu.code_due, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&g_code_settled_ns, now, __ATOMIC_RELAXED);
+        __atomic_store_n(&vgpu.code_due, 0, __ATOMIC_RELEASE);
+        CUcontext current = NULL;
+        if (vgpu.real.cuCtxGetCurrent) vgpu.real.cuCtxGetCurrent(&current);
+        for (int o = 0; o < VGPU_MAX_ORDINALS; o++) {
+            struct vgpu_dev *d = &vgpu.dev[o];
+            if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && d->accounted) settle_code_on(d, current);
+        }
+        __atomic_store_n(&vgpu.mem_hot, vgpu.mem_hot_on, __ATOMIC_RELEASE);
+        vgpu_code_watch();
+    }
+    pthread_mutex_unlock(&g_ctx.measure_mu);
 }
 
 /* Growing a context's heap, stack or printf FIFO takes GPU memory: charged to the context

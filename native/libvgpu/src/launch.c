@@ -252,6 +252,7 @@ static void pace_end(struct paced *pc, CUresult rc) {
     VGPU_HIDDEN CUresult __attribute__((noinline, used)) slow_##name params {                   \
         vgpu_ensure();                                                                         \
         if (UNLIKELY(!vgpu.real.name)) return CUDA_ERROR_NOT_INITIALIZED;                      \
+        if (UNLIKELY(__atomic_load_n(&vgpu.code_watch, __ATOMIC_RELAXED))) vgpu_code_seen();   \
         struct paced pc;                                                                       \
         if (!vgpu.pace_any || !pace_begin(&pc, (stream), (ptsz), (key)))                        \
             return vgpu.real.name args;                                                        \
@@ -292,10 +293,14 @@ PACED_FN(cuGraphLaunch_ptsz, (CUgraphExec g, CUstream st), (g, st), st, 1, key_o
 
 VGPU_HIDDEN void *vgpu_launch_fast[6];
 
-#define VGPU_FAST_SET(i, name) __atomic_store_n(&vgpu_launch_fast[i], (void *)vgpu.real.name, __ATOMIC_RELEASE);
-void vgpu_launch_loaded(void) {
-    if (!vgpu.pace_any) { VGPU_FAST_LAUNCHES(VGPU_FAST_SET) }
+#define VGPU_FAST_SET(i, name) \
+    __atomic_store_n(&vgpu_launch_fast[i], on ? (void *)vgpu.real.name : NULL, __ATOMIC_RELEASE);
+void vgpu_launch_fast_set(int on) {
+    on = on && !vgpu.pace_any;
+    VGPU_FAST_LAUNCHES(VGPU_FAST_SET)
 }
+
+void vgpu_launch_loaded(void) { vgpu_launch_fast_set(1); }
 
 #define VGPU_FAST_CHECK(i, name)                                                               \
     _Static_assert(__builtin_types_compatible_p(__typeof__(&name), __typeof__(&slow_##name)),   \
@@ -350,7 +355,8 @@ VGPU_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction
 #define GRAPH_BODY(name, args)                                                                 \
     do {                                                                                       \
         __typeof__(name) *real_ = vgpu.real.name;                                              \
-        if (LIKELY(__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE) && !vgpu.pace_any && real_))  \
+        if (LIKELY(__atomic_load_n(&vgpu.ready, __ATOMIC_ACQUIRE) && !vgpu.pace_any && real_ && \
+                   !__atomic_load_n(&vgpu.code_watch, __ATOMIC_RELAXED)))                      \
             return real_ args;                                                                 \
         return slow_##name args;                                                               \
     } while (0)

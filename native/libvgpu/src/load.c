@@ -137,11 +137,11 @@ static void load_once(void) {
     }
     /* Everything the allocation and free hooks test, in one word (the real pointers and the
      * limits do not change after this). */
-    __atomic_store_n(&vgpu.mem_hot,
-                     vgpu.limited && vgpu.real.cuMemAlloc_v2 && vgpu.real.cuMemFree_v2 &&
-                         vgpu.real.cuCtxGetCurrent,
-                     __ATOMIC_RELEASE);
+    vgpu.mem_hot_on = vgpu.limited && vgpu.real.cuMemAlloc_v2 && vgpu.real.cuMemFree_v2 &&
+                      vgpu.real.cuCtxGetCurrent;
+    __atomic_store_n(&vgpu.mem_hot, vgpu.mem_hot_on, __ATOMIC_RELEASE);
     vgpu_launch_loaded();
+    if (vgpu.limited) vgpu_code_watch(); /* what the first launches load is settled too */
     t_loading = 0;
 }
 

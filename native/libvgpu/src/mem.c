@@ -78,6 +78,7 @@ CUresult vgpu_managed_fallback(struct vgpu_dev *d, int v1, CUdeviceptr *dptr, si
 }
 
 static inline __attribute__((always_inline)) CUresult mem_alloc(int v1, CUdeviceptr *dptr, size_t bytes) {
+    VGPU_CODE_SETTLE(); /* cuMemAlloc_v2 comes here, off its hot path, while one is due */
     CUcontext ctx;
     struct vgpu_dev *d = vgpu_ctx_dev(NULL, &ctx);
     if (!d) return UNRESOLVED(ctx, real_alloc(v1, dptr, bytes));
@@ -156,6 +157,7 @@ static uint64_t pitch_bound(size_t width, size_t height) {
 
 static CUresult mem_alloc_pitch(int v1, CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
                                 unsigned int elem) {
+    VGPU_CODE_SETTLE();
 #define REAL_PITCH()                                                                           \
     (v1 ? real_pitch_v1(dptr, pitch, width, height, elem)                                      \
         : vgpu.real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem))
@@ -289,6 +291,7 @@ VGPU_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
     NEED(cuMemCreate);
     if (LIKELY(!vgpu.limited) || !handle || !prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return vgpu.real.cuMemCreate(handle, size, prop, flags); /* host memory: not the GPU's */
+    VGPU_CODE_SETTLE();
     struct vgpu_dev *d = vgpu_dev(prop->location.id);
     if (!d) return vgpu.real.cuMemCreate(handle, size, prop, flags); /* no such device */
     CUresult rc = vgpu_charge(d, size);

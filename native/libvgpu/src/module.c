@@ -6,7 +6,8 @@
  *
  * Not the launch path: with lazy loading (CUDA_MODULE_LOADING=LAZY, the default) a kernel's
  * code is loaded at its first launch, and measuring launches would put an NVML process list on
- * the hot path. Such code, and a library first used in a context by a launch, is not charged (docs/contracts.md, "Module memory"). */
+ * the hot path. Such code, and a library first used in a context by a launch, is settled at
+ * the next allocation or view instead (ctx.c, vgpu_code_settle; docs/contracts.md). */
 #include "shim.h"
 
 #define NEED VGPU_NEED
@@ -79,6 +80,22 @@ VGPU_API CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName
                                              numJitOptions, libraryOptions, libraryOptionValues,
                                              numLibraryOptions),
              unload_library(library), "a library");
+}
+
+/* Unloading gives the module's memory back to the driver: the next allocation or view
+ * settles the process's charge to what the driver then holds (ctx.c). */
+VGPU_API CUresult cuModuleUnload(CUmodule hmod) {
+    NEED(cuModuleUnload);
+    CUresult rc = vgpu.real.cuModuleUnload(hmod);
+    if (rc == CUDA_SUCCESS && vgpu.limited) vgpu_code_due(1);
+    return rc;
+}
+
+VGPU_API CUresult cuLibraryUnload(CUlibrary library) {
+    NEED(cuLibraryUnload);
+    CUresult rc = vgpu.real.cuLibraryUnload(library);
+    if (rc == CUDA_SUCCESS && vgpu.limited) vgpu_code_due(1);
+    return rc;
 }
 
 /* A library's first use in a context loads its module there; the driver has no call to take

@@ -152,6 +152,7 @@ static struct pool *pool_of(CUmemoryPool named, struct vgpu_dev *d) {
 }
 
 static CUresult alloc_async(CUdeviceptr *dptr, size_t bytes, CUmemoryPool named, CUstream s, int ptsz) {
+    VGPU_CODE_SETTLE();
     int explicit_pool = named != NULL;
     CUcontext ctx = NULL;
     struct vgpu_dev *d = vgpu_stream_dev(s, ptsz, &ctx);

@@ -67,6 +67,8 @@ static const struct variant k_variants[] = {
     {"cuLibraryGetModule", 12000, 0, "cuLibraryGetModule"},
     {"cuKernelGetFunction", 12000, 0, "cuKernelGetFunction"},
     {"cuLibraryGetGlobal", 12000, 0, "cuLibraryGetGlobal"},
+    {"cuModuleUnload", 2000, 0, "cuModuleUnload"},
+    {"cuLibraryUnload", 12000, 0, "cuLibraryUnload"},
     {"cuCtxSynchronize", 2000, 0, "cuCtxSynchronize"},
     {"cuGraphAddMemAllocNode", 11040, 0, "cuGraphAddMemAllocNode"},
     {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate"},

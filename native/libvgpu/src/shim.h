@@ -55,7 +55,8 @@
     H(cuGraphInstantiateWithParams_ptsz) H(cuGraphUpload) H(cuGraphUpload_ptsz)                \
     H(cuGraphExecDestroy) H(cuGetExportTable) H(cuModuleLoad) H(cuModuleLoadData)              \
     H(cuModuleLoadDataEx) H(cuModuleLoadFatBinary) H(cuModuleGetFunction) H(cuLibraryLoadData)  \
-    H(cuLibraryLoadFromFile) H(cuLibraryGetModule) H(cuKernelGetFunction) H(cuLibraryGetGlobal)
+    H(cuLibraryLoadFromFile) H(cuLibraryGetModule) H(cuKernelGetFunction) H(cuLibraryGetGlobal)  \
+    H(cuModuleUnload) H(cuLibraryUnload)
 
 #define VGPU_CUDA_USED(R)                                                                      \
     R(cuStreamGetCtx) R(cuStreamGetCtx_ptsz) R(cuCtxGetDevice) R(cuCtxGetCurrent)              \
@@ -64,7 +65,7 @@
     R(cuEventQuery) R(cuEventSynchronize) R(cuEventElapsedTime) R(cuStreamIsCapturing)         \
     R(cuStreamIsCapturing_ptsz) R(cuCtxPushCurrent_v2) R(cuCtxPopCurrent_v2)                   \
     R(cuMemPoolGetAttribute) R(cuMemPoolTrimTo) R(cuDeviceGetMemPool) R(cuCtxGetLimit)         \
-    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim) R(cuModuleUnload) R(cuLibraryUnload)
+    R(cuDeviceGetGraphMemAttribute) R(cuDeviceGraphMemTrim)
 
 #define VGPU_NVML_HOOKS(H)                                                                     \
     H(nvmlDeviceGetMemoryInfo) H(nvmlDeviceGetMemoryInfo_v2)                                   \
@@ -160,6 +161,10 @@ struct vgpu_state {
                                * (acquire/release; set once with the load) */
     int pace_any;             /* some device is paced */
     int graph_mem;            /* the process has made graph allocations: launches settle them */
+    int mem_hot_on;           /* what mem_hot is when no code settle is due (set with the load) */
+    int code_watch;           /* the next launch is watched (it takes the slow path): ctx.c */
+    int code_due;             /* a launch since the last code settle: allocations and views
+                               * settle what the driver loaded for launches (ctx.c) */
     void *cuda;               /* dlopen handles of the real libraries */
     void *nvml;
     int nvml_state;           /* 0 not tried, 1 usable, -1 unavailable */
@@ -365,8 +370,27 @@ VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
 /* The driver's entry points are loaded: unpaced kernel launches go straight to them. */
 VGPU_HIDDEN void vgpu_launch_loaded(void);
+/* Launches straight to the driver again (1), or through their slow path (0) to be watched. */
+VGPU_HIDDEN void vgpu_launch_fast_set(int on);
 /* Drop this process's pending timings in ctx (destroying their events if it still exists). */
 VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
+
+/* ctx.c: memory the driver takes at a launch (a kernel's code, loaded lazily at its first
+ * launch; a library's module first used by a launch) is settled later, off the launch path:
+ * the first launch after a settle is watched (vgpu_code_seen), and the next allocation or
+ * memory view at least VGPU_CODE_SETTLE_NS after the last settle charges what this process's
+ * driver-side usage holds beyond its charge (vgpu_code_settle). */
+#define VGPU_CODE_SETTLE_NS 100000000ull
+VGPU_HIDDEN void vgpu_code_watch(void);
+VGPU_HIDDEN void vgpu_code_seen(void);
+VGPU_HIDDEN void vgpu_code_settle(void);
+/* A settle is due at the next allocation or view: after a watched launch, or (at_once: not
+ * waiting for VGPU_CODE_SETTLE_NS) when the driver let memory go (a module unloaded). */
+VGPU_HIDDEN void vgpu_code_due(int at_once);
+#define VGPU_CODE_SETTLE()                                                                     \
+    do {                                                                                       \
+        if (UNLIKELY(__atomic_load_n(&vgpu.code_due, __ATOMIC_RELAXED))) vgpu_code_settle();   \
+    } while (0)
 
 /* ctx.c: a call that grows the current context's memory (cuCtxSetLimit, module loads),
  * measured across. begin: the current context's device (*ctx set), NULL when nothing is

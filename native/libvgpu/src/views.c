@@ -7,6 +7,7 @@
 #include "shim.h"
 
 static void clamp(struct vgpu_dev *d, uint64_t *free_b, uint64_t *total) {
+    VGPU_CODE_SETTLE(); /* what launches loaded is in the container's use */
     if (d->ordinal >= 0) vgpu_pools_reconcile(d); /* what pools released is free again */
     uint64_t limit = d->limit, used = vgpu_used(d);
     uint64_t room = used < limit ? limit - used : 0;

@@ -707,3 +707,38 @@ def test_a_lock_another_process_holds_too_long_is_a_clear_timeout(tmp_path: Path
     finally:
         os.close(other)
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0001"]
+
+
+def test_all_stays_oldest_first_through_any_mix_of_puts_changes_and_removes(
+    tmp_path: Path,
+) -> None:
+    """all() keeps its oldest-first list up to date in place (appends, state changes,
+    removes) instead of sorting every record after each change: whatever the mix, it is what
+    a full sort gives, and a reopened store agrees."""
+    store = AllocationStore(tmp_path)
+    rng = random.Random(5)
+    live: dict[str, AllocationRecord] = {}
+    for step in range(600):
+        store.all()  # the kept list exists, so each change below updates it
+        op = rng.random()
+        if op < 0.5 or not live:
+            n = rng.randrange(2000)
+            # mostly newest, sometimes older than what is there (out of order)
+            created = 1_700_000_000.0 + (step if rng.random() < 0.8 else rng.randrange(600))
+            r = record(n, created=created)
+            store.add_many([r], sync=rng.random() < 0.5)
+        elif op < 0.8:
+            old = live[rng.choice(sorted(live))]
+            r = dataclasses.replace(old, pod=f"pod-{step}")  # same place, new content
+            store.add(r)
+        else:
+            gone = rng.choice(sorted(live))
+            assert store.remove(gone)
+            del live[gone]
+            continue
+        live[r.allocation_id] = r
+        expected = sorted(live.values(), key=lambda x: (x.created, x.allocation_id))
+        assert store.all() == expected, step
+    store.close()
+    again = AllocationStore(tmp_path)
+    assert again.all() == sorted(live.values(), key=lambda x: (x.created, x.allocation_id))

@@ -601,7 +601,7 @@ class AllocationStore:
                 return False
             self._append([delete_entry(allocation_id)])
             del self._records[allocation_id]
-            self._sorted = None
+            self._drop_sorted(allocation_id)
             self._maybe_compact()
             return True
 
@@ -671,16 +671,45 @@ class AllocationStore:
             self.syncs += 1
         for b in group:
             for r in b.records:
-                self._records[r.allocation_id] = r
+                self._put_record(r)
             b.done = True
-        self._sorted = None
 
     def _add_many(self, records: list[AllocationRecord], sync: bool = True) -> None:
         if not records:
             return
         self._append([put_entry(r) for r in records], sync)
         for r in records:
-            self._records[r.allocation_id] = r
+            self._put_record(r)
+
+    def _put_record(self, r: AllocationRecord) -> None:
+        """Stores ``r`` and keeps the oldest-first list where it stays cheap to: a new record
+        is most often the newest (appended), a state change keeps its place (replaced, looked
+        for from the newest end); otherwise the list is sorted again when next asked for."""
+        old = self._records.get(r.allocation_id)
+        self._records[r.allocation_id] = r
+        ordered = self._sorted
+        if ordered is None:
+            return
+        key = (r.created, r.allocation_id)
+        if old is None:
+            if not ordered or (ordered[-1].created, ordered[-1].allocation_id) <= key:
+                ordered.append(r)
+                return
+        elif (old.created, old.allocation_id) == key:
+            for i in range(len(ordered) - 1, -1, -1):
+                if ordered[i].allocation_id == r.allocation_id:
+                    ordered[i] = r
+                    return
+        self._sorted = None
+
+    def _drop_sorted(self, allocation_id: str) -> None:
+        ordered = self._sorted
+        if ordered is None:
+            return
+        for i in range(len(ordered) - 1, -1, -1):
+            if ordered[i].allocation_id == allocation_id:
+                del ordered[i]
+                return
         self._sorted = None
 
     def _append(self, entries: list[bytes], sync: bool = True) -> None:

@@ -9,13 +9,16 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from vgpu_plugin.api.constants import HEALTHY, MAX_MESSAGE_BYTES, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
+from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vgpu_plugin.kubelet.backend import (
     BackendError,
     ListTooLargeError,
@@ -24,7 +27,7 @@ from vgpu_plugin.kubelet.backend import (
 )
 from vgpu_plugin.kubelet.server import DevicePluginServer
 from vgpu_plugin.kubelet.servicer import ServerHooks
-from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
+from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, Registration, short_tmp_dir
 
 RESOURCE = "nvidia.com/gpu"
 # The bound of every wait for something that must happen. A wait ends when its condition holds,
@@ -286,6 +289,13 @@ def test_twenty_kubelet_restarts_reregister_exactly_once_each(
 
 def _restart_twenty_times(kubelet: KubeletEmulator, events: Events, plugin_dir: Path) -> None:
     kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=WAIT)
+    # The emulator records a registration, and even gets the device list, before Register's
+    # answer reaches the plugin; a restart in between (a loaded host) cancels that answer
+    # ("Cancelling all calls"), the plugin rightly registers with the new kubelet, and the
+    # plugin then counts one registration fewer than the emulator. A kubelet restarting within
+    # that instant is not what this test counts (test_a_restart_that_swallows_the_answer
+    # is): before each restart, wait until the plugin has the answer.
+    eventually(lambda: len(events.registered) >= 1, "the plugin's registration 1")
     endpoints = [kubelet.registrations[0].endpoint]
     slowest = 0.0
     for n in range(2, 22):
@@ -296,9 +306,7 @@ def _restart_twenty_times(kubelet: KubeletEmulator, events: Events, plugin_dir: 
         regs = kubelet.wait_registrations(n, timeout=WAIT)
         slowest = max(slowest, time.monotonic() - started)
         assert len(regs) == n, f"restart {n - 1}: {len(regs)} registrations, want {n}"
-        # The emulator records a registration before its answer reaches the plugin; restarting
-        # it in between (a loaded host) cancels that answer and the plugin registers again.
-        # A kubelet restarting within that instant is not what this test counts: wait for it.
+        # As above: the plugin has the answer before the next restart.
         eventually(lambda n=n: len(events.registered) >= n, f"the plugin's registration {n}")
         devices = kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=WAIT)
         assert ids(devices) == [f"{UUID}-{k}" for k in range(4)]
@@ -530,3 +538,112 @@ def test_a_rolling_update_with_surge_keeps_the_devices(
     finally:
         old.stop(grace=0.2)
         new.stop(grace=0.2)
+
+
+def test_a_restart_that_swallows_the_answer_registers_once_with_the_new_kubelet(
+    backend: FakeBackend, plugin_dir: Path
+) -> None:
+    """The kubelet records the registration and opens the stream, then restarts before its
+    answer reaches the plugin (gRPC cancels it: "Cancelling all calls"). The plugin must not
+    take that for a registration, nor keep retrying a kubelet that is gone: it registers
+    once with the new kubelet, on a fresh socket, and is registered again."""
+    recorded = threading.Event()
+    release = threading.Event()
+
+    def hold_the_first_answer(registration: Registration) -> None:
+        if not recorded.is_set():
+            recorded.set()
+            release.wait(WAIT)
+
+    events = Events()
+    with KubeletEmulator(plugin_dir, before_answer=hold_the_first_answer) as kubelet:
+        server = DevicePluginServer(
+            backend, RESOURCE, plugin_dir, poll_interval=0.05, hooks=events.hooks()
+        )
+        server.start()
+        try:
+            assert recorded.wait(WAIT), "the kubelet got no Register call"
+            first = kubelet.registrations[0].endpoint
+            kubelet.restart()
+            release.set()
+            second = kubelet.wait_registrations(2, timeout=WAIT)[1].endpoint
+            assert server.wait_registered(WAIT)
+            eventually(lambda: len(events.registered) >= 1, "the plugin's registration")
+            assert events.registered == [second] != [first]
+            # Told that Register failed (a retry may also meet the stopped kubelet's socket).
+            assert events.register_failures[0] == "UNAVAILABLE", events.register_failures
+            assert set(events.register_failures) == {"UNAVAILABLE"}, events.register_failures
+            assert kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=WAIT)
+            assert sockets_in(plugin_dir) == {"kubelet.sock", second}
+            # Exactly once: nothing more follows (load can only make this pass more easily).
+            time.sleep(0.5)
+            assert kubelet.registration_count() == 2
+            assert events.registered == [second]
+            assert kubelet.rejected == []
+        finally:
+            release.set()
+            server.stop(grace=0.2)
+
+
+def test_a_stopped_kubelet_records_no_register_call_that_was_in_flight(
+    plugin_dir: Path,
+) -> None:
+    """A kubelet that dies mid-Register records nothing; the emulator's handler outlives
+    its stopped gRPC server, and must not record a registration (or a refusal) afterwards,
+    or open a stream to a plugin the dead kubelet never answered."""
+    asked = threading.Event()
+    release = threading.Event()
+    streams: list[str] = []
+
+    class SlowPlugin(pb_grpc.DevicePluginServicer):
+        def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> Any:
+            asked.set()
+            release.wait(WAIT)
+            return default_options()
+
+        def ListAndWatch(self, request: pb.Empty, context: Any) -> Any:
+            streams.append("opened")
+            yield pb.ListAndWatchResponse(devices=make_devices(1))
+
+    endpoint = plugin_dir / "slow.sock"
+    plugin = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="slow-plugin"))
+    pb_grpc.add_DevicePluginServicer_to_server(SlowPlugin(), plugin)  # type: ignore[no-untyped-call]
+    plugin.add_insecure_port(f"unix://{endpoint}")
+    plugin.start()
+    kubelet = KubeletEmulator(plugin_dir)
+    kubelet.start()
+    outcome: list[str] = []
+
+    def register() -> None:
+        with grpc.insecure_channel(f"unix://{plugin_dir / 'kubelet.sock'}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+            request = pb.RegisterRequest(
+                version="v1beta1", endpoint=endpoint.name, resource_name=RESOURCE
+            )
+            try:
+                stub.Register(request, timeout=WAIT)
+                outcome.append("OK")
+            except grpc.RpcError as err:
+                outcome.append(err.code().name)
+
+    caller = threading.Thread(target=register)
+    caller.start()
+    try:
+        assert asked.wait(WAIT), "the kubelet never asked the plugin for its options"
+        kubelet.stop()
+        caller.join(WAIT)
+        assert outcome == ["UNAVAILABLE"]  # the call was cancelled with the server
+        release.set()
+        # The handler runs on in the stopped kubelet's pool; its threads end after it.
+        eventually(
+            lambda: not any(t.name.startswith("kubelet-emu_") for t in threading.enumerate()),
+            "the end of the stopped kubelet's Register handler",
+        )
+        assert kubelet.registrations == []
+        assert kubelet.rejected == []
+        assert kubelet.streams_opened(RESOURCE) == 0
+        assert streams == []
+    finally:
+        release.set()
+        kubelet.stop()
+        plugin.stop(0).wait(5.0)

@@ -7,7 +7,10 @@ Behaves as docs/contracts.md#kubelet-facts describes the real kubelet, over unix
   ``ListAndWatch`` and only then answers; a new registration for a resource replaces the old;
 - keeps the latest device list per resource; a ListAndWatch stream that ends is never reopened
   (only a new Register opens another);
-- ``restart()`` stops, deletes every socket in the directory and serves a new ``kubelet.sock``.
+- ``restart()`` stops, deletes every socket in the directory and serves a new ``kubelet.sock``;
+  like a kubelet process that dies, a stopped emulator records nothing more, not even from a
+  Register call that was in flight when it stopped (gRPC cancels the call at once, but its
+  Python handler runs on to the end).
 
 Usage::
 
@@ -84,8 +87,18 @@ class _Plugin:
 class KubeletEmulator:
     """The kubelet's device manager, for tests. Thread-safe; usable as a context manager."""
 
-    def __init__(self, plugin_dir: Path | str, *, call_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path | str,
+        *,
+        call_timeout: float = 5.0,
+        before_answer: Callable[[Registration], None] | None = None,
+    ) -> None:
+        """``before_answer`` runs in the Register handler once the registration is recorded
+        and its stream open, before the answer goes out: a test can restart the kubelet
+        there, as a real one may restart at that instant."""
         self.plugin_dir = Path(plugin_dir)
+        self.before_answer = before_answer
         self.socket_path = self.plugin_dir / KUBELET_SOCKET_NAME
         self.call_timeout = call_timeout
         self._cond = threading.Condition()
@@ -95,6 +108,8 @@ class KubeletEmulator:
         self._streams_opened: dict[str, int] = {}
         self._server: Any = None
         self._executor: ThreadPoolExecutor | None = None
+        # Which serving this is; stop() ends it, so a handler of an earlier one can tell.
+        self._generation = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -103,13 +118,18 @@ class KubeletEmulator:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self._executor = ThreadPoolExecutor(8, thread_name_prefix="kubelet-emu")
         server = grpc.server(self._executor)
-        pb_grpc.add_RegistrationServicer_to_server(_RegistrationService(self), server)  # type: ignore[no-untyped-call]
+        with self._cond:
+            generation = self._generation
+        service = _RegistrationService(self, generation)
+        pb_grpc.add_RegistrationServicer_to_server(service, server)  # type: ignore[no-untyped-call]
         server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._server = server
 
     def stop(self) -> None:
         """Stops serving and drops every plugin connection (their streams end)."""
+        with self._cond:
+            self._generation += 1
         server, self._server = self._server, None
         if server is not None:
             server.stop(0).wait(5.0)
@@ -300,25 +320,32 @@ class KubeletEmulator:
             raise LookupError(f"no plugin registered for {resource_name}")
         return plugin.stub
 
-    def _reject(self, context: Any, code: Any, why: str) -> NoReturn:
+    def _reject(self, context: Any, code: Any, why: str, generation: int | None) -> NoReturn:
         with self._cond:
-            self._rejected.append(why)
+            # A stopped kubelet's late handler (see register) records nothing.
+            if generation is None or generation == self._generation:
+                self._rejected.append(why)
         context.abort(code, why)
         raise AssertionError("context.abort returned")  # it raises; this is for readers
 
-    def register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
-        """The Registration.Register handler."""
+    def register(
+        self, request: pb.RegisterRequest, context: Any, generation: int | None = None
+    ) -> pb.Empty:
+        """The Registration.Register handler; ``generation``: the serving it came in on
+        (None: the current one)."""
         if request.version != VERSION:
             self._reject(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unsupported API version {request.version!r}, want {VERSION!r}",
+                generation,
             )
         if not _RESOURCE_NAME.match(request.resource_name):
             self._reject(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"invalid extended resource name {request.resource_name!r}",
+                generation,
             )
         endpoint = self.plugin_dir / request.endpoint
         if "/" in request.endpoint or not _is_socket(endpoint):
@@ -326,6 +353,7 @@ class KubeletEmulator:
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"endpoint {request.endpoint!r} is not a socket in {self.plugin_dir}",
+                generation,
             )
         channel = grpc.insecure_channel(f"unix://{endpoint}")
         stub = pb_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
@@ -338,6 +366,7 @@ class KubeletEmulator:
                 context,
                 grpc.StatusCode.UNAVAILABLE,
                 f"GetDevicePluginOptions on {request.endpoint} failed: {err.code().name}",
+                generation,
             )
         registration = Registration(
             version=request.version,
@@ -348,21 +377,32 @@ class KubeletEmulator:
             at=time.time(),
         )
         plugin = _Plugin(registration=registration, channel=channel, stub=stub)
+        old: _Plugin | None = None
         with self._cond:
-            old = self._plugins.get(request.resource_name)
-            self._plugins[request.resource_name] = plugin
-            self._registrations.append(registration)
-            self._streams_opened[request.resource_name] = (
-                self._streams_opened.get(request.resource_name, 0) + 1
-            )
-            plugin.stream = stub.ListAndWatch(pb.Empty())
-            self._cond.notify_all()
+            gone = generation is not None and generation != self._generation
+            if not gone:
+                old = self._plugins.get(request.resource_name)
+                self._plugins[request.resource_name] = plugin
+                self._registrations.append(registration)
+                self._streams_opened[request.resource_name] = (
+                    self._streams_opened.get(request.resource_name, 0) + 1
+                )
+                plugin.stream = stub.ListAndWatch(pb.Empty())
+                self._cond.notify_all()
+        if gone:
+            # The kubelet this call came to has stopped (its answer was already cancelled):
+            # a dead kubelet records nothing and opens no stream.
+            channel.close()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet stopped")
+            raise AssertionError("context.abort returned")  # it raises; this is for readers
         if old is not None:
             self._close(old)
         plugin.thread = threading.Thread(
             target=self._watch, args=(plugin,), name="kubelet-emu-law", daemon=True
         )
         plugin.thread.start()
+        if self.before_answer is not None:
+            self.before_answer(registration)
         return pb.Empty()
 
     def _watch(self, plugin: _Plugin) -> None:
@@ -389,11 +429,12 @@ class KubeletEmulator:
 
 
 class _RegistrationService(pb_grpc.RegistrationServicer):
-    def __init__(self, kubelet: KubeletEmulator) -> None:
+    def __init__(self, kubelet: KubeletEmulator, generation: int) -> None:
         self._kubelet = kubelet
+        self._generation = generation
 
     def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
-        return self._kubelet.register(request, context)
+        return self._kubelet.register(request, context, self._generation)
 
 
 def _is_socket(path: Path) -> bool:

@@ -178,9 +178,10 @@ def _plugin_shim_build_id(kube: Kube, name: str) -> str:
     return out.strip().rpartition("(shim ")[2].rstrip(")")
 
 
-def _alone_and_ready(kube: Kube, old_uid: str, image: str) -> object | None:
+def _alone_and_ready(kube: Kube, gone: set[str], image: str) -> object | None:
+    """The plugin pod once it is the only one, runs ``image``, is ready and none of ``gone``."""
     pods = plugin_pods(kube)
-    if len(pods) != 1 or pods[0].metadata.uid == old_uid:  # type: ignore[attr-defined]
+    if len(pods) != 1 or pods[0].metadata.uid in gone:  # type: ignore[attr-defined]
         return None
     (p,) = pods
     images = {c.image for c in p.spec.containers}  # type: ignore[attr-defined]
@@ -224,7 +225,7 @@ def test_rolling_upgrade_keeps_running_pods_limits(
         )
         new = wait_for(
             "the new plugin pod alone and ready",
-            lambda: _alone_and_ready(kube, old.metadata.uid, NEXT_IMAGE),  # type: ignore[attr-defined]
+            lambda: _alone_and_ready(kube, {old.metadata.uid}, NEXT_IMAGE),  # type: ignore[attr-defined]
             180,
         )
         wait_for(f"{SPLIT} nvidia.com/gpu allocatable",
@@ -261,12 +262,16 @@ def test_rolling_upgrade_keeps_running_pods_limits(
         kube.delete_pods("roll-slice", "roll-dra", "roll-after", "roll-after-dra")
         kube.delete_claims("roll", "roll-after")
         # Back to the tier's image and values for the tests after this one.
-        (last,) = [p for p in plugin_pods(kube) if p.metadata.deletion_timestamp is None]  # type: ignore[attr-defined]
+        other = {
+            p.metadata.uid  # type: ignore[attr-defined]
+            for p in plugin_pods(kube)
+            if {c.image for c in p.spec.containers} != {PLUGIN_IMAGE}  # type: ignore[attr-defined]
+        }
         plugin.install()
-        if {c.image for c in last.spec.containers} != {PLUGIN_IMAGE}:  # type: ignore[attr-defined]
+        if other:
             wait_for(
                 "the tier's plugin image back, alone and ready",
-                lambda: _alone_and_ready(kube, last.metadata.uid, PLUGIN_IMAGE),  # type: ignore[attr-defined]
+                lambda: _alone_and_ready(kube, other, PLUGIN_IMAGE),
                 180,
             )
         wait_plugin_ready(kube, cluster)

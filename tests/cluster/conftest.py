@@ -17,6 +17,7 @@ from deployment import helm as deployment_helm
 
 from .assets import ROOT, Missing, binaries, check_host
 from .cluster import Cluster, start
+from .images import Images
 from .images import build as build_images
 from .kube import Kube, wait_for
 
@@ -43,15 +44,21 @@ def _timing(msg: str) -> None:
 
 
 @pytest.fixture(scope="package")
-def cluster() -> Iterator[Cluster]:
+def images() -> Images:
+    """The tier's images (images.py), built once; a skip naming what the host lacks first."""
     try:
         check_host()
-        bin_dir = binaries()
+        binaries()
     except Missing as exc:
         pytest.skip(str(exc))
-    images = build_images()
-    _timing(f"images built in {images.seconds:.1f}s")
-    c = start(images, bin_dir, gpus=GPUS)
+    built = build_images()
+    _timing(f"images built in {built.seconds:.1f}s")
+    return built
+
+
+@pytest.fixture(scope="package")
+def cluster(images: Images) -> Iterator[Cluster]:
+    c = start(images, binaries(), gpus=GPUS)
     _timing(f"cluster up in {c.bring_up_seconds:.1f}s (port {c.port})")
     try:
         yield c

@@ -5,17 +5,23 @@
   dependency wheels (``pip wheel`` of this checkout with its ``dra`` extra), installed offline
   into the root filesystem's dist-packages. It is the plugin's image as the chart runs it, and
   the workload pods' image (python3 over simgpu's libcuda through ctypes).
+- ``vgpu-plugin:cluster-test-next``: the same layers plus one small layer holding a second
+  build of the shim (``libvgpu.so``, built by native/'s CMake with another ELF build id, so a
+  different file with a different install-shim version): the "new shim version" a rolling
+  upgrade of the DaemonSet installs beside the old one. Both tags are in one archive, which
+  holds the shared layers once.
 - ``registry.k8s.io/pause:3.10``: a static ``pause`` (a few lines of C), containerd's pinned
   sandbox image.
 
 Each is written as a docker-archive tarball (``ctr images import`` reads it). Layers are cached:
-the base rootfs once, the wheel layer per content hash of src/, native/, pyproject.toml and this
-recipe.
+the base rootfs once, the wheel layer and the second shim's layer per content hash of src/,
+native/, pyproject.toml and this recipe.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -28,8 +34,11 @@ from pathlib import Path
 from .assets import CACHE, ROOT
 
 PLUGIN_IMAGE = "vgpu-plugin:cluster-test"
+NEXT_TAG = "cluster-test-next"
+NEXT_IMAGE = f"vgpu-plugin:{NEXT_TAG}"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 SITE = "usr/lib/python3/dist-packages"
+SHIM = f"{SITE}/vgpu_plugin/_native/lib/libvgpu.so"
 PAUSE_C = r"""
 #include <signal.h>
 #include <sys/wait.h>
@@ -50,6 +59,8 @@ class Images:
     tarballs: tuple[Path, ...]
     native_dir: Path  # the wheel's vgpu_plugin/_native: simgpu's libraries for the node
     seconds: float  # build time of this call (cached parts are cheap)
+    shim: Path  # the shim PLUGIN_IMAGE ships
+    next_shim: Path  # the other build of it, NEXT_IMAGE's
 
 
 def _run(cmd: list[str], **kw: object) -> None:
@@ -161,6 +172,41 @@ def _app_layer(layers: Path) -> tuple[Path, Path]:
     return layer, native
 
 
+def _next_shim_layer(layers: Path, key: str) -> tuple[Path, Path]:
+    """A layer that replaces the image's shim with a second build of the same source: native/'s
+    CMake as the wheel runs it, the linker given another ELF build id (derived from ``key``, so
+    a cached layer stays valid). Only the ``vgpu`` target: seconds, once per source hash."""
+    stage = layers / f"shim-next-{key}"
+    layer = layers / f"shim-next-{key}.tar"
+    shim = stage / SHIM
+    if layer.exists() and shim.is_file():
+        return layer, shim
+    work = layers / f"shim-next-{key}.build"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(stage, ignore_errors=True)
+    build_id = hashlib.sha1(f"{NEXT_IMAGE} {key}".encode()).hexdigest()
+    _run(
+        [
+            "cmake",
+            "-S",
+            str(ROOT / "native"),
+            "-B",
+            str(work),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DVGPU_BUILD_TESTS=OFF",
+            "-DVGPU_BUILD_SIMGPU=OFF",
+            f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--build-id=0x{build_id}",
+        ]
+    )
+    _run(["cmake", "--build", str(work), "--target", "vgpu"])
+    shim.parent.mkdir(parents=True)
+    shutil.copy2(work / "lib" / "libvgpu.so", shim)
+    shim.chmod(0o755)
+    shutil.rmtree(work, ignore_errors=True)
+    _layer_from_dir(stage, layer)
+    return layer, shim
+
+
 def _pause_layer(layers: Path) -> Path:
     layer = layers / "pause.tar"
     if layer.exists():
@@ -176,36 +222,43 @@ def _pause_layer(layers: Path) -> Path:
 
 
 def _docker_archive(
-    out: Path, tag: str, layers: list[Path], cmd: list[str], env: list[str]
+    out: Path, images: list[tuple[str, list[Path]]], cmd: list[str], env: list[str]
 ) -> None:
-    """One image as `docker save` writes it: manifest.json, the config, one tar per layer."""
-    diff_ids = [_sha256(layer) for layer in layers]
-    config = json.dumps(
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Env": env, "Cmd": cmd, "WorkingDir": "/"},
-            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{d}" for d in diff_ids]},
-        }
-    ).encode()
-    config_name = hashlib.sha256(config).hexdigest() + ".json"
-    manifest = json.dumps(
-        [
+    """Images as `docker save` writes them: manifest.json (one entry per tag), a config per
+    image, one tar per layer, stored once however many images share it."""
+    diff_ids = {layer: _sha256(layer) for _, layers in images for layer in layers}
+    configs: dict[str, bytes] = {}
+    entries = []
+    for tag, layers in images:
+        config = json.dumps(
+            {
+                "architecture": "amd64",
+                "os": "linux",
+                "config": {"Env": env, "Cmd": cmd, "WorkingDir": "/"},
+                "rootfs": {
+                    "type": "layers",
+                    "diff_ids": [f"sha256:{diff_ids[layer]}" for layer in layers],
+                },
+            }
+        ).encode()
+        config_name = hashlib.sha256(config).hexdigest() + ".json"
+        configs[config_name] = config
+        entries.append(
             {
                 "Config": config_name,
                 "RepoTags": [tag],
-                "Layers": [f"{d}/layer.tar" for d in diff_ids],
+                "Layers": [f"{diff_ids[layer]}/layer.tar" for layer in layers],
             }
-        ]
-    ).encode()
+        )
     tmp = out.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
-        for d, layer in zip(diff_ids, layers, strict=True):
+        for layer, d in diff_ids.items():
             tar.add(layer, arcname=f"{d}/layer.tar")
-        for name, data in ((config_name, config), ("manifest.json", manifest)):
+        files = [*configs.items(), ("manifest.json", json.dumps(entries).encode())]
+        for name, data in files:
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            tar.addfile(info, __import__("io").BytesIO(data))
+            tar.addfile(info, io.BytesIO(data))
     tmp.rename(out)
 
 
@@ -218,19 +271,29 @@ def build() -> Images:
         _layer_from_dir(base_rootfs(), base.with_suffix(".tmp"))
         base.with_suffix(".tmp").rename(base)
     app, native = _app_layer(layers)
+    key = app.stem.removeprefix("app-")
+    next_layer, next_shim = _next_shim_layer(layers, key)
     pause = _pause_layer(layers)
     images = CACHE / "images"
     images.mkdir(exist_ok=True)
-    plugin_tar = images / f"plugin-{app.stem}.tar"
+    plugin_tar = images / f"plugin-{app.stem}-next.tar"
     if not plugin_tar.exists():
         for old in images.glob("plugin-*.tar"):
             old.unlink()
         path = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-        _docker_archive(plugin_tar, PLUGIN_IMAGE, [base, app], ["/bin/sh"], [path])
+        plugin = [(PLUGIN_IMAGE, [base, app]), (NEXT_IMAGE, [base, app, next_layer])]
+        _docker_archive(plugin_tar, plugin, ["/bin/sh"], [path])
     pause_tar = images / "pause.tar"
     if not pause_tar.exists():
-        _docker_archive(pause_tar, PAUSE_IMAGE, [pause], ["/pause"], [])
-    for old in layers.glob("app-*"):
-        if old.name not in (app.name, app.stem):
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-    return Images((pause_tar, plugin_tar), native, time.monotonic() - t0)
+        _docker_archive(pause_tar, [(PAUSE_IMAGE, [pause])], ["/pause"], [])
+    for pattern in ("app-*", "shim-next-*"):
+        for old in layers.glob(pattern):
+            if key not in old.name:
+                shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    return Images(
+        (pause_tar, plugin_tar),
+        native,
+        time.monotonic() - t0,
+        shim=native / "lib" / "libvgpu.so",
+        next_shim=next_shim,
+    )

@@ -1,15 +1,21 @@
 """Lifecycle on a real cluster: what a deleted pod leaves, a kubelet restart, the plugin's pod
-replaced, and the chart uninstalled (last: it removes the plugin; the `plugin` fixture
-installs it again for any test after it)."""
+replaced, a rolling upgrade to a new shim build, and the chart uninstalled (last: it removes
+the plugin; the `plugin` fixture installs it again for any test after it)."""
 
 from __future__ import annotations
 
+import hashlib
+import sys
 import time
+from pathlib import Path
+
+from vgpu_plugin.node.host.install import content_version
 
 from .cluster import Cluster
 from .conftest import (
     CDI_DIR,
     GRACE,
+    HOST_ROOT,
     PLUGIN_NS,
     SPLIT,
     Helm,
@@ -17,7 +23,9 @@ from .conftest import (
     plugin_pods,
     ready_plugin_pods,
     upgrade,
+    wait_plugin_ready,
 )
+from .images import NEXT_IMAGE, NEXT_TAG, PLUGIN_IMAGE, Images
 from .kube import Kube, claim, pod, wait_for
 
 SLICE_MIB = 16 * 1024 // SPLIT
@@ -158,40 +166,86 @@ def test_split_hot_reload(cluster: Cluster, kube: Kube, plugin: Helm) -> None:
                  lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT), 180)  # fmt: skip
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _plugin_shim_build_id(kube: Kube, name: str) -> str:
+    """The shim build id a plugin pod hands out (``vgpu-plugin --version``, which
+    vgpu_build_info's shim_build_id also reports)."""
+    out = kube.exec(name, ["vgpu-plugin", "--version"], container="vgpu-plugin",
+                    namespace=PLUGIN_NS)  # fmt: skip
+    return out.strip().rpartition("(shim ")[2].rstrip(")")
+
+
+def _alone_and_ready(kube: Kube, gone: set[str], image: str) -> object | None:
+    """The plugin pod once it is the only one, runs ``image``, is ready and none of ``gone``."""
+    pods = plugin_pods(kube)
+    if len(pods) != 1 or pods[0].metadata.uid in gone:  # type: ignore[attr-defined]
+        return None
+    (p,) = pods
+    images = {c.image for c in p.spec.containers}  # type: ignore[attr-defined]
+    return p if images == {image} and ready_plugin_pods(kube) else None
+
+
 def test_rolling_upgrade_keeps_running_pods_limits(
-    cluster: Cluster, kube: Kube, plugin: Helm
+    cluster: Cluster, kube: Kube, plugin: Helm, images: Images
 ) -> None:
-    """helm upgrade with a changed pod template, new pod before the old one stops (surge):
-    running workloads keep their limits, and both front ends serve from the new pod after the
-    old one stopped (its stop does not take the new pod's sockets)."""
+    """helm upgrade to an image with a new shim build, the new plugin pod before the old one
+    stops (surge). Running workloads keep their limits and the old shim's very file (the inode
+    their processes map, unchanged content: install-shim puts the new build beside it); pods
+    started after get the new build; both front ends serve from the new pod after the old one
+    stopped (its stop does not take the new pod's sockets). Then back to the tier's image."""
+    t0 = time.monotonic()
+    old_id, new_id = (content_version(s.read_bytes()) for s in (images.shim, images.next_shim))
+    old_sha, new_sha = _sha256(images.shim), _sha256(images.next_shim)
+    assert old_id != new_id, "the next image's shim is the same build"
     kube.create_pod(pod("roll-slice", PROBE_AND_HOLD, limits={"nvidia.com/gpu": "1"}))
     kube.create_claim(claim("roll", "2Gi", "10"))
     kube.create_pod(pod("roll-dra", PROBE_AND_HOLD,
                         claims=[{"name": "gpu", "resourceClaimName": "roll"}]))  # fmt: skip
     try:
-        wait_for("the slice workload's probe", lambda: kube.probed("roll-slice"), 120)
-        wait_for("the claim workload's probe", lambda: kube.probed("roll-dra"), 120)
+        held = {
+            "roll-slice": wait_for(
+                "the slice workload's probe", lambda: kube.probed("roll-slice"), 120
+            ),
+            "roll-dra": wait_for(
+                "the claim workload's probe", lambda: kube.probed("roll-dra"), 120
+            ),
+        }
+        for name, result in held.items():
+            assert result["shim"]["sha256"] == old_sha, (name, result, old_id)
         (old,) = plugin_pods(kube)
+        assert _plugin_shim_build_id(kube, old.metadata.name) == old_id  # type: ignore[attr-defined]
         upgrade(
             plugin,
-            f"podAnnotations.vgpu-test/rollout=r{time.time_ns()}",
+            f"image.tag={NEXT_TAG}",
             "updateStrategy.rollingUpdate.maxSurge=1",
             "updateStrategy.rollingUpdate.maxUnavailable=0",
         )
-        old_uid = old.metadata.uid  # type: ignore[attr-defined]
-        wait_for(
+        new = wait_for(
             "the new plugin pod alone and ready",
-            lambda: (
-                [p.metadata.uid for p in plugin_pods(kube)] != [old_uid]
-                and len(plugin_pods(kube)) == 1
-                and ready_plugin_pods(kube)
-            ),
+            lambda: _alone_and_ready(kube, {old.metadata.uid}, NEXT_IMAGE),  # type: ignore[attr-defined]
             180,
         )
         wait_for(f"{SPLIT} nvidia.com/gpu allocatable",
                  lambda: kube.allocatable("nvidia.com/gpu") == str(SPLIT), 120)  # fmt: skip
-        assert kube.probe_in("roll-slice")["total_mib"] == SLICE_MIB
-        assert kube.probe_in("roll-dra")["total_mib"] == 2 * 1024
+        wait_for("the driver's ResourceSlice", kube.resource_slices, 120)
+        assert _plugin_shim_build_id(kube, new.metadata.name) == new_id  # type: ignore[attr-defined]
+        # The new build landed beside the old one, which is the very file the running
+        # processes map (same inode), its content unchanged.
+        lib = cluster.node_path(f"{HOST_ROOT}/lib")
+        old_file, new_file = lib / f"libvgpu.so.{old_id}", lib / f"libvgpu.so.{new_id}"
+        assert _sha256(new_file) == new_sha
+        assert _sha256(old_file) == old_sha
+        for name, result in held.items():
+            assert result["shim"]["inode"] == old_file.stat().st_ino, (name, result)
+            # A new CUDA process in a running pod: its limits, and still the old shim.
+            again = kube.probe_in(name)
+            assert again["total_mib"] == result["total_mib"], (name, again)
+            assert again["shim"] == result["shim"], (name, again)
+        assert held["roll-slice"]["total_mib"] == SLICE_MIB
+        assert held["roll-dra"]["total_mib"] == 2 * 1024
         kube.create_claim(claim("roll-after", "3Gi", "10"))
         after = [{"name": "gpu", "resourceClaimName": "roll-after"}]
         kube.create_pod(pod("roll-after-dra", 'exec python3 -c "$PROBE"', claims=after))
@@ -201,9 +255,29 @@ def test_rolling_upgrade_keeps_running_pods_limits(
         one = wait_for("a slice from the new pod", lambda: kube.finished("roll-after"))
         assert dra["total_mib"] == 3 * 1024, dra
         assert one["total_mib"] == SLICE_MIB, one
+        for result in (dra, one):
+            assert result["shim"]["sha256"] == new_sha, (result, new_id)
+            assert result["shim"]["inode"] == new_file.stat().st_ino, result
     finally:
         kube.delete_pods("roll-slice", "roll-dra", "roll-after", "roll-after-dra")
         kube.delete_claims("roll", "roll-after")
+        # Back to the tier's image and values for the tests after this one.
+        other = {
+            p.metadata.uid  # type: ignore[attr-defined]
+            for p in plugin_pods(kube)
+            if {c.image for c in p.spec.containers} != {PLUGIN_IMAGE}  # type: ignore[attr-defined]
+        }
+        plugin.install()
+        if other:
+            wait_for(
+                "the tier's plugin image back, alone and ready",
+                lambda: _alone_and_ready(kube, other, PLUGIN_IMAGE),
+                180,
+            )
+        wait_plugin_ready(kube, cluster)
+        sys.stderr.write(
+            f"\n[cluster tier] rolling upgrade scenario {time.monotonic() - t0:.1f}s\n"
+        )
 
 
 def test_uninstall_leaves_no_gpus_behind(cluster: Cluster, kube: Kube, plugin: Helm) -> None:

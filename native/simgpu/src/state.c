@@ -380,8 +380,9 @@ uint64_t simgpu_timeslice_ns(void) {
 
 /* Time-slicing (SIMGPU_TIMESLICE, README "Time-slicing"): each context has a lane, the time
  * its queued work on this GPU ends. A kernel runs after its context's earlier work, and while
- * other contexts have work queued the GPU turns between them round-robin: the kernel runs one
- * slice, each of the busy others one slice (or what is left of its work), and so on; once the
+ * other contexts have work queued the GPU turns between them round-robin: the context runs
+ * one slice (a kernel queued right behind the previous one goes on in the same slice), then
+ * each of the busy others one slice (or what is left of its work), and so on; once the
  * others' work is done it runs to its end. The others' completion times were handed out when
  * they queued, so their work is not moved back; what this kernel ran in their turns is added
  * to their lanes instead (split evenly), and their next work starts that much later. So the
@@ -397,12 +398,15 @@ static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, u
     }
     if (!own) {
         own = spare; /* every lane busy: the least busy one's context is forgotten */
-        own->owner = owner;
-        own->end_ns = 0;
+        *own = (struct simgpu_lane){.owner = owner};
     }
     uint64_t push[SIMGPU_LANES] = {0};
     uint64_t t = ready > own->end_ns ? ready : own->end_ns, left = dur;
-    while (left > 0) {
+    uint64_t budget = slice; /* of the context's current slice */
+    if (t == own->end_ns && own->slice_left) budget = own->slice_left; /* right behind: same slice */
+    else if (t < own->next_ns) t = own->next_ns;                        /* after the others' turn */
+    uint64_t next = 0;
+    for (;;) {
         unsigned char busy[SIMGPU_LANES];
         uint64_t nbusy = 0;
         for (int i = 0; i < SIMGPU_LANES; i++) {
@@ -410,20 +414,39 @@ static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, u
             busy[i] = l != own && l->owner && l->end_ns + push[i] > t;
             nbusy += busy[i];
         }
-        uint64_t run = nbusy == 0 || left < slice ? left : slice;
+        if (nbusy == 0) { /* nobody else: to its end */
+            busy_add_locked(g, pid, t, t + left);
+            t += left;
+            budget = 0;
+            next = t;
+            break;
+        }
+        uint64_t run = left < budget ? left : budget;
         busy_add_locked(g, pid, t, t + run);
         t += run;
         left -= run;
-        if (nbusy == 0) break;
+        budget -= run;
         for (int i = 0; i < SIMGPU_LANES; i++) /* its slice delayed the busy others' work */
             if (busy[i]) push[i] += run / nbusy;
-        if (left == 0) break;
-        for (int i = 0; i < SIMGPU_LANES; i++) { /* then each of them runs a slice */
-            uint64_t end = g->lanes[i].end_ns + push[i];
-            if (busy[i] && end > t) t += end - t < slice ? end - t : slice;
+        if (budget > 0) { /* done within its slice */
+            next = t;
+            break;
         }
+        uint64_t turn = t; /* then each of the busy others runs a slice */
+        for (int i = 0; i < SIMGPU_LANES; i++) {
+            uint64_t end = g->lanes[i].end_ns + push[i];
+            if (busy[i] && end > turn) turn += end - turn < slice ? end - turn : slice;
+        }
+        if (left == 0) { /* done at its slice's end: its next work waits for their turn */
+            next = turn;
+            break;
+        }
+        t = turn;
+        budget = slice;
     }
     own->end_ns = t;
+    own->next_ns = next;
+    own->slice_left = budget;
     uint64_t latest = t;
     for (int i = 0; i < SIMGPU_LANES; i++) {
         struct simgpu_lane *l = &g->lanes[i];

@@ -42,8 +42,10 @@ struct simgpu_busy_span {
 
 /* Time-slicing (SIMGPU_TIMESLICE): a context's queued work on one GPU ends at end_ns. */
 struct simgpu_lane {
-    uint64_t owner; /* the context's timeline name; 0: free */
-    uint64_t end_ns;
+    uint64_t owner;      /* the context's timeline name; 0: free */
+    uint64_t end_ns;     /* its queued work ends */
+    uint64_t next_ns;    /* its next work may start (the others' turn after its last slice) */
+    uint64_t slice_left; /* of the slice its work ended in, for work queued right behind */
 };
 
 struct simgpu_xid_record {

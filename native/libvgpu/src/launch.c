@@ -107,13 +107,17 @@ static int64_t settle_charge(struct vgpu_dev *d, uint64_t key, int64_t ns) {
     __typeof__(g.est[0]) *e = &g.est[key % EST];
     if (e->key != key) {
         e->key = key;
-        e->solo = ns;
-        ns = vgpu_pace_gpu_time(d, ns, ns);
-        e->ns = ns;
+        e->ns = e->solo = ns; /* its first measure: its floor, and charged whole */
     } else {
-        /* The floor drifts up slowly, so a kernel that really got slower is followed. */
-        e->solo = ns < e->solo ? ns : e->solo + (ns - e->solo) / 1024;
-        ns = vgpu_pace_gpu_time(d, ns, e->solo);
+        if (ns < e->solo) {
+            e->solo = ns;
+        } else if (UNLIKELY(__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED))) {
+            /* Peers with work queued (guaranteed devices only know them): the floor drifts up
+             * slowly, so a kernel that really got slower is followed, and the charge is its
+             * share of the GPU. */
+            e->solo += (ns - e->solo) / 1024;
+            ns = vgpu_pace_gpu_time(d, ns, e->solo);
+        }
         e->ns += (ns - e->ns) / 4;
     }
     g.last_ns = ns;

@@ -13,10 +13,13 @@
  * behind other containers' work is not in the bracket. What can be in it is this process's own
  * work on other streams of the context, which a GPU runs concurrently: brackets that overlap
  * would count the same wall time twice, so each bracket is charged only for the part of it
- * that the previous one (the one ending latest so far, per context) does not cover. Every
- * bracket is charged as measured: a kernel's run time may vary from one launch to the next, and
- * no per-kernel guess can tell a slow launch from waiting. The per-kernel estimate (same
- * function or graph, same grid and block; a running mean) is only the cost taken up front. */
+ * that the previous one (the one ending latest so far, per context) does not cover. A bracket
+ * is charged as measured (a kernel's run time may vary from one launch to the next, and no
+ * per-kernel guess can tell a slow launch from waiting), except that a kernel longer than a
+ * time slice also holds the slices other contexts ran meanwhile: with a guarantee, while
+ * peers have work queued, it is charged its share of the GPU, never less than the least it
+ * was measured at (pace.c, vgpu_pace_gpu_time). The per-kernel estimate (same function or
+ * graph, same grid and block; a running mean) is only the cost taken up front. */
 #include <string.h>
 
 #include "shim.h"

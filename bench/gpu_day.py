@@ -641,11 +641,16 @@ def noisy_neighbour_guaranteed(day: Day) -> str:
     day.start(guaranteed(day, "gbusy", "75", "100"), day.worker_args("spin", Spin.n, "30", "1"))
     beside = day.worker(victim, "spin", Spin.n, "4", "0", timeout=90)
     slow = beside["median_ms"] / alone["median_ms"] - 1
+    # The lender alone has the whole GPU: the victim's rate beside B over it is its share of
+    # the GPU, which its guarantee says is 25 % (15 % before kernels were charged their share
+    # of a time-sliced GPU, docs/compute.md).
+    share = beside["rate"] / lender["rate"] if lender["rate"] else 0.0
     return (
         f"25 % guaranteed (cap 25) container's kernel latency {alone['median_ms']:.2f} ms alone, "
         f"{beside['median_ms']:.2f} ms beside a busy 75 %-guaranteed one: {slow * 100:+.1f} % "
-        f"(throughput {alone['rate']:.1f} -> {beside['rate']:.1f} kernels/s); lending: a 25 % "
-        f"guarantee with no cap, alone, ran {lender['rate']:.1f} kernels/s"
+        f"(throughput {alone['rate']:.1f} -> {beside['rate']:.1f} kernels/s: {share * 100:.1f} % "
+        f"of the GPU, guaranteed 25 %); lending: a 25 % guarantee with no cap, alone, ran "
+        f"{lender['rate']:.1f} kernels/s"
     )
 
 

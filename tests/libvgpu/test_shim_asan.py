@@ -140,6 +140,13 @@ def test_guaranteed_launches(asan_tree: Path, tmp_path: Path) -> None:
     )
 
 
+# Time-slicing: the peers' queued work read and each kernel charged its share of the GPU.
+def test_guaranteed_launches_time_sliced(asan_tree: Path, tmp_path: Path) -> None:
+    guarantee.test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
+        asan_tree, tmp_path
+    )
+
+
 # The invariant's paths (pools, contexts every way, graphs, NVML process lists, lock files).
 def test_pool_then_another_path(asan: Shim) -> None:
     invariant.test_a_pool_that_keeps_its_cache_then_another_path_stays_within_the_limit(asan)

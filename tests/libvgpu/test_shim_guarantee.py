@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from test_shim_compute import MS, all_running, shares, shim_on, timeline
 from test_shim_helpers import Shim, finish
 
@@ -30,8 +31,17 @@ KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whol
 IN_FLIGHT = 8
 
 
-def container(shim: Shim, name: str, request: int, cap: int = 100) -> dict[str, str]:
+# simgpu time-slicing contexts as a real GPU does (native/simgpu/README.md): a kernel's
+# duration stretches by the neighbours' slices run meanwhile.
+TIMESLICE = "2ms"
+
+
+def container(
+    shim: Shim, name: str, request: int, cap: int = 100, timeslice: str = ""
+) -> dict[str, str]:
     env = shim.env({"CUDA_DEVICE_SM_LIMIT": str(cap), "CUDA_DEVICE_SM_REQUEST": str(request)})
+    if timeslice:
+        env["SIMGPU_TIMESLICE"] = timeslice
     (shim.tmp / name).mkdir(exist_ok=True)
     env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(shim.tmp / name / "r.cache")
     env["VGPU_COMPUTE_PEERS"] = str(shim.tmp)
@@ -48,11 +58,25 @@ def finish_all(procs: list[subprocess.Popen[str]]) -> None:
         assert r.rc == 0, r.stderr
 
 
-def test_all_busy_each_gets_its_guarantee(native_tree: Path, tmp_path: Path) -> None:
+def median_share(shim: Shim, pids: list[int], a: int, b: int) -> float:
+    """The pids' GPU time together, in percent, per 250 ms of [a, b]: the median, so that a
+    host that starves the launchers for a while (the GPU idles: nobody's doing) does not
+    decide it."""
+    step = 250 * MS
+    got = sorted(sum(shares(shim.node, pids, t, t + step)) for t in range(a, b - step + 1, step))
+    return got[len(got) // 2]
+
+
+@pytest.mark.parametrize("timeslice", ["", TIMESLICE], ids=["one-at-a-time", "time-sliced"])
+def test_all_busy_each_gets_its_guarantee(
+    native_tree: Path, tmp_path: Path, timeslice: str
+) -> None:
     """A 4-way split: A holds 2 slices (50 %), B and C one each (25 %); all busy."""
     shim = shim_on(native_tree, tmp_path, 1)
     t0 = time.monotonic_ns()
-    envs = [container(shim, n, r) for n, r in (("a", 50), ("b", 25), ("c", 25))]
+    envs = [
+        container(shim, n, r, timeslice=timeslice) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
     procs = [run(shim, e, 6) for e in envs]
     finish_all(procs)
     pids = [p.pid for p in procs]
@@ -63,13 +87,18 @@ def test_all_busy_each_gets_its_guarantee(native_tree: Path, tmp_path: Path) -> 
     total = sum(got)
     split = [100 * g / total for g in got]  # of the GPU's busy time: host stalls idle it
     assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
+    # and the GPU is not left idle (time-sliced and charged whole brackets: 80 %)
+    assert median_share(shim, pids, a, b) >= 95.0, got
 
 
-def test_idle_guarantees_are_lent_to_the_busy(native_tree: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("timeslice", ["", TIMESLICE], ids=["one-at-a-time", "time-sliced"])
+def test_idle_guarantees_are_lent_to_the_busy(
+    native_tree: Path, tmp_path: Path, timeslice: str
+) -> None:
     """Four containers of 25 %; C and D ran a moment and went idle: A and B, busy, use the
     whole GPU between them."""
     shim = shim_on(native_tree, tmp_path, 1)
-    envs = [container(shim, n, 25) for n in "abcd"]
+    envs = [container(shim, n, 25, timeslice=timeslice) for n in "abcd"]
     finish_all([run(shim, e, 1) for e in envs[2:]])
     t0 = time.monotonic_ns()
     procs = [run(shim, e, 5) for e in envs[:2]]
@@ -79,7 +108,7 @@ def test_idle_guarantees_are_lent_to_the_busy(native_tree: Path, tmp_path: Path)
     a, b = a + 500 * MS, b - 300 * MS
     assert b - a >= 1500 * MS, (a, b)
     got = shares(shim.node, pids, a, b)
-    assert sum(got) >= 95.0, got
+    assert median_share(shim, pids, a, b) >= 95.0, got
 
 
 def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
@@ -106,11 +135,39 @@ def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
 
     # C's GPU time from its first kernel on is its guarantee's (its first kernels, charged
     # before any was measured, run ahead for ~50 ms and are paid back over the next ~100 ms:
-    # over a second that evens out).
+    # over a second that evens out). Not on a time-sliced GPU: there its first kernels are
+    # measured stretched by A's and B's slices before it has seen one run alone (the floor
+    # of its charge, launch.c), and it is charged too much until it has, 0.5 s to over 2 s
+    # (docs/compute.md, Status): not asserted, since how soon is up to the host.
     assert split(c0, c0 + 1000 * MS)[2] >= 23.0, split(c0, c0 + 1000 * MS)
     # (That A is back to its 50 % from then on is seen on an idle host, but not asserted: when
     # the host starves A's launcher, the time A does not ask for is rightly lent to B and C,
     # and simgpu's record cannot tell that from A being held back.)
+
+
+def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """The GPU day's noisy neighbour (bench/RESULTS.md, an H200): A guaranteed and capped at
+    25 %, B guaranteed 75 %, both busy, kernels of the two contexts time-sliced. Charged by
+    its kernels' durations, which B's slices stretch, A got 15 % there (and 20 % here: B's
+    are stretched by A's too, and both leave the GPU idle, 85 % used)."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [
+        container(shim, "a", 25, cap=25, timeslice=TIMESLICE),
+        container(shim, "b", 75, timeslice=TIMESLICE),
+    ]
+    t0 = time.monotonic_ns()
+    procs = [run(shim, e, 6) for e in envs]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    got = shares(shim.node, pids, a, b)
+    split = [100 * g / sum(got) for g in got]
+    assert abs(split[0] - 25) <= 2.0, (split, got)
+    assert median_share(shim, pids[:1], a, b) >= 23.0, got  # charged whole brackets: ~20
 
 
 PACE_HEADER = 64

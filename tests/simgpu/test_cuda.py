@@ -283,8 +283,11 @@ def test_a_busy_process_reads_as_full_utilization(simgpu_node: Node, native_bin:
     assert 290 <= int(out["completed"]) <= 300  # 3 s of 10 ms kernels
 
 
-def test_gpu_time_is_shared_by_the_processes_of_a_gpu(simgpu_node: Node, native_bin: Path) -> None:
-    env = simgpu_node.env()
+@pytest.mark.parametrize("timeslice", ["", "2ms"], ids=["one-at-a-time", "time-sliced"])
+def test_gpu_time_is_shared_by_the_processes_of_a_gpu(
+    simgpu_node: Node, native_bin: Path, timeslice: str
+) -> None:
+    env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": timeslice}
     procs = [start(native_bin, env, "cuda_workload", str(gpu), "10000", "1.5") for gpu in (0, 0, 1)]
     done = [int(finish(p)["completed"]) for p in procs]
     alone = 150  # what one process completes on a GPU of its own in 1.5 s
@@ -325,6 +328,35 @@ def test_an_event_waits_for_the_gpu_to_turn_to_its_context(
     assert 45 <= float(out["start_wall_ms"]) <= 150
     assert float(out["bracket_ms"]) == pytest.approx(10.0, abs=0.05)
     assert int(out["own_stream_query"]) == SUCCESS
+
+
+def test_time_sliced_contexts_stretch_each_others_kernels(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    """SIMGPU_TIMESLICE: the GPU turns between contexts with work every slice, so the event is
+    written at once and the 10 ms kernel beside the other context's 50 ms one takes its own
+    five 2 ms slices and the other's four in between."""
+    env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": "2ms"}
+    out = run(native_bin, env, "cuda_streams", "contexts")
+    assert int(out["start_query"]) == SUCCESS
+    assert float(out["start_wall_ms"]) < 45
+    assert float(out["bracket_ms"]) == pytest.approx(18.0, abs=0.05)
+
+
+def test_a_bad_timeslice_is_named_and_not_time_sliced(simgpu_node: Node, native_bin: Path) -> None:
+    env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": "2 parsecs"}
+    env.pop("SIMGPU_QUIET", None)
+    proc = subprocess.run(
+        [str(native_bin / "cuda_streams"), "contexts"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "SIMGPU_TIMESLICE=2 parsecs is not a duration" in proc.stderr
+    assert float(parse(proc.stdout)["bracket_ms"]) == pytest.approx(10.0, abs=0.05)
 
 
 def test_per_thread_streams_are_independent_and_the_legacy_stream_serialises(

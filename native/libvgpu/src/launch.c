@@ -13,10 +13,13 @@
  * behind other containers' work is not in the bracket. What can be in it is this process's own
  * work on other streams of the context, which a GPU runs concurrently: brackets that overlap
  * would count the same wall time twice, so each bracket is charged only for the part of it
- * that the previous one (the one ending latest so far, per context) does not cover. Every
- * bracket is charged as measured: a kernel's run time may vary from one launch to the next, and
- * no per-kernel guess can tell a slow launch from waiting. The per-kernel estimate (same
- * function or graph, same grid and block; a running mean) is only the cost taken up front. */
+ * that the previous one (the one ending latest so far, per context) does not cover. A bracket
+ * is charged as measured (a kernel's run time may vary from one launch to the next, and no
+ * per-kernel guess can tell a slow launch from waiting), except that a kernel longer than a
+ * time slice also holds the slices other contexts ran meanwhile: with a guarantee, while
+ * peers have work queued, it is charged its share of the GPU, never less than the least it
+ * was measured at (pace.c, vgpu_pace_gpu_time). The per-kernel estimate (same function or
+ * graph, same grid and block; a running mean) is only the cost taken up front. */
 #include <string.h>
 
 #include "shim.h"
@@ -39,7 +42,7 @@ static struct {
     unsigned head, len;
     struct { CUevent e; CUcontext ctx; } pool[POOL];
     int npool;
-    struct { uint64_t key; int64_t ns; } est[EST];
+    struct { uint64_t key; int64_t ns, solo; } est[EST]; /* solo: the least it measured */
     int64_t last_ns; /* the last settled charge: the estimate of a kernel never seen */
     int settled;     /* some launch was settled: last_ns means something */
     /* Per context, the settled bracket that ends latest: its start event (held out of the
@@ -101,13 +104,23 @@ static int overlap_trim(CUcontext ctx, CUevent start, float *ms) {
     return 1;
 }
 
-/* Settle a launch measured at `ns`: that is its charge; the estimate follows it. */
-static int64_t settle_charge(uint64_t key, int64_t ns) {
+/* Settle a launch of device d measured at `ns`: its charge is the GPU time that stands for
+ * (ns itself unless contexts are time-sliced, vgpu_pace_gpu_time); the estimate follows it. */
+static int64_t settle_charge(struct vgpu_dev *d, uint64_t key, int64_t ns) {
     __typeof__(g.est[0]) *e = &g.est[key % EST];
     if (e->key != key) {
         e->key = key;
-        e->ns = ns;
+        e->ns = e->solo = ns; /* its first measure: its floor, and charged whole */
     } else {
+        if (ns < e->solo) {
+            e->solo = ns;
+        } else if (UNLIKELY(__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED))) {
+            /* Peers with work queued (guaranteed devices only know them): the floor drifts up
+             * slowly, so a kernel that really got slower is followed, and the charge is its
+             * share of the GPU. */
+            e->solo += (ns - e->solo) / 1024;
+            ns = vgpu_pace_gpu_time(d, ns, e->solo);
+        }
         e->ns += (ns - e->ns) / 4;
     }
     g.last_ns = ns;
@@ -138,8 +151,9 @@ static void reap(int wait) {
             if (ms < 0) ms = 0;
             held = overlap_trim(p->ctx, p->start, &ms);
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
-            vgpu_pace_add(p->d, p->charged - settle_charge(p->key, measured));
-            vgpu_note_gpu_time(p->d, (uint64_t)measured);
+            int64_t used = settle_charge(p->d, p->key, measured);
+            vgpu_pace_add(p->d, p->charged - used);
+            vgpu_note_gpu_time(p->d, (uint64_t)used);
         }
         if (!held) event_put(p->start, p->ctx);
         event_put(p->end, p->ctx);

@@ -53,7 +53,9 @@ struct vgpu_pace_dev {
     uint32_t request;  /* the container's guarantee in percent, 0 none (its peers read it) */
     uint64_t active_ns; /* CLOCK_MONOTONIC until which it is busy here (see above) */
     uint64_t held_ns;  /* how long its launches waited in all (metrics) */
-    uint64_t reserved1[3];
+    uint64_t gpu_until; /* CLOCK_MONOTONIC until which the work it queued here would run, as
+                         * time-slicing with its busy peers stretches it (peers read it) */
+    uint64_t reserved1[2];
     /* its own cache line: what every launch touches */
     int64_t tokens;    /* ns of GPU time available; negative: debt */
     uint64_t last_ns;  /* CLOCK_MONOTONIC of the last refill; 0: not started */
@@ -71,6 +73,9 @@ struct pace_file {
 
 _Static_assert(sizeof(struct vgpu_pace_dev) == 192, "pace device records are three cache lines");
 _Static_assert(offsetof(struct vgpu_pace_dev, tokens) % 64 == 0, "the bucket starts a line");
+_Static_assert(offsetof(struct vgpu_pace_dev, request) == 84 && offsetof(struct vgpu_pace_dev, active_ns) == 88 &&
+                   offsetof(struct vgpu_pace_dev, held_ns) == 96 && offsetof(struct vgpu_pace_dev, gpu_until) == 104,
+               "the record's layout is a contract (docs/contracts.md)");
 _Static_assert(offsetof(struct pace_file, dev) == 64, "the header is one line");
 
 /* The mapping, made once under vgpu.mu (this file's part of the process state). */
@@ -249,12 +254,14 @@ static void __attribute__((noinline)) rescan(uint64_t now) {
     if (fd >= 0) scan_dir(fd, 0, have_own ? &own : NULL);
 }
 
-/* The sum of the guarantees of the peers busy on GPU `uuid` (g_peers.mu held). A peer's record
- * is the peer's to write: a value out of range counts as none, and one that claims more only
- * lowers what is lent to us, never our guarantee. */
-static int __attribute__((noinline)) busy_peers_percent(const char *uuid, uint64_t now) {
+/* The sum of the guarantees of the peers busy on GPU `uuid` (g_peers.mu held), and in d's
+ * cache until when the work each of them queued runs (time-slicing, vgpu_pace_gpu_time). A
+ * peer's record is the peer's to write: a value out of range counts as none, and one that
+ * claims more only lowers what is lent to us, never our guarantee. */
+static int __attribute__((noinline)) busy_peers_percent(struct vgpu_dev *d, const char *uuid, uint64_t now) {
     static struct pace_file f; /* g_peers.mu held: one buffer, off the stack */
-    int sum = 0;
+    uint64_t until[VGPU_PEER_UNTIL];
+    int sum = 0, nuntil = 0;
     for (int i = 0; i < g_peers.n && sum < 100; i++) {
         if (pread(g_peers.fd[i], &f, sizeof f, 0) != (ssize_t)sizeof f) continue;
         if (memcmp(f.magic, PACE_MAGIC, sizeof f.magic) != 0 || f.version != PACE_VERSION) continue;
@@ -263,12 +270,35 @@ static int __attribute__((noinline)) busy_peers_percent(const char *uuid, uint64
             struct vgpu_pace_dev *p = &f.dev[k];
             p->uuid[sizeof p->uuid - 1] = 0;
             if (strcasecmp(p->uuid, uuid) != 0) continue;
-            if (p->request > 0 && p->request <= 100 && p->active_ns + BUSY_NS > now)
+            if (p->request > 0 && p->request <= 100 && p->active_ns + BUSY_NS > now) {
                 sum += (int)p->request;
+                if (p->gpu_until > now && nuntil < VGPU_PEER_UNTIL) until[nuntil++] = p->gpu_until;
+            }
             break;
         }
     }
+    for (int i = 0; i < nuntil; i++) __atomic_store_n(&d->peer_until[i], until[i], __ATOMIC_RELAXED);
+    __atomic_store_n(&d->npeer_until, nuntil, __ATOMIC_RELEASE);
     return sum < 100 ? sum : 100;
+}
+
+/* Time-slicing: while other contexts have work on the GPU, it turns between them every few
+ * milliseconds, and a kernel's measured duration stretches by what they ran meanwhile. The
+ * GPU time a kernel of `ns` measured (settled now) stands for: as measured when no peer
+ * had work queued during it; else what its share of the GPU gives (ns / (1 + such peers)),
+ * never less than `solo`, the least this kernel was ever measured at. A peer's record can
+ * make our kernels cheaper only down to that floor, the time they take when nobody runs
+ * beside them (security.md); a GPU that runs kernels of contexts one after another (so
+ * nothing stretched them) is never taken for time-slicing (the measure is the floor). */
+int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo) {
+    int n = __atomic_load_n(&d->npeer_until, __ATOMIC_ACQUIRE);
+    if (LIKELY(n == 0) || ns <= solo) return ns;
+    uint64_t now = now_ns();
+    uint64_t from = now > (uint64_t)ns ? now - (uint64_t)ns : 0;
+    int k = 0;
+    for (int i = 0; i < n; i++) k += __atomic_load_n(&d->peer_until[i], __ATOMIC_RELAXED) > from;
+    int64_t share = ns / (1 + k);
+    return share > solo ? share : solo;
 }
 
 /* A guaranteed container's rate now: what its busy peers' guarantees leave, within
@@ -281,9 +311,13 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
      * (peers take us for idle one window after it). */
     uint64_t until = now + queued_ns * 100 / (uint64_t)d->req;
     __atomic_store_n(&d->pace->active_ns, until, __ATOMIC_RELAXED);
+    /* The queued work itself, as long as time-slicing with the peers that have work queued
+     * (last seen) makes it: how long we stretch their kernels. */
+    uint64_t sharing = 1 + (uint64_t)__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED);
+    __atomic_store_n(&d->pace->gpu_until, now + queued_ns * sharing, __ATOMIC_RELAXED);
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
-    int left = 100 - busy_peers_percent(d->uuid, now);
+    int left = 100 - busy_peers_percent(d, d->uuid, now);
     pthread_mutex_unlock(&g_peers.mu);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;

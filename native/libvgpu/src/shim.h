@@ -130,6 +130,8 @@ VGPU_HIDDEN int vgpu_parse_size(const char *s, uint64_t *out);
 
 struct vgpu_pace_dev; /* pace.c */
 
+#define VGPU_PEER_UNTIL 8 /* busy peers whose queued work a kernel's charge allows for */
+
 struct vgpu_dev {
     int ready;                /* resolved (acquire/release) */
     int ordinal;
@@ -147,6 +149,9 @@ struct vgpu_dev {
                                 * which nothing the tenant writes can fill (pace.c) */
     struct vgpu_region *region; /* the attachment its usage is read from (when accounted) */
     char uuid[VGPU_UUID_SIZE];
+    /* guaranteed: until when each busy peer's queued work runs, as last read (pace.c) */
+    int npeer_until;
+    uint64_t peer_until[VGPU_PEER_UNTIL];
 };
 
 /* --- the process ----------------------------------------------------------------------------- */
@@ -368,6 +373,8 @@ VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 /* Credit (ns > 0) or charge (ns < 0) d's budget. */
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
+/* The GPU time a kernel measured at `ns` stands for when contexts are time-sliced (pace.c). */
+VGPU_HIDDEN int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo);
 /* The driver's entry points are loaded: unpaced kernel launches go straight to them. */
 VGPU_HIDDEN void vgpu_launch_loaded(void);
 /* Launches straight to the driver again (1), or through their slow path (0) to be watched. */

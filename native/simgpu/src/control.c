@@ -188,7 +188,7 @@ static int busy_fn(struct simgpu_node *node, int fd, void *arg) {
     q->covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
-        if (sp->end_ns <= q->from_ns) break; /* spans are recorded in time order */
+        if (sp->end_ns <= q->from_ns) continue; /* time-sliced, spans end out of record order */
         uint64_t a = sp->start_ns > q->from_ns ? sp->start_ns : q->from_ns;
         uint64_t b = sp->end_ns < q->to_ns ? sp->end_ns : q->to_ns;
         if (b <= a) continue;

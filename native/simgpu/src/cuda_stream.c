@@ -364,9 +364,11 @@ static CUresult event_record(CUevent e, CUstream h, unsigned int flags, int ptds
          * context has the GPU: contexts time-share it, and a context's commands, timestamps
          * included, run only while it holds it. Here that is after the work other contexts
          * queued before the record (kernels run in submission order); the context's own other
-         * streams do not delay it (a GPU runs them concurrently). */
+         * streams do not delay it (a GPU runs them concurrently). Time-sliced, the context
+         * gets the GPU within a round of slices whatever the others queued: the record is
+         * reached when its stream's work is done (simgpu_timeline_submit). */
         uint64_t t = sim_max64(simgpu_now_ns(), sim_stream_deps(c, s));
-        e->t_ns = sim_max64(t, simgpu_timeline_others_end(c->phys, c->owner));
+        e->t_ns = simgpu_timeslice_ns() ? t : sim_max64(t, simgpu_timeline_others_end(c->phys, c->owner));
         e->recorded = 1;
     }
     sim_unlock();

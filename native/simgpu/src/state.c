@@ -339,11 +339,136 @@ void simgpu_sleep_until(uint64_t t_ns) {
     }
 }
 
+/* Note that `pid`'s work ran on g during [start, end] (node lock). */
+static void busy_add_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t start, uint64_t end) {
+    if (end <= start) return;
+    struct simgpu_busy_span *last = g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
+    if (last && last->end_ns == start && last->pid == pid) {
+        last->end_ns = end; /* back-to-back work: one span keeps the ring short */
+        return;
+    }
+    struct simgpu_busy_span *s = &g->busy[g->busy_count % SIMGPU_BUSY_RING];
+    s->start_ns = start;
+    s->end_ns = end;
+    s->pid = pid;
+    s->reserved = 0;
+    g->busy_count++;
+}
+
+uint64_t simgpu_timeslice_ns(void) {
+    static int64_t slice = -1;
+    int64_t v = __atomic_load_n(&slice, __ATOMIC_RELAXED);
+    if (v >= 0) return (uint64_t)v;
+    const char *e = getenv("SIMGPU_TIMESLICE");
+    v = 0;
+    if (e && *e) {
+        char *end = NULL;
+        double x = strtod(e, &end);
+        double scale = !end || end == e ? -1 : *end == 0 || strcmp(end, "us") == 0 ? 1e3
+                       : strcmp(end, "ns") == 0 ? 1 : strcmp(end, "ms") == 0 ? 1e6 : -1;
+        if (scale < 0 || x < 0 || x * scale > 1e10) {
+            if (getenv("SIMGPU_QUIET") == NULL)
+                fprintf(stderr, "[simgpu] SIMGPU_TIMESLICE=%s is not a duration (e.g. 2ms, 500us, 0): "
+                                "not time-sliced\n", e);
+        } else {
+            v = (int64_t)(x * scale);
+        }
+    }
+    __atomic_store_n(&slice, v, __ATOMIC_RELAXED);
+    return (uint64_t)v;
+}
+
+/* Time-slicing (SIMGPU_TIMESLICE, README "Time-slicing"): each context has a lane, the time
+ * its queued work on this GPU ends. A kernel runs after its context's earlier work, and while
+ * other contexts have work queued the GPU turns between them round-robin: the context runs
+ * one slice (a kernel queued right behind the previous one goes on in the same slice), then
+ * each of the busy others one slice (or what is left of its work), and so on; once the
+ * others' work is done it runs to its end. The others' completion times were handed out when
+ * they queued, so their work is not moved back; what this kernel ran in their turns is added
+ * to their lanes instead (split evenly), and their next work starts that much later. So the
+ * GPU does one GPU's work over a few kernels, and a kernel's duration stretches by what its
+ * neighbours run meanwhile, as on a time-sliced GPU. (node lock) */
+static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t owner, uint64_t ready,
+                                     uint64_t dur, uint64_t slice, uint64_t now) {
+    struct simgpu_lane *own = NULL, *spare = NULL;
+    for (int i = 0; i < SIMGPU_LANES; i++) {
+        struct simgpu_lane *l = &g->lanes[i];
+        if (l->owner == owner) own = l;
+        else if (!spare || l->end_ns < spare->end_ns) spare = l; /* idle (or least busy) lane */
+    }
+    if (!own) {
+        own = spare; /* every lane busy: the least busy one's context is forgotten */
+        *own = (struct simgpu_lane){.owner = owner};
+    }
+    uint64_t push[SIMGPU_LANES] = {0};
+    uint64_t t = ready > own->end_ns ? ready : own->end_ns, left = dur;
+    uint64_t budget = slice; /* of the context's current slice */
+    if (t == own->end_ns && own->slice_left) budget = own->slice_left; /* right behind: same slice */
+    else if (t < own->next_ns) t = own->next_ns;                        /* after the others' turn */
+    uint64_t next = 0;
+    for (;;) {
+        unsigned char busy[SIMGPU_LANES];
+        uint64_t nbusy = 0;
+        for (int i = 0; i < SIMGPU_LANES; i++) {
+            const struct simgpu_lane *l = &g->lanes[i];
+            busy[i] = l != own && l->owner && l->end_ns + push[i] > t;
+            nbusy += busy[i];
+        }
+        if (nbusy == 0) { /* nobody else: to its end */
+            busy_add_locked(g, pid, t, t + left);
+            t += left;
+            budget = 0;
+            next = t;
+            break;
+        }
+        uint64_t run = left < budget ? left : budget;
+        busy_add_locked(g, pid, t, t + run);
+        t += run;
+        left -= run;
+        budget -= run;
+        for (int i = 0; i < SIMGPU_LANES; i++) /* its slice delayed the busy others' work */
+            if (busy[i]) push[i] += run / nbusy;
+        if (budget > 0) { /* done within its slice */
+            next = t;
+            break;
+        }
+        uint64_t turn = t; /* then each of the busy others runs a slice */
+        for (int i = 0; i < SIMGPU_LANES; i++) {
+            uint64_t end = g->lanes[i].end_ns + push[i];
+            if (busy[i] && end > turn) turn += end - turn < slice ? end - turn : slice;
+        }
+        if (left == 0) { /* done at its slice's end: its next work waits for their turn */
+            next = turn;
+            break;
+        }
+        t = turn;
+        budget = slice;
+    }
+    own->end_ns = t;
+    own->next_ns = next;
+    own->slice_left = budget;
+    uint64_t latest = t;
+    for (int i = 0; i < SIMGPU_LANES; i++) {
+        struct simgpu_lane *l = &g->lanes[i];
+        if (push[i] && l->end_ns > now) l->end_ns += push[i];
+        if (l->owner && l->end_ns > latest) latest = l->end_ns;
+    }
+    if (latest > g->timeline_end_ns) g->timeline_end_ns = latest;
+    return t;
+}
+
 uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns) {
     struct simgpu_node *node = simgpu_node();
     if (!node || gpu >= node->gpu_count) return ready_ns;
+    uint64_t slice = simgpu_timeslice_ns();
     simgpu_lock(node);
     struct simgpu_gpu_shared *g = &node->gpus[gpu];
+    int32_t pid = node->procs[g_att.slot].pid; /* as NVML reports it */
+    if (slice) {
+        uint64_t end = sliced_submit_locked(g, pid, owner, ready_ns, duration_ns, slice, simgpu_now_ns());
+        simgpu_unlock(node);
+        return end;
+    }
     uint64_t start = ready_ns > g->timeline_end_ns ? ready_ns : g->timeline_end_ns;
     uint64_t end = start + duration_ns;
     /* Work ends in submission order, so the latest work of "anyone but the last owner" is the
@@ -353,21 +478,7 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns,
         g->last_owner = owner;
     }
     g->timeline_end_ns = end;
-    if (duration_ns > 0) {
-        int32_t pid = node->procs[g_att.slot].pid; /* as NVML reports it */
-        struct simgpu_busy_span *last =
-            g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
-        if (last && last->end_ns == start && last->pid == pid) {
-            last->end_ns = end; /* back-to-back work: one span keeps the ring short */
-        } else {
-            struct simgpu_busy_span *s = &g->busy[g->busy_count % SIMGPU_BUSY_RING];
-            s->start_ns = start;
-            s->end_ns = end;
-            s->pid = pid;
-            s->reserved = 0;
-            g->busy_count++;
-        }
-    }
+    busy_add_locked(g, pid, start, end);
     simgpu_unlock(node);
     return end;
 }
@@ -398,7 +509,7 @@ uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t 
     uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *s = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
-        if (s->end_ns <= from) break; /* spans are recorded in time order */
+        if (s->end_ns <= from) continue; /* time-sliced, spans end out of record order */
         uint64_t a = s->start_ns > from ? s->start_ns : from;
         uint64_t b = s->end_ns < now ? s->end_ns : now;
         if (b > a) busy += b - a;
@@ -417,7 +528,7 @@ uint32_t simgpu_process_busy(uint32_t gpu, uint64_t from_ns, uint64_t now_ns,
     uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *s = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
-        if (s->end_ns <= from_ns) break; /* spans are recorded in time order */
+        if (s->end_ns <= from_ns) continue; /* time-sliced, spans end out of record order */
         uint64_t a = s->start_ns > from_ns ? s->start_ns : from_ns;
         uint64_t b = s->end_ns < now_ns ? s->end_ns : now_ns;
         if (b <= a) continue; /* queued work that has not started yet */

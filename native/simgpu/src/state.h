@@ -19,12 +19,14 @@
 #define SIMGPU_STATE_FILE "node.simgpu"
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
 /* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
- * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans. */
-#define SIMGPU_STATE_VERSION 6u
+ * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans;
+ * 7: per-context lanes for time-slicing (SIMGPU_TIMESLICE). */
+#define SIMGPU_STATE_VERSION 7u
 /* Spans of work kept per GPU: enough for tests to read seconds of 200 µs kernels of several
  * processes afterwards in simgpu's clock (simgpu_node_busy). */
 #define SIMGPU_BUSY_RING 16384
 #define SIMGPU_XID_RING 64
+#define SIMGPU_LANES 32 /* contexts per GPU whose queued work time-slicing tracks at once */
 #define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
 #define SIMGPU_CGROUP_PATH 512   /* bytes of a cgroup v2 path ("/kubepods/..."), NUL included */
 #define SIMGPU_CGROUP_DEPTH 16   /* a process's cgroup directory and its ancestors kept, leaf first */
@@ -36,6 +38,14 @@ struct simgpu_busy_span {
     uint64_t end_ns;
     int32_t pid; /* the process whose work ran (the pid NVML reports for it), for per-process NVML */
     uint32_t reserved;
+};
+
+/* Time-slicing (SIMGPU_TIMESLICE): a context's queued work on one GPU ends at end_ns. */
+struct simgpu_lane {
+    uint64_t owner;      /* the context's timeline name; 0: free */
+    uint64_t end_ns;     /* its queued work ends */
+    uint64_t next_ns;    /* its next work may start (the others' turn after its last slice) */
+    uint64_t slice_left; /* of the slice its work ended in, for work queued right behind */
 };
 
 struct simgpu_xid_record {
@@ -58,6 +68,7 @@ struct simgpu_gpu_shared {
      * sees count n can read records n-RING..n-1. */
     _Atomic uint64_t xid_count;
     struct simgpu_xid_record xid_ring[SIMGPU_XID_RING];
+    struct simgpu_lane lanes[SIMGPU_LANES]; /* node lock */
 };
 
 /* A cgroup by its directory, as the driver knows it whatever path named it. {0, 0}: none. */
@@ -133,12 +144,16 @@ void simgpu_mem_info(uint32_t gpu, uint64_t *free_bytes, uint64_t *total_bytes);
 uint64_t simgpu_now_ns(void); /* CLOCK_MONOTONIC, shared by all processes */
 void simgpu_sleep_until(uint64_t t_ns);
 /* Queue `duration_ns` of work of context `owner` (node-wide unique, not 0) on GPU `gpu`, ready
- * no earlier than `ready_ns`; work of all processes runs one piece at a time. Returns the time
- * it completes. */
+ * no earlier than `ready_ns`. Not time-sliced, work of all contexts runs one piece at a time in
+ * submission order; time-sliced, it shares the GPU in slices with the work other contexts have
+ * queued (state.c). Returns the time it completes. */
 uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns);
 /* A new name for a context on the timelines, unique on the node (pids are not: containers
  * have their own pid namespaces). */
 uint64_t simgpu_timeline_owner(void);
+/* The time slice contexts share a GPU in (SIMGPU_TIMESLICE, parsed once), 0: not time-sliced
+ * (kernels of all contexts run one after another in submission order). */
+uint64_t simgpu_timeslice_ns(void);
 /* When the work queued so far on GPU `gpu` by contexts other than `owner` completes (0: none). */
 uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner);
 /* Percent of the last `window_ns` during which GPU `gpu` was busy. */

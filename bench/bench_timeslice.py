@@ -1,0 +1,74 @@
+"""Compute guarantees on a GPU that time-slices contexts (issue 24, docs/compute.md).
+
+    python bench/bench_timeslice.py [--timeslice 2ms] [--seconds 6]
+
+Runs, on a simulated node with ``SIMGPU_TIMESLICE`` (native/simgpu/README.md), the cases of
+tests/libvgpu/test_shim_guarantee.py and prints each container's share of the GPU in
+simgpu's clock (``Node.busy``), over the span all of them ran less a second of warm-up and the
+last 500 ms; ``--timeslice 0`` runs them one kernel at a time (simgpu's default). The native
+tree is the tests' (``VGPU_NATIVE_DIR`` to measure another build, e.g. an older shim). It
+asserts nothing: it prints figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "libvgpu"))
+
+import native_build  # noqa: E402
+from test_shim_compute import MS, all_running, shares, shim_on  # noqa: E402
+from test_shim_guarantee import container, finish_all, run  # noqa: E402
+
+
+def measure(
+    tree: Path, tmp: Path, cases: list[tuple[str, int, int]], idle: int, seconds: int, ts: str
+) -> list[float]:
+    """Shares of the busy containers (name, guarantee, cap); `idle` more containers of 25 %
+    ran a moment first and went idle."""
+    shim = shim_on(tree, tmp, 1)
+    envs = [container(shim, n, r, cap=c, timeslice=ts) for n, r, c in cases]
+    idle_envs = [container(shim, f"idle{i}", 25, timeslice=ts) for i in range(idle)]
+    finish_all([run(shim, e, 1) for e in idle_envs])
+    t0 = time.monotonic_ns()
+    procs = [run(shim, e, seconds) for e in envs]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    return shares(shim.node, pids, a + 1000 * MS, b - 500 * MS)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--timeslice", default="2ms", help="SIMGPU_TIMESLICE (0: one at a time)")
+    ap.add_argument("--seconds", type=int, default=6)
+    args = ap.parse_args()
+    ts = "" if args.timeslice in ("", "0") else args.timeslice
+    tree = native_build.tree_with("shim_launch")
+    rows = [
+        ("A 25 % (cap 25) beside a busy B 75 %", [("a", 25, 25), ("b", 75, 100)], 0),
+        ("all busy: A 50 %, B 25 %, C 25 %", [("a", 50, 100), ("b", 25, 100), ("c", 25, 100)], 0),
+        ("two of four idle: A, B 25 % busy", [("a", 25, 100), ("b", 25, 100)], 2),
+    ]
+    print(f"SIMGPU_TIMESLICE={ts or '0'}; shares of the GPU in simgpu's clock, percent")
+    for title, cases, idle in rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = measure(tree, Path(tmp), cases, idle, args.seconds, ts)
+        total = sum(got)
+        split = " / ".join(f"{100 * g / total:.1f}" for g in got)
+        print(
+            f"{title}: "
+            + " / ".join(f"{g:.1f}" for g in got)
+            + f" (sum {total:.1f}; of it {split})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

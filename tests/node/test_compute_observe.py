@@ -177,6 +177,9 @@ def test_lent_time_is_gpu_time_used_beyond_the_guarantee() -> None:
     assert got == pytest.approx({GPU_A: 1.75, GPU_B: 1.5})
     got = at(14.0, ("a", GPU_A, 25, 100 * S), ("c", GPU_B, 25, S))
     assert got == pytest.approx({GPU_A: 1.75, GPU_B: 2.25})
+    # An observation older than the last (two scrapes at once) changes nothing.
+    got = at(13.5, ("a", GPU_A, 25, 50 * S), ("c", GPU_B, 25, S // 2))
+    assert got == pytest.approx({GPU_A: 1.75, GPU_B: 2.25})
     # An allocation gone and back is measured from when it is seen again.
     at(15.0)
     assert at(16.0, ("a", GPU_A, 25, 200 * S)) == pytest.approx({GPU_A: 1.75, GPU_B: 2.25})

@@ -17,6 +17,7 @@ a forged region can add at most its own wall time to its GPU's figure (reported,
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,25 +31,34 @@ class LendingSample:
 
 
 class LendingMeter:
-    """Accumulates each GPU's lent seconds from successive observations (not thread-safe:
-    one caller at a time, as the metrics builds are)."""
+    """Accumulates each GPU's lent seconds from successive observations (a scrape's build
+    and a filtered scrape, served by prometheus_client's own app, may observe at once)."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], tuple[float, int]] = {}
         self._lent: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     def observe(self, now: float, samples: Iterable[LendingSample]) -> dict[str, float]:
         """Takes the samples seen at ``now`` (seconds, a monotonic clock) and returns each
         GPU's lent seconds so far (GPUs with guarantees seen at least once)."""
+        samples = list(samples)  # read the regions before taking the lock
+        with self._lock:
+            return self._observe(now, samples)
+
+    def _observe(self, now: float, samples: list[LendingSample]) -> dict[str, float]:
         seen: dict[tuple[str, str], tuple[float, int]] = {}
         for s in samples:
             key = (s.allocation_id, s.gpu_uuid)
             if key in seen or not 0 < s.guarantee <= 100:
                 continue
-            seen[key] = (now, max(s.gpu_ns, 0))
             self._lent.setdefault(s.gpu_uuid, 0.0)
             prev = self._last.get(key)
-            if prev is None or now <= prev[0] or s.gpu_ns < prev[1]:
+            if prev is not None and now <= prev[0]:  # an older observation, late: counted
+                seen[key] = prev
+                continue
+            seen[key] = (now, max(s.gpu_ns, 0))
+            if prev is None or s.gpu_ns < prev[1]:
                 continue
             dt = now - prev[0]
             used = min((s.gpu_ns - prev[1]) / 1e9, dt)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from vgpu_plugin.core.devices import GpuLimit
@@ -49,3 +50,20 @@ def prepared_claim(uid: str, *limits: GpuLimit, created: float) -> PreparedClaim
 
 
 # --- the scrape's path: the cached body -----------------------------------------------------
+
+
+def pace_bytes(
+    *devices: tuple[str, int, int], version: int = 1, magic: bytes = b"VGPUPAC\0"
+) -> bytes:
+    """A pacing file as the shim lays it out (native/libvgpu/src/pace.c; docs/contracts.md,
+    Compute): per GPU (uuid, guarantee %, ns held back), written here by hand, not through
+    the reader's own layout constants, so a reader that drifts from the shim's layout fails."""
+    out = bytearray(64 + 16 * 192)
+    struct.pack_into("<8sIIQ", out, 0, magic, version, len(devices), len(out))
+    for i, (uuid, request, held_ns) in enumerate(devices):
+        rec = 64 + i * 192
+        out[rec : rec + len(uuid)] = uuid.encode()
+        struct.pack_into("<I", out, rec + 80, request)  # percent: the creator's share
+        struct.pack_into("<I", out, rec + 84, request)
+        struct.pack_into("<Q", out, rec + 96, held_ns)
+    return bytes(out)

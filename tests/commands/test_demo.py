@@ -7,6 +7,7 @@ plain LD_PRELOAD (no root): the limits must hold in each, and the demo must say 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.sim import process
+from vgpu_plugin.sim import compute_demo, process
 from vgpu_plugin.sim.process import choose_runtime, host_path, preload_env
 from vgpu_plugin.sim.runc import ContainerConfig, runc_unavailable_reason
 
@@ -88,6 +89,10 @@ def test_preload_maps_container_paths_to_the_host() -> None:
     assert env["LD_PRELOAD"] == "/h/lib/libvgpu.so.1"
     assert env["VGPU_LIMITS_FILE"] == "/h/limits/a1"
     assert env["VGPU_LOCK_DIR"] == "/h/locks"
+    assert "VGPU_COMPUTE_PEERS" not in env  # no guarantee: no peers mount
+    peers = Mount("/etc/vgpu/peers", "/h/containers", True)
+    env = preload_env(ContainerConfig("c", ["true"], envs, [*mounts, peers]))
+    assert env["VGPU_COMPUTE_PEERS"] == "/h/containers"
 
 
 def test_without_the_simulator_the_demo_says_so(tmp_path: Path) -> None:
@@ -169,3 +174,64 @@ def test_inference_demo_packs_four_servers_on_one_gpu(native_tree: Path) -> None
     proved = [line for line in out.splitlines() if line.startswith("proved: ")]
     assert len(proved) == 1 and "4 inference pods share one 16 GiB GPU" in proved[0]
     assert int(proved[0].split("kept serving (")[1].split()[0]) > 0
+
+
+# --- demo --compute ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", list(HOW))
+def test_compute_demo_shows_the_guarantee_held_and_idle_time_lent(
+    runtime: str, native_tree: Path
+) -> None:
+    """The shares it prints are simgpu's record's; with today's time-slicing (compute: none)
+    steady gets 25 % and the demo fails, with a cap (proportional) noisy alone gets 50 %."""
+    if REASONS[runtime]:
+        pytest.skip(f"{runtime}: {REASONS[runtime]}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vgpu_plugin", "demo", "--compute", "--seconds", "2",
+         "--runtime", runtime],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert HOW[runtime] in out.splitlines()[0]
+    for step in ("[1/4]", "[2/4]", "[3/4]", "[4/4]"):
+        assert step in out
+    steady = float(re.search(r"steady got ([\d.]+)% of the GPU's busy time", out)[1])  # type: ignore[index]
+    lent = float(re.search(r"noisy ran ([\d.]+)% of the GPU", out)[1])  # type: ignore[index]
+    assert abs(steady - 50) <= 5 and lent >= 75, out
+    proved = [line for line in out.splitlines() if line.startswith("proved: ")]
+    assert len(proved) == 1 and "guarantee holds" in proved[0]
+
+
+MS = 1_000_000
+
+
+def _steps(*phases: tuple[int, dict[int, int]]) -> list[dict[int, int]]:
+    """(steps, busy ns per pid in each step) phase after phase: a made-up record."""
+    return [dict(busy) for n, busy in phases for _ in range(n)]
+
+
+def test_compute_demo_judges_the_shares_of_simgpus_record() -> None:
+    steady, n1, n2, n3 = 100, 201, 202, 203
+    step = compute_demo.STEP_NS
+    # 2 s both busy, then 1.5 s noisy alone; the step's 20 ms split as named.
+    both = (100, {steady: 10 * MS, n1: 4 * MS, n2: 3 * MS, n3: 3 * MS})
+    alone = (75, {n1: 7 * MS, n2: 6 * MS, n3: 6 * MS})
+    good = _steps(both, alone)
+    r = compute_demo.measure(good, 0, 50)
+    assert (round(r.steady), round(r.lent)) == (50, 95) and r.held
+    assert compute_demo.report(r)[-1].startswith("proved: ")
+    # Time-slicing: four processes, a quarter each; a cap: noisy alone at its 50 %.
+    sliced = _steps((100, {steady: 5 * MS, n1: 5 * MS, n2: 5 * MS, n3: 5 * MS}), alone)
+    capped = _steps(both, (75, {n1: 4 * MS, n2: 3 * MS, n3: 3 * MS}))
+    for bad, line in ((sliced, 0), (capped, 1)):
+        r = compute_demo.measure(bad, 0, 50)
+        assert not r.held
+        text = compute_demo.report(r)
+        assert ("OFF its guarantee", "NOT lent")[line] in text[line]
+        assert text[-1].startswith("NOT proved: ")
+    assert step == 20 * MS
+    with pytest.raises(RuntimeError, match="too short to measure"):
+        compute_demo.measure(_steps((10, {steady: MS, n1: MS}), (60, {n1: MS})), 0, 50)

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from synthetic_regions import Dev, Proc, Snap, prepared_claim
+from synthetic_regions import Dev, Proc, Snap, pace_bytes, prepared_claim
 
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pb
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pb_grpc
@@ -115,6 +115,11 @@ def node(tmp_path: Path) -> SyntheticNode:
         ),
     )
     n.region("alloc-3", ValueError("region file: bad magic 'garbage'"))
+    # alloc-1's launches were held back 2.5 s on GPU A, none on B; alloc-3's pacing file is
+    # not one (its figures are refused, its neighbours' kept).
+    pace = region_path(n.root, "alloc-1").with_suffix(".pace")
+    pace.write_bytes(pace_bytes((GPU_A, 0, 2_500_000_000), (GPU_B, 0, 0)))
+    region_path(n.root, "alloc-3").with_suffix(".pace").write_bytes(b"garbage")
     return n
 
 
@@ -133,14 +138,15 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
 
     containers = lines[lines.index("Containers") + 1 :]
     assert containers[0].split()[:4] == ["NAMESPACE/POD/CONTAINER", "FRONTEND", "ALLOCATION", "GPU"]
-    # used/limit, then peak, refused, fell back to managed memory, GPU seconds (the region's).
+    # used/limit, then peak, refused, fell back to managed memory, GPU seconds (the region's),
+    # seconds held back (the pacing file's).
     first = ["ml/infer-a/server", "device-plugin", "alloc-1", GPU_A, "1024/20389", "2048", "3"]
-    first += ["1", "1.5", "25%"]
-    assert containers[1].split()[:12] == [*first, "2", "ok"]
+    first += ["1", "1.5", "2.5", "25%"]
+    assert containers[1].split()[:13] == [*first, "2", "ok"]
     assert containers[1].split("ok", 1)[1].strip() == (
         "not requested: its GPUs have different limits (the hook applies one to all)"
     )
-    assert containers[2].split()[:7] == [GPU_B, "300/40778", "300", "0", "0", "0.0", "50%"]
+    assert containers[2].split()[:8] == [GPU_B, "300/40778", "300", "0", "0", "0.0", "0.0", "50%"]
     assert containers[2].endswith(
         "not requested: its GPUs have different limits (the hook applies one to all)"
     )
@@ -157,6 +163,7 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         "0",
         "0",
         "0.0",
+        "0.0",
         "unlimited",
         "0",
         "missing",
@@ -172,9 +179,11 @@ def test_the_table_shows_gpus_then_containers(node: SyntheticNode, tmp_path: Pat
         GPU_A,
         "-/20389",
     ]
+    assert containers[4].split()[12:14] == ["?", "25%"]  # its pacing file refused
     assert "invalid: region file: bad magic 'garbage'" in containers[4]
     assert containers[4].endswith("unknown")  # a record from before the driver limit
     assert "warning: allocation alloc-3: region invalid: region file: bad magic" in text
+    assert "warning: allocation alloc-3: pacing file invalid: 7 bytes, not 3136" in text
     assert "note: NVML not queried" in text
     assert "no-kubelet.sock does not exist" in text
     # Columns line up: every container row starts its GPU column at the same place.
@@ -201,6 +210,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
         "frontend": "device-plugin",
         "gpus": [
             {
+                "compute_held_back_seconds": 2.5,
                 "compute_limit": 25,
                 "compute_guarantee": 0,
                 "driver_limit": NOT_REQUESTED,
@@ -215,6 +225,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
                 "uuid": GPU_A,
             },
             {
+                "compute_held_back_seconds": 0.0,
                 "compute_limit": 50,
                 "compute_guarantee": 0,
                 "driver_limit": NOT_REQUESTED,
@@ -231,6 +242,7 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
         ],
         "id": "alloc-1",
         "pod": {"container": "server", "namespace": "ml", "pod": "infer-a"},
+        "pace_state": "ok",
         "processes_alive": 2,
         "region_state": "ok",
     }
@@ -238,8 +250,12 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
     assert (a2["pod"], a2["region_state"], a2["gpus"][0]["memory_used"]) == (None, "missing", 0)
     assert (a2["driver_memory_limit"], a3["driver_memory_limit"]) == ("requested", "unknown")
     assert a3["region_state"].startswith("invalid: ") and a3["gpus"][0]["memory_used"] is None
+    assert a3["pace_state"].startswith("invalid: ")
+    assert a3["gpus"][0]["compute_held_back_seconds"] is None
+    assert (a2["pace_state"], a2["gpus"][0]["compute_held_back_seconds"]) == ("missing", 0.0)
     gpu_a = doc["gpus"][0]
     assert gpu_a == {
+        "compute_lent_seconds": 0.0,
         "healthy": None,
         "index": None,
         "memory_limited": 3 * 20389 * MIB,
@@ -485,9 +501,11 @@ def test_dra_claims_are_listed_beside_the_device_plugins_allocations(
     view = node.collect(tmp_path / "no-kubelet.sock")
     lines = render_status(view).splitlines()
     row = next(line for line in lines if "dra-u-1" in line)
-    # used/limit, peak, refused, fallbacks, GPU seconds, compute, procs, region, driver limit
+    # used/limit, peak, refused, fallbacks, GPU seconds, held back, compute, procs, region,
+    # driver limit
     assert row.split() == [
-        "claim", "ml/infer", "dra", "dra-u-1", GPU_A, "512/6144", "0", "0", "0", "0.0", "30%",
+        "claim", "ml/infer", "dra", "dra-u-1", GPU_A, "512/6144", "0", "0", "0", "0.0", "0.0",
+        "30%",
         "1", "ok", "unknown",
     ]  # fmt: skip
     # Between alloc-1 (created 100) and alloc-2 (200), as every allocation: oldest first.

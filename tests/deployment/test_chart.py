@@ -389,6 +389,9 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"dra": {"enabled": True, "memory": {"minimum": "1G"}}}, "minimum"),  # plugin reads Gi
     ({"dra": {"enabled": True, "gpus": [True]}}, "gpus"),
     ({"dra": {"enabled": True, "gpus": []}}, "gpus"),
+    ({"dra": {"enabled": True, "computeLimit": 0}}, "computeLimit"),
+    ({"dra": {"enabled": True, "computeLimit": 101}}, "computeLimit"),
+    ({"dra": {"enabled": True, "computeLimit": "80%"}}, "computeLimit"),
     # The plugin's config is checked at install, not by a crash-looping pod.
     ({"config": {"version": "v1", "sharing": {"splitCount": 0}}}, "splitCount"),
     ({"config": {"version": "v1", "sharing": {"splitCount": -1}}}, "splitCount"),
@@ -434,8 +437,35 @@ def test_the_refusals_are_of_the_value_not_of_the_chart(helm: Helm) -> None:
         {"hostRoot": "/var/lib/vgpu"},
         {"dra": {"enabled": True, "memory": {"minimum": "1Gi"}, "gpus": [2, "GPU-a*"]}},
         {"dra": {"enabled": True, "driverName": "gpu.example.com"}},
+        {"dra": {"enabled": True, "computeLimit": 100}},
     ):
         assert render(accepted, helm).one("ConfigMap")
+
+
+@pytest.mark.parametrize(
+    ("values", "sets", "want"),
+    [
+        ({"dra": {"enabled": True, "computeLimit": 80}}, (), 80),
+        (None, ("dra.enabled=true", "dra.computeLimit=1"), 1),
+        ({"dra": {"enabled": True}}, (), None),
+    ],
+    ids=["values", "set", "unset"],
+)
+def test_dra_compute_limit_reaches_the_plugins_config(
+    values: dict[str, Any] | None,
+    sets: tuple[str, ...],
+    want: int | None,
+    helm: Helm,
+    tmp_path: Path,
+) -> None:
+    """dra.computeLimit set: claims' compute is a guarantee capped there (docs/compute.md);
+    unset: the key is left out, and a claim's compute stays its cap."""
+    text = render(values, helm, sets=sets).one("ConfigMap")["data"]["config.yaml"]
+    assert ("computeLimit" in yaml.safe_load(text)["dra"]) is (want is not None)
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert cli.main(["check-config", str(path), "--no-nvml"]) == 0
+    assert load_config(path).dra.compute_limit == want
 
 
 def test_dra_needs_kubernetes_1_34(helm: Helm) -> None:

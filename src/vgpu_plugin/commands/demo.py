@@ -51,6 +51,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         f"to its slice (needs the torch extra; exit {NO_TORCH} without it)",
     )
     p.add_argument(
+        "--compute",
+        action="store_true",
+        help="instead: compute guarantees (sharing.compute: guaranteed) on one GPU: a pod keeps"
+        " its share next to a noisier one, and its idle time is lent to it",
+    )
+    p.add_argument(
         "--runtime",
         default="auto",
         choices=["auto", *HOW],
@@ -89,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if args.inference:
         return finish(args, work, say, lambda: inference_demo.run_inference_demo(
             work, args.seconds, say, runtime))  # fmt: skip
+    if args.compute:
+        from vgpu_plugin.sim import compute_demo
+
+        return finish(args, work, say, lambda: compute_demo.run_compute_demo(
+            work, args.seconds, say, runtime).held)  # fmt: skip
     if any(p.name == "cupy" for p in demo.default_pods(args.seconds)):
         say("      (CuPy is installed here: a 'cupy' pod allocates through NVIDIA's CUDA "
             "runtime too)")  # fmt: skip

@@ -58,6 +58,7 @@ from vgpu_plugin.node.host.install import ShimNotInstalled, installed_shim_versi
 from vgpu_plugin.node.ledger.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.ledger.state import AllocationStore, NotRegularFile
 from vgpu_plugin.node.observe import region
+from vgpu_plugin.node.observe.lending import LendingMeter
 from vgpu_plugin.node.observe.metrics import (
     MetricsServer,
     PluginMetrics,
@@ -334,6 +335,7 @@ class Plugin:
             store.all,
             gpus,
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
+            meter=LendingMeter(),
         )
         self._metrics = new_registry(
             lambda: prepare()(),

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,7 @@ from vgpu_plugin.node.observe.nodeview import (
     NodeView,
     ReadRegion,
     build_view,
+    read_paces,
     read_regions,
 )
 
@@ -125,7 +127,11 @@ def collect_view(
         notes.append(f"{claims_problem} (DRA allocations not shown)")
     ids = [r.allocation_id for r in records] + [c.allocation_id for c in claims]
     regions = read_regions(host_root, ids, read_region)
-    return build_view(records, regions, _merge_slices(facts, slices), pods, notes, claims)
+    paces = read_paces(host_root, ids)
+    return build_view(
+        records, regions, _merge_slices(facts, slices), pods, notes, claims,
+        paces=paces, now=time.time(),
+    )  # fmt: skip
 
 
 # --- rendering (pure) -----------------------------------------------------------------------
@@ -198,6 +204,9 @@ def _allocation_rows(view: NodeView, a: AllocationView) -> list[list[str]]:
                 str(g.refused),
                 str(g.fallbacks),
                 f"{g.gpu_seconds:.1f}",
+                "?"
+                if g.compute_held_back_seconds is None
+                else f"{g.compute_held_back_seconds:.1f}",
                 compute,
                 str(a.processes_alive) if i == 0 else "",
                 a.region_state if i == 0 else "",
@@ -237,6 +246,7 @@ def render_status(view: NodeView) -> str:
             "REFUSED",
             "MANAGED",
             "GPU s",
+            "HELD s",
             "COMPUTE",
             "PROCS",
             "REGION",
@@ -258,6 +268,9 @@ def render_status(view: NodeView) -> str:
     bad = [a for a in view.allocations if a.region_state not in (REGION_OK, "missing")]
     for a in bad:
         out.append(f"warning: allocation {a.id}: region {a.region_state}")
+    for a in view.allocations:
+        if a.pace_state not in (REGION_OK, "missing"):
+            out.append(f"warning: allocation {a.id}: pacing file {a.pace_state}")
     out += [f"note: {n}" for n in view.notes]
     return "\n".join(out) + "\n"
 

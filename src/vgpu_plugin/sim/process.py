@@ -8,7 +8,8 @@ Two ways, both from the same :class:`ContainerConfig` as :class:`RuncRuntime`:
   a pod; nothing on the host changes (the overlay and the mounts end with the namespace).
 - ``preload`` (no root): the process runs on the host with ``LD_PRELOAD`` naming the shim, and
   the container paths in its envs mapped to their host paths (the limits file through
-  ``VGPU_LIMITS_FILE``, the lock dir through ``VGPU_LOCK_DIR``). The shim enforces the same
+  ``VGPU_LIMITS_FILE``, the lock dir through ``VGPU_LOCK_DIR``, the peers' pacing files
+  through ``VGPU_COMPUTE_PEERS``). The shim enforces the same
   limits; only a process that clears ``LD_PRELOAD`` escapes, which a pod's ld.so.preload
   prevents.
 """
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.core.defaults import CONTAINER_LOCK_DIR, LIMITS_PATH, SHIM_PATH
+from vgpu_plugin.core.defaults import CONTAINER_LOCK_DIR, LIMITS_PATH, PEERS_PATH, SHIM_PATH
 from vgpu_plugin.sim.runc import DEFAULT_PATH, ContainerConfig, Runtime, runc_unavailable_reason
 
 RUNTIMES = ("runc", "namespace", "preload")
@@ -81,6 +82,8 @@ def preload_env(config: ContainerConfig) -> dict[str, str]:
     env["LD_PRELOAD"] = host_path(config.mounts, SHIM_PATH)
     env["VGPU_LIMITS_FILE"] = host_path(config.mounts, LIMITS_PATH)
     env["VGPU_LOCK_DIR"] = host_path(config.mounts, CONTAINER_LOCK_DIR)
+    if any(m.container_path == PEERS_PATH for m in config.mounts):  # compute guarantees
+        env["VGPU_COMPUTE_PEERS"] = host_path(config.mounts, PEERS_PATH)
     return env
 
 

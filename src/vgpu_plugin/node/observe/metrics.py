@@ -141,6 +141,14 @@ ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
         lambda a, g: g.gpu_seconds,
     ),
     (
+        "vgpu_container_compute_held_back_seconds",
+        "time the container's launches on this GPU waited for their compute share, as its"
+        " pacing file says (summed over its processes; clamped; absent where the file cannot"
+        " be trusted)",
+        "counter",
+        lambda a, g: g.compute_held_back_seconds,
+    ),
+    (
         "vgpu_container_region_valid",
         "0 when the container's region exists but cannot be read or trusted (usage unknown)",
         "gauge",
@@ -203,6 +211,13 @@ GPU_FAMILIES: tuple[tuple[str, str, str, GpuValue], ...] = (
         "sum of the containers' memory limits",
         "gauge",
         lambda g: g.memory_limited,
+    ),
+    (
+        "vgpu_gpu_compute_lent_seconds",
+        "GPU time containers with a guarantee used beyond it (idle time lent to them), as"
+        " measured between the plugin's metrics builds since it started (a lower bound)",
+        "counter",
+        lambda g: g.compute_lent_seconds,
     ),
     (
         "vgpu_gpu_healthy",
@@ -540,11 +555,12 @@ class NodeViewExposition:
             gpu_rows.append((gpu, text))
         self._gpu_labels = gpu_labels
         for name, doc, kind, get_gpu in GPU_FAMILIES:
+            sample = name + "_total" if kind == "counter" else name
             lines = [_header(name, doc, kind)]
             for gpu, text in gpu_rows:
                 v = get_gpu(gpu)
                 if v is not None:
-                    lines.append(f"{name}{text} {value(v)}\n")
+                    lines.append(f"{sample}{text} {value(v)}\n")
             yield "".join(lines)
         lines = [_header(UTILIZATION_NAME, UTILIZATION_HELP, "gauge")]
         for gpu, text in gpu_rows:

@@ -13,6 +13,7 @@ GPUs the allocation does not have, is reported as such and contributes no usage.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +25,14 @@ from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.node.gpu.facts import GpuFacts as GpuFacts  # the view is built of it
 from vgpu_plugin.node.ledger.dra_claims import PreparedClaim, prepared_claims
 from vgpu_plugin.node.ledger.state import DEVICE_PLUGIN, DRA, AllocationRecord
+from vgpu_plugin.node.observe.lending import LendingMeter, LendingSample
+from vgpu_plugin.node.observe.pace import (
+    PaceProblem,
+    PaceRead,
+    held_back_bound,
+    pace_path,
+    read_pace,
+)
 
 REGION_OK = "ok"
 REGION_MISSING = "missing"
@@ -112,6 +121,9 @@ class GpuView:
     memory_used_by_containers: int  # bytes: the sum the regions account
     memory_used_nvml: int | None  # bytes NVML reports used: the gap to the above is drift
     healthy: bool | None
+    # Seconds of GPU time containers with a guarantee used beyond it (lending.py), since the
+    # plugin started; 0 where nobody measured (status, a GPU without guarantees).
+    compute_lent_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,9 @@ class AllocationGpuView:
     memory_peak: int = 0  # bytes, the highest usage charged
     gpu_seconds: float = 0.0  # GPU time of measured (paced) launches
     compute_guarantee: int = 0  # percent guaranteed while others are busy; 0 = none
+    # Seconds the container's launches on this GPU waited for their share in all (its pacing
+    # file; 0 where nothing was paced), clamped; None: the pacing file cannot be trusted.
+    compute_held_back_seconds: float | None = 0.0
     # Whether the driver holds the container to its limit on this GPU: 'confirmed' (a process
     # of the container found a hard limit at most the grant), 'requested' (asked, nothing
     # confirmed yet), 'not applied: <why>' (a process looked: none, or a larger one), 'off',
@@ -152,6 +167,8 @@ class AllocationView:
     claim: str | None = None
     # The driver memory limit Allocate requested (DRIVER_LIMIT_KEY above).
     driver_memory_limit: str = DRIVER_LIMIT_UNKNOWN
+    # Its pacing file: 'ok', 'missing' (nothing paced yet) or 'invalid: …' (figures not shown).
+    pace_state: str = REGION_MISSING
 
     @property
     def driver_limit_requested(self) -> bool:
@@ -198,6 +215,18 @@ def read_regions(
 ) -> dict[str, RegionRead]:
     reader = read_region or default_read_region()
     return {i: read_one_region(host_root, i, reader) for i in allocation_ids}
+
+
+def read_one_pace(host_root: Path, allocation_id: str) -> PaceRead | None:
+    """The allocation's pacing file, beside its region; None where there is none."""
+    try:
+        return read_pace(pace_path(region_path(host_root, allocation_id)))
+    except Exception as exc:  # a tenant's file: a finding, never a failed view
+        return PaceProblem(f"invalid: {exc}")
+
+
+def read_paces(host_root: Path, allocation_ids: Iterable[str]) -> dict[str, PaceRead | None]:
+    return {i: read_one_pace(host_root, i) for i in allocation_ids}
 
 
 def live_processes(
@@ -278,9 +307,33 @@ def _counters(dev: RegionDevice | None) -> dict[str, Any]:
     }
 
 
+def _held_back(
+    pace: PaceRead | None, ours: Collection[str], age: float | None
+) -> tuple[str, dict[str, float]]:
+    """(the pacing file's state, seconds held back per GPU of ``ours``): a record of a GPU the
+    allocation lacks is ignored, a figure above what the container's processes could have
+    waited in ``age`` seconds (None: unknown) is cut to that."""
+    if pace is None:
+        return REGION_MISSING, {}
+    if isinstance(pace, PaceProblem):
+        return pace.state, {}
+    bound = held_back_bound(age) if age is not None else 1 << 63
+    held: dict[str, float] = {}
+    for dev in pace:
+        if dev.uuid in ours and dev.uuid not in held:
+            held[dev.uuid] = min(dev.held_ns, bound) / 1e9
+    return REGION_OK, held
+
+
 def allocation_view(
-    record: AllocationRecord, region: RegionRead, pod: PodRef | None
+    record: AllocationRecord,
+    region: RegionRead,
+    pod: PodRef | None,
+    pace: PaceRead | None = None,
+    now: float | None = None,
 ) -> AllocationView:
+    """``pace``: its pacing file (None: none); ``now``: the time (``time.time()``) its
+    held-back figures are bounded by the allocation's age at (None: no such bound)."""
     limits = _limits(record)
     ours = {g.uuid for g in limits}
     state = region.state if isinstance(region, RegionProblem) else REGION_OK
@@ -306,6 +359,9 @@ def allocation_view(
             alive = sum(1 for p in region.processes if p.alive)
     trusted = state in (REGION_OK, REGION_MISSING)
     requested = driver_limit_of(record)
+    age = None if now is None else now - record.created
+    pace_state, held = _held_back(pace, ours, age)
+    pace_ok = pace_state in (REGION_OK, REGION_MISSING)
 
     def gpu_view(g: GpuLimit) -> AllocationGpuView:
         dev = counters.get(g.uuid) if trusted else None
@@ -317,6 +373,7 @@ def allocation_view(
             compute_limit=g.compute_percent,
             processes=procs.get(g.uuid, 0),
             compute_guarantee=g.compute_request,
+            compute_held_back_seconds=held.get(g.uuid, 0.0) if pace_ok else None,
             **_counters(dev),
             driver_limit=driver,
             driver_limit_confirmed=confirmed,
@@ -326,14 +383,19 @@ def allocation_view(
     ended = record.released is not None and alive == 0
     return AllocationView(
         record.allocation_id, pod, gpus, alive, state, record.created, ended,
-        driver_memory_limit=requested,
+        driver_memory_limit=requested, pace_state=pace_state,
     )  # fmt: skip
 
 
-def claim_view(claim: PreparedClaim, region: RegionRead) -> AllocationView:
+def claim_view(
+    claim: PreparedClaim,
+    region: RegionRead,
+    pace: PaceRead | None = None,
+    now: float | None = None,
+) -> AllocationView:
     """A prepared DRA claim as an allocation: its limits, its region's usage, its name."""
     record = AllocationRecord(claim.allocation_id, (), DRA, claim.created, claim.limits)
-    view = allocation_view(record, region, None)
+    view = allocation_view(record, region, None, pace, now)
     return replace(view, frontend=DRA, claim=f"{claim.namespace}/{claim.name}")
 
 
@@ -366,15 +428,23 @@ def build_view(
     pods: Mapping[str, PodRef] | None = None,
     notes: Sequence[str] = (),
     claims: Sequence[PreparedClaim] = (),
+    paces: Mapping[str, PaceRead | None] | None = None,
+    now: float | None = None,
+    lent: Mapping[str, float] | None = None,
 ) -> NodeView:
-    """The node as one value. ``pods``: each allocation's container (default: what the records
-    were labelled with); an allocation absent from ``regions`` reads as region 'missing'.
+    """The node as one value. ``paces``: each allocation's pacing file (absent: none);
+    ``now``: the time its held-back figures are bounded at (``allocation_view``); ``lent``:
+    each GPU's lent seconds (``lending.LendingMeter``). ``pods``: each allocation's
+    container (default: what the records were labelled with); an allocation absent from
+    ``regions`` reads as region 'missing'.
     DRA records among ``records`` (and ``claims``: those of a claims file not migrated into the
     ledger yet) are listed as claims beside the device plugin's allocations and counted in
     their GPUs' limits and usage (not in slices); DRA records not ``prepared`` are left out.
     Ended allocations (released, or handed on: see ``_mark_handed_on``) are listed but count
     in no GPU's slices, limits or usage."""
     missing = RegionProblem(REGION_MISSING)
+    paces = paces or {}
+    lent = lent or {}
     ledger_claims = prepared_claims([r for r in records if r.front_end == DRA])
     known = {c.allocation_id for c in ledger_claims}
     claims = ledger_claims + [c for c in claims if c.allocation_id not in known]
@@ -384,11 +454,16 @@ def build_view(
             r,
             regions.get(r.allocation_id, missing),
             pods.get(r.allocation_id) if pods is not None else _record_pod(r),
+            paces.get(r.allocation_id),
+            now,
         )
         for r in records
     ]
     plugin = _mark_handed_on(records, plugin)
-    dra = [claim_view(c, regions.get(c.allocation_id, missing)) for c in claims]
+    dra = [
+        claim_view(c, regions.get(c.allocation_id, missing), paces.get(c.allocation_id), now)
+        for c in claims
+    ]
     allocations = tuple(sorted(plugin + dra, key=lambda a: (a.created, a.id)))
     ended = {a.id for a in allocations if a.ended}
     slices: dict[str, set[str]] = {}
@@ -424,6 +499,7 @@ def build_view(
             memory_used_by_containers=used.get(f.uuid, 0),
             memory_used_nvml=f.memory_used_nvml,
             healthy=f.healthy,
+            compute_lent_seconds=lent.get(f.uuid, 0.0),
         )
         for f in order
     )
@@ -469,12 +545,13 @@ def view_provider(
     read_region: ReadRegion | None = None,
     pods: Callable[[], Mapping[str, PodRef]] | None = None,
     claims: Callable[[], Sequence[PreparedClaim]] | None = None,
+    meter: LendingMeter | None = None,
 ) -> Callable[[], NodeView]:
     """A ``() -> NodeView`` for the metrics collector: reads records, prepared DRA claims and
     regions at each call, so an allocation shows (with its limits, used 0) from the moment its
     record exists."""
 
-    prepare = staged_view_provider(host_root, records, gpus, read_region, pods, claims)
+    prepare = staged_view_provider(host_root, records, gpus, read_region, pods, claims, meter)
 
     def provide() -> NodeView:
         return prepare()()
@@ -489,11 +566,17 @@ def staged_view_provider(
     read_region: ReadRegion | None = None,
     pods: Callable[[], Mapping[str, PodRef]] | None = None,
     claims: Callable[[], Sequence[PreparedClaim]] | None = None,
+    meter: LendingMeter | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[], Callable[[], NodeView]]:
     """``view_provider`` in two stages: ``prepare()`` gathers what comes from the plugin's
     own state (records, claims, GPU facts, pods: the parts that take its locks or NVML) and
     returns ``build()``, which reads the regions and builds the view from files only, so it
-    can run in a forked child (node/observe/metrics.py's forked builds)."""
+    can run in a forked child (node/observe/metrics.py's forked builds).
+
+    ``meter``: each GPU's idle time lent is measured at each ``prepare()``, here, since the
+    meter's memory must outlive a forked child (it reads the regions of the allocations with
+    a guarantee only)."""
     reader = read_region
 
     def prepare() -> Callable[[], NodeView]:
@@ -501,12 +584,49 @@ def staged_view_provider(
         cs = claims() if claims is not None else ()
         facts = gpus()
         holders = pods() if pods is not None else None
+        lent = None
+        if meter is not None:
+            samples = lending_samples(host_root, rs, cs, reader or default_read_region())
+            lent = meter.observe(clock(), samples)
 
         def build() -> NodeView:
             ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]
             regions = read_regions(host_root, ids, reader)
-            return build_view(rs, regions, facts, holders, claims=cs)
+            paces = read_paces(host_root, ids)
+            return build_view(
+                rs, regions, facts, holders, claims=cs, paces=paces, now=time.time(), lent=lent
+            )
 
         return build
 
     return prepare
+
+
+def lending_samples(
+    host_root: Path,
+    records: Sequence[AllocationRecord],
+    claims: Sequence[PreparedClaim],
+    read_region: ReadRegion,
+) -> list[LendingSample]:
+    """Each guaranteed allocation's GPU time per GPU, from its region (for LendingMeter):
+    the device plugin's live records, DRA's prepared claims (the ledger's and ``claims``).
+    A region that cannot be read, or that accounts a GPU the allocation lacks, gives none."""
+    guaranteed: dict[str, dict[str, int]] = {}
+    for r in records:
+        if r.front_end == DEVICE_PLUGIN and r.released is None:
+            guaranteed[r.allocation_id] = {g.uuid: g.compute_request for g in r.limits}
+    for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
+        guaranteed[c.allocation_id] = {g.uuid: g.compute_request for g in c.limits}
+    out = []
+    for allocation_id, requests in guaranteed.items():
+        if not any(requests.values()):
+            continue
+        read = read_one_region(host_root, allocation_id, read_region)
+        if isinstance(read, RegionProblem):
+            continue
+        if any(d.uuid not in requests for d in read.devices):
+            continue
+        for d in read.devices:
+            if requests[d.uuid]:
+                out.append(LendingSample(allocation_id, d.uuid, requests[d.uuid], int(d.gpu_ns)))
+    return out

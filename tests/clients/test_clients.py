@@ -298,18 +298,27 @@ def test_torch_context_is_charged_once_under_the_shim(shim: Shim) -> None:
 @pytest.mark.parametrize("with_shim", MODES)
 @pytest.mark.parametrize(
     ("model", "shape", "params"),
-    [("linear", "64x256", 2), ("linear-fp16", "64x256", 2), ("transformer", "8x64x256", 24)],
+    [
+        ("linear", "64x256", 2),
+        ("linear-fp16", "64x256", 2),
+        ("linear-bf16", "64x256", 2),
+        ("conv", "4x16x32x32", 2),
+        ("conv-nocudnn", "4x16x32x32", 2),
+        ("transformer", "8x64x256", 24),
+    ],
 )
 def test_torch_model_trains_a_step_within_the_limit(
     shim: Shim, with_shim: bool, model: str, shape: str, params: int
 ) -> None:
-    """A forward and a backward pass of nn.Linear and of a TransformerEncoder run on simgpu
-    (cuBLAS, cuBLASLt, attention; the kernels compute nothing, so shapes are what is checked).
-    What the GPU physically holds for the process stays within the container's limit."""
+    """A forward and a backward pass of nn.Linear (fp32, fp16, bf16), of a Conv2d (with cuDNN
+    and with PyTorch's own kernels and cuBLAS) and of a TransformerEncoder run on simgpu
+    (cuBLAS, cuBLASLt, cuDNN, attention; the kernels compute nothing, so shapes are what is
+    checked). What the GPU physically holds for the process stays within the container's limit."""
     require_torch()
     out, used = hold_and_measure(shim, ["torch", model], client_env(shim, with_shim))
     assert out["output_shape"] == shape
     assert (int(out["grads"]), int(out["params"])) == (params, params)  # every gradient on the GPU
+    assert int(out["cudnn_engines"]) == (model == "conv")  # cuDNN ran the convolution, or not
     assert used > CONTEXT  # weights, activations, cuBLAS's workspace and libraries
     if with_shim:
         assert used <= LIMIT

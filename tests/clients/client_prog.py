@@ -312,6 +312,8 @@ def torch_client(scenario: str, args: list[str]) -> None:
         out("elementwise_device", z.device.type)
     elif scenario in MODELS:
         train_step_torch(torch, scenario)
+    elif scenario == "attention":
+        attention_torch(torch)
     elif scenario == "serve":
         serve_torch(float(args[0]))
     else:
@@ -353,6 +355,25 @@ def train_step_torch(torch: Any, model: str) -> None:
     out("model_free", torch.cuda.mem_get_info(0)[0])
     # libcudnn.so.9 is linked into torch and loads its engines only when a cuDNN op runs.
     out("cudnn_engines", int("libcudnn_engines" in Path("/proc/self/maps").read_text()))
+    hold()
+
+
+def attention_torch(torch: Any) -> None:
+    """cuDNN's fused attention, forward and backward (scaled_dot_product_attention in fp16 with
+    only the cuDNN backend allowed): cuDNN builds these kernels at run time, compiling them with
+    NVRTC and loading the PTX as a module; then hold, for the GPU's use to be read."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # no fallback: cuDNN runs it or this raises
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        y.sum().backward()
+    torch.cuda.synchronize()
+    maps = Path("/proc/self/maps").read_text()
+    out("output_shape", "x".join(map(str, y.shape)))
+    out("grad_shape", "x".join(map(str, q.grad.shape)))
+    out("runtime_compiled", int("libcudnn_engines_runtime_compiled" in maps and "nvrtc" in maps))
+    out("model_free", torch.cuda.mem_get_info(0)[0])
     hold()
 
 

@@ -328,6 +328,25 @@ def test_torch_model_trains_a_step_within_the_limit(
 
 
 @pytest.mark.parametrize("with_shim", MODES)
+def test_torch_cudnn_attention_compiles_its_kernels_at_run_time_within_the_limit(
+    shim: Shim, with_shim: bool
+) -> None:
+    """cuDNN's fused attention (fp16 scaled_dot_product_attention, cuDNN backend only) runs
+    forward and backward: cuDNN resolves the driver's v1 cuLinkCreate/cuLinkAddData or refuses
+    every engine, then compiles with NVRTC and loads the PTX, whose kernels compute nothing."""
+    require_torch()
+    out, used = hold_and_measure(shim, ["torch", "attention"], client_env(shim, with_shim))
+    assert (out["output_shape"], out["grad_shape"]) == ("2x4x64x64", "2x4x64x64")
+    assert int(out["runtime_compiled"]) == 1
+    assert used > CONTEXT  # the tensors, cuDNN's workspace and the modules it built
+    if with_shim:
+        assert used <= LIMIT
+        assert LIMIT - int(out["model_free"]) <= used
+    else:
+        assert int(out["model_free"]) == NODE_GPU - used
+
+
+@pytest.mark.parametrize("with_shim", MODES)
 def test_torch_inference_sizes_its_kv_cache_from_free_memory_within_the_limit(
     shim: Shim, with_shim: bool
 ) -> None:

@@ -138,8 +138,8 @@ def hold_and_measure(
         out = read_until(proc, "ready")
         used = shim.node.gpu(0).used_memory
     finally:
-        proc.communicate("\n", timeout=30)
-    assert proc.returncode == 0
+        _, err = proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0, err[-4000:]
     return out, used
 
 

@@ -15,6 +15,7 @@ import ctypes
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
@@ -309,23 +310,44 @@ def torch_client(scenario: str, args: list[str]) -> None:
         out("elementwise_shape", z.shape[0])
         out("elementwise_dtype", str(z.dtype).removeprefix("torch."))
         out("elementwise_device", z.device.type)
-    elif scenario in ("linear", "linear-fp16", "transformer"):
+    elif scenario in MODELS:
         train_step_torch(torch, scenario)
+    elif scenario == "attention":
+        attention_torch(torch)
     elif scenario == "serve":
         serve_torch(float(args[0]))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+    # Everything is printed and measured: skip the interpreter's finalization. After a backward
+    # pass an autograd device thread may drop its last Python reference while the interpreter
+    # finalizes, and CPython ends that thread inside a C++ destructor: "terminate called without
+    # an active exception", SIGABRT (PyTorch's known shutdown race, pytorch/pytorch#38228; seen
+    # here in 5 of 8 "attention" runs, four at once, on 2.15.0: take_gil from ~ThreadLocalState).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+MODELS = ("linear", "linear-fp16", "linear-bf16", "conv", "conv-nocudnn", "transformer")
 
 
 def train_step_torch(torch: Any, model: str) -> None:
     """One forward and backward pass of a model built in code (random weights): an nn.Linear,
-    or a two-layer TransformerEncoder; then hold, for the GPU's use to be read. cuBLAS's
-    handles, workspaces and kernels, attention and the autograd buffers are all real."""
-    if model in ("linear", "linear-fp16"):
-        # fp16 takes cuBLASLt's half-precision heuristics (a driver export table of their own).
-        dtype = torch.float16 if model == "linear-fp16" else torch.float32
+    a Conv2d, or a two-layer TransformerEncoder; then hold, for the GPU's use to be read.
+    cuBLAS's and cuDNN's handles, workspaces and kernels, attention and the autograd buffers
+    are all real."""
+    if model.startswith("linear"):
+        # fp16 and bf16 take cuBLASLt's half-precision heuristics (a driver export table of
+        # their own).
+        dtype = {"linear-fp16": torch.float16, "linear-bf16": torch.bfloat16}.get(
+            model, torch.float32
+        )
         net = torch.nn.Linear(512, 256, device="cuda", dtype=dtype)
         x = torch.randn(64, 512, device="cuda", dtype=dtype)
+    elif model.startswith("conv"):
+        # With cuDNN off PyTorch convolves with its own kernels and cuBLAS (im2col + GEMM).
+        torch.backends.cudnn.enabled = model == "conv"
+        net = torch.nn.Conv2d(3, 16, 3, padding=1, device="cuda")
+        x = torch.randn(4, 3, 32, 32, device="cuda")
     else:
         layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
         net = torch.nn.TransformerEncoder(layer, num_layers=2).cuda()
@@ -337,6 +359,27 @@ def train_step_torch(torch: Any, model: str) -> None:
     out("output_shape", "x".join(map(str, y.shape)))
     out("grads", sum(g is not None and g.device.type == "cuda" for g in grads))
     out("params", len(grads))
+    out("model_free", torch.cuda.mem_get_info(0)[0])
+    # libcudnn.so.9 is linked into torch and loads its engines only when a cuDNN op runs.
+    out("cudnn_engines", int("libcudnn_engines" in Path("/proc/self/maps").read_text()))
+    hold()
+
+
+def attention_torch(torch: Any) -> None:
+    """cuDNN's fused attention, forward and backward (scaled_dot_product_attention in fp16 with
+    only the cuDNN backend allowed): cuDNN builds these kernels at run time, compiling them with
+    NVRTC and loading the PTX as a module; then hold, for the GPU's use to be read."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):  # no fallback: cuDNN runs it or this raises
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        y.sum().backward()
+    torch.cuda.synchronize()
+    maps = Path("/proc/self/maps").read_text()
+    out("output_shape", "x".join(map(str, y.shape)))
+    out("grad_shape", "x".join(map(str, q.grad.shape)))
+    out("runtime_compiled", int("libcudnn_engines_runtime_compiled" in maps and "nvrtc" in maps))
     out("model_free", torch.cuda.mem_get_info(0)[0])
     hold()
 

@@ -138,8 +138,8 @@ def hold_and_measure(
         out = read_until(proc, "ready")
         used = shim.node.gpu(0).used_memory
     finally:
-        proc.communicate("\n", timeout=30)
-    assert proc.returncode == 0
+        _, err = proc.communicate("\n", timeout=30)
+    assert proc.returncode == 0, err[-4000:]
     return out, used
 
 
@@ -298,19 +298,47 @@ def test_torch_context_is_charged_once_under_the_shim(shim: Shim) -> None:
 @pytest.mark.parametrize("with_shim", MODES)
 @pytest.mark.parametrize(
     ("model", "shape", "params"),
-    [("linear", "64x256", 2), ("linear-fp16", "64x256", 2), ("transformer", "8x64x256", 24)],
+    [
+        ("linear", "64x256", 2),
+        ("linear-fp16", "64x256", 2),
+        ("linear-bf16", "64x256", 2),
+        ("conv", "4x16x32x32", 2),
+        ("conv-nocudnn", "4x16x32x32", 2),
+        ("transformer", "8x64x256", 24),
+    ],
 )
 def test_torch_model_trains_a_step_within_the_limit(
     shim: Shim, with_shim: bool, model: str, shape: str, params: int
 ) -> None:
-    """A forward and a backward pass of nn.Linear and of a TransformerEncoder run on simgpu
-    (cuBLAS, cuBLASLt, attention; the kernels compute nothing, so shapes are what is checked).
-    What the GPU physically holds for the process stays within the container's limit."""
+    """A forward and a backward pass of nn.Linear (fp32, fp16, bf16), of a Conv2d (with cuDNN
+    and with PyTorch's own kernels and cuBLAS) and of a TransformerEncoder run on simgpu
+    (cuBLAS, cuBLASLt, cuDNN, attention; the kernels compute nothing, so shapes are what is
+    checked). What the GPU physically holds for the process stays within the container's limit."""
     require_torch()
     out, used = hold_and_measure(shim, ["torch", model], client_env(shim, with_shim))
     assert out["output_shape"] == shape
     assert (int(out["grads"]), int(out["params"])) == (params, params)  # every gradient on the GPU
+    assert int(out["cudnn_engines"]) == (model == "conv")  # cuDNN ran the convolution, or not
     assert used > CONTEXT  # weights, activations, cuBLAS's workspace and libraries
+    if with_shim:
+        assert used <= LIMIT
+        assert LIMIT - int(out["model_free"]) <= used
+    else:
+        assert int(out["model_free"]) == NODE_GPU - used
+
+
+@pytest.mark.parametrize("with_shim", MODES)
+def test_torch_cudnn_attention_compiles_its_kernels_at_run_time_within_the_limit(
+    shim: Shim, with_shim: bool
+) -> None:
+    """cuDNN's fused attention (fp16 scaled_dot_product_attention, cuDNN backend only) runs
+    forward and backward: cuDNN resolves the driver's v1 cuLinkCreate/cuLinkAddData or refuses
+    every engine, then compiles with NVRTC and loads the PTX, whose kernels compute nothing."""
+    require_torch()
+    out, used = hold_and_measure(shim, ["torch", "attention"], client_env(shim, with_shim))
+    assert (out["output_shape"], out["grad_shape"]) == ("2x4x64x64", "2x4x64x64")
+    assert int(out["runtime_compiled"]) == 1
+    assert used > CONTEXT  # the tensors, cuDNN's workspace and the modules it built
     if with_shim:
         assert used <= LIMIT
         assert LIMIT - int(out["model_free"]) <= used

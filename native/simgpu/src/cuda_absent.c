@@ -114,10 +114,18 @@ CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode h, const CUDA
     return ABSENT;
 }
 CUresult cuGraphNodeGetType(CUgraphNode h, CUgraphNodeType *t) { (void)h, (void)t; return ABSENT; }
-/* Linking device code is JIT work a simulator has no use for. */
+/* Linking device code is JIT work a simulator has no use for. cuDNN's runtime-compiled engines
+ * (fused attention) also resolve the v1 names with dlsym and refuse every engine without them,
+ * yet never call them: they compile with NVRTC and load the PTX with cuModuleLoadData. */
 CUresult cuLinkCreate_v2(unsigned int n, CUjit_option *o, void **v, CUlinkState *st) { (void)n, (void)o, (void)v, (void)st; return ABSENT; }
 CUresult cuLinkAddData_v2(CUlinkState st, CUjitInputType t, void *d, size_t size, const char *name, unsigned int n,
                           CUjit_option *o, void **v) {
+    (void)st, (void)t, (void)d, (void)size, (void)name, (void)n, (void)o, (void)v;
+    return ABSENT;
+}
+CUresult cuLinkCreate(unsigned int n, CUjit_option *o, void **v, CUlinkState *st) { (void)n, (void)o, (void)v, (void)st; return ABSENT; }
+CUresult cuLinkAddData(CUlinkState st, CUjitInputType t, void *d, size_t size, const char *name, unsigned int n,
+                       CUjit_option *o, void **v) {
     (void)st, (void)t, (void)d, (void)size, (void)name, (void)n, (void)o, (void)v;
     return ABSENT;
 }

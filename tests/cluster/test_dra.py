@@ -279,3 +279,46 @@ def test_a_deleted_slice_comes_back(cluster: Cluster, kube: Kube, plugin: Helm) 
     after = wait_for("the ResourceSlice published again", kube.resource_slices, 90)
     assert [s["metadata"]["name"] for s in after] == [before["metadata"]["name"]]
     assert after[0]["metadata"]["uid"] != before["metadata"]["uid"]  # a new object
+
+
+def test_the_kubelet_reads_device_health_into_the_pod_status(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """Kubelet 1.36 (ResourceHealthStatus on by default) opens the driver's
+    v1alpha1.DRAResourceHealth stream: it must not fail (before the driver served it, the
+    kubelet logged an error and retried every 5 s), and a running claim pod's container status
+    shows its device Healthy."""
+    (device,) = [d["name"] for s in kube.resource_slices() for d in s["spec"].get("devices", [])]
+    kube.create_claim(claim("health", "2Gi", "10"))
+    kube.create_pod(
+        pod("health", "sleep 3600", claims=[{"name": "gpu", "resourceClaimName": "health"}])
+    )
+
+    def statuses() -> list[tuple[str, str, str]]:
+        found = []
+        for c in kube.pod("health").status.container_statuses or []:
+            for r in c.allocated_resources_status or []:
+                found += [(r.name, h.resource_id, h.health) for h in r.resources or []]
+        return found
+
+    try:
+        wait_for("pod health running", lambda: kube.running("health"), 120)
+        seen = wait_for(
+            "the device's health in the pod's status",
+            lambda: statuses() if any(h == "Healthy" for *_, h in statuses()) else None,
+            120,
+        )
+        assert [(rid.rsplit("/", 1)[-1], h) for _, rid, h in seen] == [(device, "Healthy")], seen
+        assert "health" in seen[0][0], seen  # the claim's resource: claim:<claim>/<request>
+        mark = len(cluster.log("kubelet"))
+        # A stream the kubelet cannot keep is retried every 5 s: three retries' time, none.
+        time.sleep(16)
+        failed = [
+            line
+            for line in cluster.log("kubelet")[mark:].splitlines()
+            if "WatchResources stream" in line and ("Error" in line or "Failed" in line)
+        ]
+        assert not failed, failed[:3]
+    finally:
+        kube.delete_pods("health")
+        kube.delete_claims("health")

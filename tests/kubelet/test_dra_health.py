@@ -116,10 +116,15 @@ def wait_for(what: str, check: Any, timeout: float = 30.0) -> None:
 
 
 class _Context:
-    """What a stream needs of gRPC's servicer context: the callback on the client's end."""
+    """What a stream needs of gRPC's servicer context: the callback on the client's end, and
+    the cancel of a replaced stream."""
 
     def __init__(self) -> None:
         self.callbacks: list[Any] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def add_callback(self, callback: Any) -> None:
         self.callbacks.append(callback)
@@ -173,3 +178,19 @@ def test_a_client_that_goes_away_frees_its_stream() -> None:
         callback()
     reader.join(timeout=30)
     assert done.is_set() and streams.open_streams == 0
+
+
+def test_a_newer_stream_ends_and_cancels_the_oldest_beyond_the_bound() -> None:
+    streams = HealthStreams(lambda: [], refresh_s=3600, max_streams=2)
+    contexts = [_Context() for _ in range(3)]
+    opened = [streams.watch(c) for c in contexts]
+    for s in opened[:2]:
+        next(s)
+    assert streams.open_streams == 2
+    next(opened[2])  # the third: the first one ends
+    assert contexts[0].cancelled and not contexts[1].cancelled and not contexts[2].cancelled
+    assert list(opened[0]) == []  # its generator returns
+    assert streams.open_streams == 2
+    streams.stop()  # stop ends the others cleanly: no cancel
+    assert list(opened[1]) == [] and list(opened[2]) == []
+    assert not contexts[1].cancelled and streams.open_streams == 0

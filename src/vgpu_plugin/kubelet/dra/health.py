@@ -11,7 +11,8 @@ than the report's ``health_check_timeout_seconds`` (30 s where it is 0); we send
 
 Each stream holds one of the gRPC server's threads while it lasts (a server-streaming
 generator), so the number of open streams is bounded (``max_streams``): a new stream ends the
-oldest one (a restarted kubelet's stream is the live one; its old one is dead). A change never
+oldest one (a restarted kubelet's stream is the live one; its old one is dead), cancelling its
+call so that a send stuck on a client that stopped reading lets go. A change never
 waits on a stream: it only marks the stream stale, and the stream's own thread builds the
 latest list when it can send (a queue of one, dropping to the latest); a slow or vanished
 reader stalls only its own thread. ``stop`` ends every stream cleanly.
@@ -45,7 +46,8 @@ class DeviceHealth:
 
 
 class _Stream:
-    def __init__(self) -> None:
+    def __init__(self, context: Any) -> None:
+        self.context = context
         self.cond = threading.Condition()
         self.stale = True  # the first list goes out at once
         self.closed = False
@@ -104,6 +106,14 @@ class HealthStreams:
         for s in streams:
             s.close()
 
+    def _replace(self, stream: _Stream) -> None:
+        """Ends a stream a newer one replaces, cancelling the call as well: its thread may be
+        stuck sending to a client that no longer reads, and only the cancel frees it."""
+        log.info("a newer health stream replaces the oldest one")
+        stream.close()
+        if stream.context is not None:
+            stream.context.cancel()
+
     def resume(self) -> None:
         with self._lock:
             self._stopping = False
@@ -124,7 +134,7 @@ class HealthStreams:
         )
 
     def watch(self, context: Any) -> Iterator[Any]:
-        stream = _Stream()
+        stream = _Stream(context)
         with self._lock:
             if self._stopping:
                 return
@@ -132,8 +142,7 @@ class HealthStreams:
             ended = self._streams[: -self._max]
             del self._streams[: -self._max]
         for old in ended:
-            log.info("a newer health stream replaces the oldest one")
-            old.close()
+            self._replace(old)
         if context is not None:
             # A client that goes away wakes the stream's thread at once.
             context.add_callback(stream.close)

@@ -288,7 +288,11 @@ def test_the_kubelet_reads_device_health_into_the_pod_status(
     v1alpha1.DRAResourceHealth stream: it must not fail (before the driver served it, the
     kubelet logged an error and retried every 5 s), and a running claim pod's container status
     shows its device Healthy."""
-    (device,) = [d["name"] for s in kube.resource_slices() for d in s["spec"].get("devices", [])]
+    (uuid,) = [
+        d["attributes"]["uuid"]["string"]
+        for s in kube.resource_slices()
+        for d in s["spec"].get("devices", [])
+    ]
     kube.create_claim(claim("health", "2Gi", "10"))
     kube.create_pod(
         pod("health", "sleep 3600", claims=[{"name": "gpu", "resourceClaimName": "health"}])
@@ -308,9 +312,12 @@ def test_the_kubelet_reads_device_health_into_the_pod_status(
             lambda: statuses() if any(h == "Healthy" for *_, h in statuses()) else None,
             120,
         )
-        assert [(rid.rsplit("/", 1)[-1], h) for _, rid, h in seen] == [(device, "Healthy")], seen
-        assert "health" in seen[0][0], seen  # the claim's resource: claim:<claim>/<request>
-        mark = len(cluster.log("kubelet"))
+        # Per claim reference of the pod ("claim:gpu"), the device by its CDI ID.
+        assert ("claim:gpu", f"nvidia.com/gpu={uuid}", "Healthy") in seen, seen
+        assert {h for *_, h in seen} == {"Healthy"}, seen
+        log = cluster.log("kubelet")
+        assert "Successfully started WatchResources health stream" in log  # it is opened
+        mark = len(log)
         # A stream the kubelet cannot keep is retried every 5 s: three retries' time, none.
         time.sleep(16)
         failed = [

@@ -3,7 +3,12 @@ prepared claims that outlive the plugin's cleanup grace (issue 20)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+
+import native_build
 
 from .cluster import Cluster
 from .conftest import (
@@ -326,6 +331,41 @@ def test_the_kubelet_reads_device_health_into_the_pod_status(
             if "WatchResources stream" in line and ("Error" in line or "Failed" in line)
         ]
         assert not failed, failed[:3]
+        # A critical XID on the claim's GPU: the pod's status says so, and again when the GPU
+        # has been quiet for the recovery period (60 s) and is healthy again.
+        inject_xid(cluster, gpu=0, xid=62)
+        seen = wait_for(
+            "Unhealthy in the pod's status",
+            lambda: statuses() if ("Unhealthy" in {h for *_, h in statuses()}) else None,
+            120,
+        )
+        assert ("claim:gpu", f"nvidia.com/gpu={uuid}", "Unhealthy") in seen, seen
+        wait_for(
+            "Healthy again in the pod's status",
+            lambda: statuses() if {h for *_, h in statuses()} == {"Healthy"} else None,
+            240,
+        )
     finally:
         kube.delete_pods("health")
         kube.delete_claims("health")
+
+
+def inject_xid(cluster: Cluster, gpu: int, xid: int) -> None:
+    """An XID event on the cluster's simulated GPU (simgpu's state, as the node sees it)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vgpu_plugin.sim.simgpu",
+            "xid",
+            "--state",
+            str(cluster.work / "simgpu"),
+            "--gpu",
+            str(gpu),
+            "--xid",
+            str(xid),
+        ],
+        env=dict(os.environ, VGPU_NATIVE_DIR=str(native_build.build("release"))),
+        check=True,
+        capture_output=True,
+    )

@@ -3,7 +3,12 @@ prepared claims that outlive the plugin's cleanup grace (issue 20)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+
+import native_build
 
 from .cluster import Cluster
 from .conftest import (
@@ -279,3 +284,88 @@ def test_a_deleted_slice_comes_back(cluster: Cluster, kube: Kube, plugin: Helm) 
     after = wait_for("the ResourceSlice published again", kube.resource_slices, 90)
     assert [s["metadata"]["name"] for s in after] == [before["metadata"]["name"]]
     assert after[0]["metadata"]["uid"] != before["metadata"]["uid"]  # a new object
+
+
+def test_the_kubelet_reads_device_health_into_the_pod_status(
+    cluster: Cluster, kube: Kube, plugin: Helm
+) -> None:
+    """Kubelet 1.36 (ResourceHealthStatus on by default) opens the driver's
+    v1alpha1.DRAResourceHealth stream: it must not fail (before the driver served it, the
+    kubelet logged an error and retried every 5 s), and a running claim pod's container status
+    shows its device Healthy."""
+    (uuid,) = [
+        d["attributes"]["uuid"]["string"]
+        for s in kube.resource_slices()
+        for d in s["spec"].get("devices", [])
+    ]
+    kube.create_claim(claim("health", "2Gi", "10"))
+    kube.create_pod(
+        pod("health", "sleep 3600", claims=[{"name": "gpu", "resourceClaimName": "health"}])
+    )
+
+    def statuses() -> list[tuple[str, str, str]]:
+        found = []
+        for c in kube.pod("health").status.container_statuses or []:
+            for r in c.allocated_resources_status or []:
+                found += [(r.name, h.resource_id, h.health) for h in r.resources or []]
+        return found
+
+    try:
+        wait_for("pod health running", lambda: kube.running("health"), 120)
+        seen = wait_for(
+            "the device's health in the pod's status",
+            lambda: statuses() if any(h == "Healthy" for *_, h in statuses()) else None,
+            120,
+        )
+        # Per claim reference of the pod ("claim:gpu"), the device by its CDI ID.
+        assert ("claim:gpu", f"nvidia.com/gpu={uuid}", "Healthy") in seen, seen
+        assert {h for *_, h in seen} == {"Healthy"}, seen
+        log = cluster.log("kubelet")
+        assert "Successfully started WatchResources health stream" in log  # it is opened
+        mark = len(log)
+        # A stream the kubelet cannot keep is retried every 5 s: three retries' time, none.
+        time.sleep(16)
+        failed = [
+            line
+            for line in cluster.log("kubelet")[mark:].splitlines()
+            if "WatchResources stream" in line and ("Error" in line or "Failed" in line)
+        ]
+        assert not failed, failed[:3]
+        # A critical XID on the claim's GPU: the pod's status says so, and again when the GPU
+        # has been quiet for the recovery period (60 s) and is healthy again.
+        inject_xid(cluster, gpu=0, xid=62)
+        seen = wait_for(
+            "Unhealthy in the pod's status",
+            lambda: statuses() if ("Unhealthy" in {h for *_, h in statuses()}) else None,
+            120,
+        )
+        assert ("claim:gpu", f"nvidia.com/gpu={uuid}", "Unhealthy") in seen, seen
+        wait_for(
+            "Healthy again in the pod's status",
+            lambda: statuses() if {h for *_, h in statuses()} == {"Healthy"} else None,
+            240,
+        )
+    finally:
+        kube.delete_pods("health")
+        kube.delete_claims("health")
+
+
+def inject_xid(cluster: Cluster, gpu: int, xid: int) -> None:
+    """An XID event on the cluster's simulated GPU (simgpu's state, as the node sees it)."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vgpu_plugin.sim.simgpu",
+            "xid",
+            "--state",
+            str(cluster.work / "simgpu"),
+            "--gpu",
+            str(gpu),
+            "--xid",
+            str(xid),
+        ],
+        env=dict(os.environ, VGPU_NATIVE_DIR=str(native_build.build("release"))),
+        check=True,
+        capture_output=True,
+    )

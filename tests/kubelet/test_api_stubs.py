@@ -19,6 +19,8 @@ from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as dp
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from vgpu_plugin.api.dra.v1 import api_pb2 as dra_v1
 from vgpu_plugin.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+from vgpu_plugin.api.drahealth.v1alpha1 import api_pb2 as drahealth
+from vgpu_plugin.api.drahealth.v1alpha1 import api_pb2_grpc as drahealth_grpc
 from vgpu_plugin.api.podresources.v1 import api_pb2 as pr
 from vgpu_plugin.api.podresources.v1 import api_pb2_grpc as pr_grpc
 
@@ -92,6 +94,19 @@ DRA_FIELDS = {
     "Claim": {"namespace": 1, "uid": 2, "name": 3},
 }
 DRA_V1_FIELDS = {**DRA_FIELDS, "Device": {**DRA_FIELDS["Device"], "share_id": 5}}
+# k8s.io/kubelet dra-health/v1alpha1, read from the 1.36.2 kubelet's embedded descriptor.
+DRAHEALTH_FIELDS = {
+    "NodeWatchResourcesRequest": {},
+    "DeviceIdentifier": {"pool_name": 1, "device_name": 2},
+    "DeviceHealth": {
+        "device": 1,
+        "health": 2,
+        "last_updated_time": 3,
+        "health_check_timeout_seconds": 4,
+        "message": 5,
+    },
+    "NodeWatchResourcesResponse": {"devices": 1},
+}
 
 
 def test_committed_modules_are_what_the_protos_generate(tmp_path: Path) -> None:
@@ -112,6 +127,7 @@ def test_committed_modules_are_what_the_protos_generate(tmp_path: Path) -> None:
         (pr, "v1", PODRESOURCES_FIELDS),
         (dra_v1, "k8s.io.kubelet.pkg.apis.dra.v1", DRA_V1_FIELDS),
         (dra_v1beta1, "k8s.io.kubelet.pkg.apis.dra.v1beta1", DRA_FIELDS),
+        (drahealth, "v1alpha1", DRAHEALTH_FIELDS),
     ],
 )
 def test_messages_match_upstream(module: Any, package: str, expected: dict[str, Any]) -> None:
@@ -132,6 +148,19 @@ def test_dra_share_id_is_an_optional_string_as_upstream() -> None:
     assert dra_v1.Device(share_id="s").SerializeToString() == b"\x2a\x01s"
 
 
+def test_dra_health_types_match_upstream() -> None:
+    status = drahealth.DESCRIPTOR.enum_types_by_name["HealthStatus"]
+    assert {v.name: v.number for v in status.values} == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    fields = drahealth.DeviceHealth.DESCRIPTOR.fields_by_name
+    assert fields["health"].enum_type is status
+    assert fields["device"].message_type is drahealth.DeviceIdentifier.DESCRIPTOR
+    assert fields["last_updated_time"].type == fields["last_updated_time"].TYPE_INT64
+    assert fields["health_check_timeout_seconds"].type == fields["last_updated_time"].TYPE_INT64
+    response = drahealth.NodeWatchResourcesResponse.DESCRIPTOR.fields_by_name["devices"]
+    assert response.is_repeated
+    assert response.message_type is drahealth.DeviceHealth.DESCRIPTOR
+
+
 def test_services_match_upstream() -> None:
     def methods(module: Any, service: str) -> dict[str, tuple[str, str, bool]]:
         svc = module.DESCRIPTOR.services_by_name[service]
@@ -150,6 +179,9 @@ def test_services_match_upstream() -> None:
         ),
         "Allocate": ("AllocateRequest", "AllocateResponse", False),
         "PreStartContainer": ("PreStartContainerRequest", "PreStartContainerResponse", False),
+    }
+    assert methods(drahealth, "DRAResourceHealth") == {
+        "NodeWatchResources": ("NodeWatchResourcesRequest", "NodeWatchResourcesResponse", True)
     }
     assert methods(pr, "PodResourcesLister") == {
         "List": ("ListPodResourcesRequest", "ListPodResourcesResponse", False),
@@ -205,6 +237,7 @@ def test_wire_method_names(recording_channel: tuple[Any, _MethodRecorder]) -> No
     registration = dp_grpc.RegistrationStub(channel)
     plugin = dp_grpc.DevicePluginStub(channel)
     lister = pr_grpc.PodResourcesListerStub(channel)
+    health = drahealth_grpc.DRAResourceHealthStub(channel)
     _call_all(
         [
             lambda: registration.Register(dp.RegisterRequest(), timeout=5),
@@ -216,6 +249,7 @@ def test_wire_method_names(recording_channel: tuple[Any, _MethodRecorder]) -> No
             lambda: lister.List(pr.ListPodResourcesRequest(), timeout=5),
             lambda: lister.GetAllocatableResources(pr.AllocatableResourcesRequest(), timeout=5),
             lambda: lister.Get(pr.GetPodResourcesRequest(), timeout=5),
+            lambda: health.NodeWatchResources(drahealth.NodeWatchResourcesRequest(), timeout=5),
         ]
     )
     assert recorder.paths == [
@@ -228,6 +262,7 @@ def test_wire_method_names(recording_channel: tuple[Any, _MethodRecorder]) -> No
         "/v1.PodResourcesLister/List",
         "/v1.PodResourcesLister/GetAllocatableResources",
         "/v1.PodResourcesLister/Get",
+        "/v1alpha1.DRAResourceHealth/NodeWatchResources",
     ]
 
 

@@ -105,7 +105,7 @@ def node() -> Iterator[Node]:
 def test_the_driver_registers_and_publishes_its_slice(node: Node) -> None:
     reg = node.kubelet.drivers[DRIVER]
     assert reg.endpoint == str(node.root / "plugins" / DRIVER / "dra.sock")
-    assert set(reg.versions) == {"v1.DRAPlugin", "v1beta1.DRAPlugin"}
+    assert set(reg.versions) == {"v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"}
     (s,) = node.api.slices.values()
     assert [d["name"] for d in s["spec"]["devices"]] == [DEV_A, DEV_A.replace("aaaaaaaa", "b" * 8)]
 

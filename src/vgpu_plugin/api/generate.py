@@ -24,6 +24,7 @@ PROTOS = (
     Path("vgpu_plugin/api/pluginregistration/v1/api.proto"),
     Path("vgpu_plugin/api/dra/v1/api.proto"),
     Path("vgpu_plugin/api/dra/v1beta1/api.proto"),
+    Path("vgpu_plugin/api/drahealth/v1alpha1/api.proto"),
 )
 OUTPUT_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 

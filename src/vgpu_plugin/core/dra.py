@@ -34,6 +34,9 @@ COMPUTE: Final = "compute"
 PLUGIN_TYPE: Final = "DRAPlugin"
 SERVICE_V1: Final = "v1.DRAPlugin"
 SERVICE_V1BETA1: Final = "v1beta1.DRAPlugin"
+# The device health service (kubelet 1.34+, ResourceHealthStatus); kubelets from 1.36.2 open
+# its stream only to drivers that list it at registration.
+SERVICE_HEALTH: Final = "v1alpha1.DRAResourceHealth"
 REGISTRY_DIR: Final = "/var/lib/kubelet/plugins_registry"
 PLUGINS_DIR: Final = "/var/lib/kubelet/plugins"
 

@@ -4,7 +4,9 @@
 driver: it watches the plugin registry directory for sockets, asks each ``GetInfo``, checks
 the answer (type ``DRAPlugin``, a service it speaks, a service socket that answers), reports
 with ``NotifyRegistrationStatus``, and then calls ``NodePrepareResources`` /
-``NodeUnprepareResources`` on the service socket, as ``v1`` or ``v1beta1``. ``restart()``
+``NodeUnprepareResources`` on the service socket, as ``v1`` or ``v1beta1``; ``watch_health``
+opens the ``v1alpha1.DRAResourceHealth`` stream the kubelet opens to a driver that advertises
+it, and keeps the latest health of each device. ``restart()``
 behaves like a restarted kubelet: the node's ResourceSlices are deleted (in the fake API
 server) and every driver is registered again.
 
@@ -34,6 +36,8 @@ from vgpu_plugin.api.dra.v1 import api_pb2 as v1
 from vgpu_plugin.api.dra.v1 import api_pb2_grpc as v1_grpc
 from vgpu_plugin.api.dra.v1beta1 import api_pb2 as v1beta1
 from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from vgpu_plugin.api.drahealth.v1alpha1 import api_pb2 as health_pb
+from vgpu_plugin.api.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
@@ -346,6 +350,71 @@ class DraKubeletEmulator:
                 pb.NodeUnprepareResourcesRequest(claims=[_ref(pb, c) for c in claims]),
                 timeout=self._timeout,
             )
+
+    def watch_health(self, driver: str) -> HealthWatch:
+        """The health stream a negotiating kubelet opens: only to a driver that lists the
+        service at registration (LookupError otherwise)."""
+        r = self.drivers.get(driver)
+        if r is None:
+            raise LookupError(f"DRA driver {driver} is not registered")
+        if dra.SERVICE_HEALTH not in r.versions:
+            raise LookupError(f"DRA driver {driver} does not advertise {dra.SERVICE_HEALTH}")
+        return HealthWatch(r.endpoint)
+
+
+class HealthWatch:
+    """One ``NodeWatchResources`` stream, read by a thread: every message it got, the
+    latest health by ``pool/device``, and how the stream ended (``None`` while open, ``"ok"``
+    when the driver ended it, else the gRPC status code's name)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._channel = grpc.insecure_channel(f"unix://{endpoint}")
+        stub = health_grpc.DRAResourceHealthStub(self._channel)  # type: ignore[no-untyped-call]
+        self._call = stub.NodeWatchResources(health_pb.NodeWatchResourcesRequest())
+        self._cond = threading.Condition()
+        self.messages: list[Any] = []
+        self.ended: str | None = None
+        self._thread = threading.Thread(target=self._read, name="dra-health", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                with self._cond:
+                    self.messages.append(message)
+                    self._cond.notify_all()
+            end = "ok"
+        except grpc.RpcError as exc:
+            end = exc.code().name
+        with self._cond:
+            self.ended = end
+            self._cond.notify_all()
+
+    def health(self) -> dict[str, tuple[str, str]]:
+        """The latest message: ``pool/device`` -> (HEALTHY|UNHEALTHY|UNKNOWN, message)."""
+        with self._cond:
+            if not self.messages:
+                return {}
+            last = self.messages[-1]
+        return {
+            f"{d.device.pool_name}/{d.device.device_name}": (
+                health_pb.HealthStatus.Name(d.health),
+                d.message,
+            )
+            for d in last.devices
+        }
+
+    def wait_for(self, what: str, check: Any, timeout: float = 10.0) -> None:
+        """Until ``check(self)`` is true after a message or the end (TimeoutError naming
+        ``what`` and the messages so far)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: check(self), timeout):
+                raise TimeoutError(f"health stream: no {what} in {timeout}s: {self.messages}")
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=5)
+        self._channel.close()
 
 
 def _ref(pb: Any, claim: Mapping[str, Any]) -> Any:

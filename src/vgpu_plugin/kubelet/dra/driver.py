@@ -32,6 +32,7 @@ from vgpu_plugin.core.allocation import container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.core.grant import Amount, InvalidRequest, grant_amounts
+from vgpu_plugin.kubelet.dra.health import DeviceHealth
 from vgpu_plugin.node.host.hostfiles import remove_allocation, write_allocation
 from vgpu_plugin.node.ledger.dra_claims import ClaimLedger, PreparedClaim, PreparedDevice, claim_of
 from vgpu_plugin.node.ledger.state import PREPARED, PREPARING, RELEASING, AllocationRecord
@@ -78,7 +79,9 @@ class DraDriver:
         self._lock_dir = lock_dir
         self._cdi_spec_dir = cdi_spec_dir
         self._clock = clock
+        # Replaced, never changed in place: readers (the health streams) take it unlocked.
         self._unhealthy: set[str] = set()
+        self._health_listeners: list[Callable[[], object]] = []
         self._generation = 0
         # Whether the API server keeps device taints: unknown until a tainted slice is stored.
         self._taints: bool | None = None
@@ -177,10 +180,33 @@ class DraDriver:
     def apply_health(self, uuid: str, healthy: bool) -> None:
         if uuid not in {g.uuid for g in self._gpus}:
             return
-        before = set(self._unhealthy)
-        (self._unhealthy.discard if healthy else self._unhealthy.add)(uuid)
-        if self._unhealthy != before:
-            self.publish(f"GPU {uuid} {'healthy' if healthy else 'unhealthy'}")
+        before = self._unhealthy
+        after = before - {uuid} if healthy else before | {uuid}
+        if after == before:
+            return
+        self._unhealthy = after
+        # The kubelet's health streams first: they do not wait on the API server.
+        for listener in self._health_listeners:
+            listener()
+        self.publish(f"GPU {uuid} {'healthy' if healthy else 'unhealthy'}")
+
+    def on_health_change(self, listener: Callable[[], object]) -> None:
+        """``listener()`` after every change of a GPU's health (it must not block)."""
+        self._health_listeners.append(listener)
+
+    def device_health(self) -> list[DeviceHealth]:
+        """Every GPU of this driver as the ResourceSlice names it (pool = node), with its
+        health: the kubelet's health streams send this."""
+        unhealthy = self._unhealthy
+        return [
+            DeviceHealth(
+                self._node,
+                dra.device_name(g),
+                g.uuid not in unhealthy,
+                f"GPU {g.uuid} reported unhealthy" if g.uuid in unhealthy else "",
+            )
+            for g in self._gpus
+        ]
 
     def apply_config(self, config: Config) -> None:
         """New request policies are republished; the GPUs and the driver name stay until a

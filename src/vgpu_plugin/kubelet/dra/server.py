@@ -1,7 +1,8 @@
 """The DRA driver's gRPC edge: plugin registration and the DRAPlugin service (v1, v1beta1).
 
-- The **service socket** ``<plugins dir>/<driver>/dra.sock`` serves ``v1.DRAPlugin`` and
-  ``v1beta1.DRAPlugin``.
+- The **service socket** ``<plugins dir>/<driver>/dra.sock`` serves ``v1.DRAPlugin``,
+  ``v1beta1.DRAPlugin`` and ``v1alpha1.DRAResourceHealth`` (the kubelet's device health
+  streams, ``health.py``).
 - The **registration socket** ``<registry dir>/<driver>-reg.sock`` serves
   ``pluginregistration.Registration``: the kubelet's plugin watcher finds it, asks
   ``GetInfo`` (type ``DRAPlugin``, the driver name, the service socket, the service names) and
@@ -32,11 +33,13 @@ from vgpu_plugin.api.dra.v1 import api_pb2 as v1
 from vgpu_plugin.api.dra.v1 import api_pb2_grpc as v1_grpc
 from vgpu_plugin.api.dra.v1beta1 import api_pb2 as v1beta1
 from vgpu_plugin.api.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from vgpu_plugin.api.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2 as reg
 from vgpu_plugin.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vgpu_plugin.core import dra
 from vgpu_plugin.kubelet import peers
 from vgpu_plugin.kubelet.dra.driver import ClaimRef, DraDriver
+from vgpu_plugin.kubelet.dra.health import MAX_STREAMS, HealthServicer, HealthStreams
 from vgpu_plugin.kubelet.dra.queue import (
     KUBELET_DEADLINE_S,
     PrepareQueue,
@@ -209,7 +212,8 @@ class _Registration(reg_grpc.RegistrationServicer):
             type=dra.PLUGIN_TYPE,
             name=self._server.driver.driver_name,
             endpoint=str(self._server.service_socket),
-            supported_versions=[dra.SERVICE_V1, dra.SERVICE_V1BETA1],
+            # The health service too: a kubelet that negotiates opens its stream only then.
+            supported_versions=[dra.SERVICE_V1, dra.SERVICE_V1BETA1, dra.SERVICE_HEALTH],
         )
 
     def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -231,6 +235,7 @@ class DraServer:
         max_workers: int = 8,
         prepare_workers: int = 2,
         queue_capacity: int = 64,
+        health_streams: int = MAX_STREAMS,
     ) -> None:
         if max_workers < 3:
             raise ValueError(f"max_workers {max_workers}: the DRA server needs at least 3")
@@ -250,6 +255,11 @@ class DraServer:
         self.queue: PrepareQueue[Any] = PrepareQueue(prepare_workers, queue_capacity)
         # Two threads stay free of waiting prepares: for unprepares and registration.
         self._calls = _Calls(driver, self.queue, max_workers - 2)
+        # Each open health stream holds a thread of its own: the pool has one more per stream,
+        # so streams never take the prepares' threads.
+        self.health = HealthStreams(driver.device_health, max_streams=health_streams)
+        self._health_streams = health_streams
+        driver.on_health_change(self.health.changed)
 
     @property
     def registered(self) -> bool:
@@ -274,6 +284,7 @@ class DraServer:
         if not self.registry_dir.is_dir():
             raise FileNotFoundError(f"plugin registry directory {self.registry_dir} does not exist")
         tame_grpc_logs()
+        self.health.resume()
         self._serve()
         self._stopping.clear()
         self._supervisor = threading.Thread(target=self._supervise, name="dra-server", daemon=True)
@@ -286,13 +297,15 @@ class DraServer:
         name gRPC unlinks when this server stops is the unique one, never the path a newer
         process now serves."""
         self.service_socket.parent.mkdir(parents=True, exist_ok=True)
+        threads = self._max_workers + self._health_streams
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="dra-grpc"),
-            **server_limits(self._max_workers),
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dra-grpc"),
+            **server_limits(threads),
         )
         v1_grpc.add_DRAPluginServicer_to_server(_V1(self._calls), server)  # type: ignore[no-untyped-call]
         v1beta1_grpc.add_DRAPluginServicer_to_server(_V1beta1(self._calls), server)  # type: ignore[no-untyped-call]
         reg_grpc.add_RegistrationServicer_to_server(_Registration(self), server)  # type: ignore[no-untyped-call]
+        health_grpc.add_DRAResourceHealthServicer_to_server(HealthServicer(self.health), server)  # type: ignore[no-untyped-call]
         tag = f"{os.getpid()}-{secrets.token_hex(3)}"
         bound = {p: p.with_name(f".{p.name}.{tag}") for p in self._paths()}
         try:
@@ -327,18 +340,25 @@ class DraServer:
             self._registered.clear()
             old, self._grpc = self._grpc, None
             if old is not None:
-                old.stop(None).wait()
+                self._stop_grpc(old)
+                self.health.resume()
             try:
                 self._serve()
             except (OSError, RuntimeError) as exc:
                 log.error("cannot serve the DRA sockets: %s", exc)
+
+    def _stop_grpc(self, server: Any) -> None:
+        """Ends the health streams first, so that the kubelet sees them end rather than
+        fail, then the server (a second's grace for those ends to go out)."""
+        self.health.stop()
+        server.stop(1.0).wait()
 
     def stop(self) -> None:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         if self._grpc is not None:
-            self._grpc.stop(None).wait()
+            self._stop_grpc(self._grpc)
             self._grpc = None
         self.queue.stop()
         # During a rolling update the next plugin pod may have served these paths already:

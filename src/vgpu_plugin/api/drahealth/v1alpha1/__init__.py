@@ -1,0 +1,1 @@
+"""Generated kubelet API modules; see vgpu_plugin.api."""

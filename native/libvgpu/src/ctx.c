@@ -160,8 +160,9 @@ static long charged_at(CUcontext ctx) {
     return -1;
 }
 
-/* Add bytes to ctx's own charge (listed if new). */
-static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes) {
+/* Add bytes to ctx's own charge (listed if new); `settled`: a settle may give them back
+ * (growth and loaded code, not a context's own size). */
+static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes, int settled) {
     pthread_mutex_lock(&g_ctx.mu);
     long i = charged_at(ctx);
     if (i < 0 && g_ncharged == g_capcharged) {
@@ -176,18 +177,13 @@ static void charged_add(CUcontext ctx, int ordinal, uint64_t bytes) {
         i = (long)g_ncharged++;
         g_charged[i] = (struct charged){.ctx = ctx, .ordinal = ordinal};
     }
-    if (i >= 0) g_charged[i].bytes += bytes;
+    if (i >= 0) {
+        g_charged[i].bytes += bytes;
+        if (settled) g_charged[i].settled += bytes;
+    }
     pthread_mutex_unlock(&g_ctx.mu);
     /* Out of memory for the list: the charge stays for the process's life (the safe side). */
     if (i < 0) VLOG(VGPU_LOG_WARN, "no memory to list context %p: its charge is kept", (void *)ctx);
-}
-
-/* Of ctx's charge, `bytes` may go back by a settle (growth and loaded code: ctx.c's settles). */
-static void settled_add(CUcontext ctx, uint64_t bytes) {
-    pthread_mutex_lock(&g_ctx.mu);
-    long i = charged_at(ctx);
-    if (i >= 0) g_charged[i].settled += bytes;
-    pthread_mutex_unlock(&g_ctx.mu);
 }
 
 /* Take up to `bytes` of what settles charged to this process's contexts on ordinal o off
@@ -441,6 +437,14 @@ static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CU
     return 0;
 }
 
+/* proc_used, first probing for this process's node pid (with ctx, one of its contexts on d)
+ * where NVML does not list getpid() and the pid is not known yet. measure_mu held. */
+static int proc_used_probed(const struct vgpu_dev *d, CUcontext ctx, uint64_t *out) {
+    int st = proc_used(d, out);
+    if (st != 1 && !g_pid.node_pid && probe_node_pid(d, ctx) == 0) st = proc_used(d, out);
+    return st;
+}
+
 static int64_t own_committed(const struct vgpu_dev *d) {
     return d->accounted ? (int64_t)vgpu_region_own_committed(vgpu.region, d->rdev) : 0;
 }
@@ -507,7 +511,8 @@ static uint64_t measure_end(struct measure *m, const struct vgpu_dev *d, CUconte
 
 /* Charge `bytes` to ctx's record on d (made if new), `held` of them reserved already (and
  * given back if the rest is refused): 0, or -1 when the limit refuses it. */
-static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held, const char *what) {
+static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held, int settled,
+                      const char *what) {
     if (bytes > held && vgpu_charge(d, bytes - held) != CUDA_SUCCESS) {
         vgpu_uncharge(d, held);
         VLOG(VGPU_LOG_WARN, "%s on GPU %s takes %llu bytes, over the container's memory limit of "
@@ -517,7 +522,7 @@ static int charge_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_
     }
     if (bytes > held) vgpu_commit(d, bytes - held);
     else vgpu_uncharge(d, held - bytes);
-    if (d->accounted) charged_add(ctx, d->ordinal, bytes);
+    if (d->accounted) charged_add(ctx, d->ordinal, bytes, settled);
     VLOG(VGPU_LOG_DEBUG, "%s %p on GPU %s charged %llu bytes", what, (void *)ctx, d->uuid,
          (unsigned long long)bytes);
     return 0;
@@ -540,13 +545,12 @@ static int __attribute__((noinline)) charge_found(CUcontext ctx, struct vgpu_dev
     pthread_mutex_lock(&g_ctx.measure_mu);
     uint64_t used = 0;
     if (!ctx_charged(ctx)) {
-        int st = proc_used(d, &used);
-        if (st != 1 && !g_pid.node_pid && probe_node_pid(d, ctx) == 0) st = proc_used(d, &used);
+        int st = proc_used_probed(d, ctx, &used);
         int64_t extra = st == 1 ? (int64_t)used - own_committed(d) : 0;
         if (st != 1)
             VLOG(VGPU_LOG_INFO, "context %p on GPU %s was made out of the shim's sight and NVML does "
                  "not list this process: charged nothing", (void *)ctx, d->uuid);
-        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, 0, "a context made by the runtime");
+        rc = charge_ctx(d, ctx, extra > 0 ? (uint64_t)extra : 0, 0, 0, "a context made by the runtime");
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
     return rc;
@@ -613,7 +617,7 @@ static uint64_t making_end(struct measure *m, struct vgpu_dev *d, CUcontext ctx)
 /* A new context measured: settle its reservation `held` to `bytes`. 0, or -1 refused (the
  * reservation given back). */
 static int settle_ctx(struct vgpu_dev *d, CUcontext ctx, uint64_t bytes, uint64_t held) {
-    return charge_ctx(d, ctx, bytes, held, "a new context");
+    return charge_ctx(d, ctx, bytes, held, 0, "a new context");
 }
 
 /* --- creation and destruction hooks ---------------------------------------------------------- */
@@ -810,8 +814,8 @@ struct vgpu_dev *vgpu_growth_begin(CUcontext *ctx) {
 
 int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *what) {
     uint64_t grew = measure_end(&g_growth, d, ctx);
-    int refused = rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, what) != 0;
-    if (rc == CUDA_SUCCESS && grew && !refused) settled_add(ctx, grew); /* may go back by settles */
+    /* Growth may go back by a settle (a module unloaded, a limit lowered). */
+    int refused = rc == CUDA_SUCCESS && grew && charge_ctx(d, ctx, grew, 0, 1, what) != 0;
     pthread_mutex_unlock(&g_ctx.measure_mu);
     return refused ? -1 : 0;
 }
@@ -873,9 +877,8 @@ static void settle_code_on(struct vgpu_dev *d, CUcontext current) {
     CUcontext ctx = ctx_on(d->ordinal, current);
     uint64_t used = 0;
     if (!ctx || g_listed[d->ordinal] < 0) return;
-    int st = proc_used(d, &used);
-    if (st != 1 && !g_pid.node_pid && probe_node_pid(d, ctx) == 0) st = proc_used(d, &used);
-    if (st != 1) return; /* NVML cannot tell this process apart: nothing to settle by */
+    /* NVML cannot tell this process apart: nothing to settle by */
+    if (proc_used_probed(d, ctx, &used) != 1) return;
     /* Against everything charged, reservations not yet made by the driver included, so a
      * neighbouring thread's allocation in flight is never taken for code. */
     uint64_t own = vgpu_region_own_usage(vgpu.region, d->rdev);
@@ -898,8 +901,7 @@ static void settle_code_on(struct vgpu_dev *d, CUcontext current) {
              (unsigned long long)extra, (unsigned long long)vgpu_region_limit(vgpu.region, d->rdev));
         vgpu_region_force(vgpu.region, d->rdev, extra);
     }
-    charged_add(ctx, d->ordinal, extra);
-    settled_add(ctx, extra);
+    charged_add(ctx, d->ordinal, extra, 1);
     VLOG(VGPU_LOG_DEBUG, "launches on GPU %s loaded %llu bytes: charged to context %p", d->uuid,
          (unsigned long long)extra, (void *)ctx);
 }

@@ -69,7 +69,7 @@ def default_pods(seconds: float) -> list[Pod]:
 
 
 def first_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    """The workload's result line; its error output when it gave none."""
+    """The next JSON line the process prints (a result); its error output when it gave none."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     for line in proc.stdout:

@@ -9,15 +9,14 @@ while its neighbours keep serving. The table shows each pod's cache, memory and 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vgpu_plugin.sim.demo import first_json
 from vgpu_plugin.sim.node import MIB, Admitted, EmulatedNode
 from vgpu_plugin.sim.simgpu import GpuSpec
 
@@ -75,20 +74,6 @@ def servers(seconds: float) -> list[Server]:
         Server("llm-c", serve),
         Server("greedy", [*SERVER, "--cache-mib", str(GREEDY_CACHE_MIB), "--requests", "4"]),
     ]
-
-
-def read_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    """The next JSON line the server prints; its error output when it gave none."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        if line.startswith("{"):
-            parsed: dict[str, Any] = json.loads(line)
-            return parsed
-        if time.monotonic() > deadline:
-            break
-    err = proc.stderr.read() if proc.stderr else ""
-    return {"error": f"no result (exit {proc.poll()}): {err.strip()[-500:]}"}
 
 
 def mib(n: float) -> str:
@@ -190,13 +175,13 @@ def run_inference_demo(
             p.proc = node.start_container(p.admitted, p.args)
         for p in pods:
             assert p.proc is not None
-            p.first = read_json(p.proc, seconds + 300)
+            p.first = first_json(p.proc, seconds + 300)
         used = node.node.gpu(0).used_memory
         say(f"      GPU memory in use while they serve: {mib(used)} of {GPU_MEMORY_MIB} MiB")
         for p in pods:
             assert p.proc is not None
             if not p.greedy and "error" not in p.first:
-                p.last = read_json(p.proc, seconds + 120)
+                p.last = first_json(p.proc, seconds + 120)
             p.proc.wait(timeout=seconds + 60)
         say("[4/4] what each pod got")
         for row in table(pods):

@@ -12,13 +12,20 @@
  *   alloc:BYTES  alloc.BYTES=<rc> (cuMemAlloc, kept)
  *   free:now     free.now=<free bytes> (cuMemGetInfo)
  *   sleep:MS     sleeps MS milliseconds (prints nothing)
+ *   stall:alloc:BYTES, stall:free:BYTES
+ *                another thread allocates BYTES (or frees BYTES allocated here first) and is
+ *                held by simgpu half-way (SIMGPU_STALL names the gate file): the ops that
+ *                follow see the call in flight, as a neighbouring thread's would be
+ *   unstall:     lets it go and joins it: unstall=<its rc>
  * and around them: load=<rc>, free0 (before loading), free_loaded, free_ops (after the ops),
  * free_unloaded, free_destroyed (after the context is destroyed, a library still loaded).
  * CUDA_MODULES_HOLD_MIB=<n>: allocate n MiB before loading (to load at a memory limit).
  * CUDA_MODULES_LEAVE=<n>: after loading, allocate all but n bytes of what cuMemGetInfo says is
  * free (to launch at a memory limit). */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda_test.h"
 
@@ -78,6 +85,53 @@ static CUresult function(CUmodule mod, CUlibrary lib, const char *name, CUfuncti
     CUresult rc = cuLibraryGetKernel(&k, lib, name);
     if (rc == CUDA_SUCCESS) *f = (CUfunction)(void *)k;
     return rc;
+}
+
+/* A call held in flight by simgpu's SIMGPU_STALL gate, made by another thread. */
+static struct {
+    CUcontext ctx;
+    int freeing;
+    CUdeviceptr p;
+    size_t n;
+    CUresult rc;
+    pthread_t thread;
+    char gate[4096], mark[4096];
+} g_stall;
+
+static void *stalled_call(void *arg) {
+    (void)arg;
+    CK(cuCtxSetCurrent(g_stall.ctx));
+    g_stall.rc = g_stall.freeing ? cuMemFree(g_stall.p) : cuMemAlloc(&g_stall.p, g_stall.n);
+    return NULL;
+}
+
+static void op_stall(CUcontext ctx, const char *what) {
+    const char *gate = getenv("SIMGPU_STALL");
+    if (!gate) {
+        fprintf(stderr, "stall: SIMGPU_STALL is not set\n");
+        exit(2);
+    }
+    g_stall.ctx = ctx;
+    g_stall.freeing = strncmp(what, "free:", 5) == 0;
+    g_stall.n = (size_t)strtoull(strchr(what, ':') + 1, NULL, 10);
+    if (g_stall.freeing) CK(cuMemAlloc(&g_stall.p, g_stall.n));
+    snprintf(g_stall.gate, sizeof g_stall.gate, "%s", gate);
+    snprintf(g_stall.mark, sizeof g_stall.mark, "%s.stalled", gate);
+    FILE *f = fopen(g_stall.gate, "w");
+    if (!f) exit(2);
+    fputs(g_stall.freeing ? "cuMemFree_v2" : "cuMemAlloc_v2", f);
+    fclose(f);
+    if (pthread_create(&g_stall.thread, NULL, stalled_call, NULL) != 0) exit(2);
+    while (access(g_stall.mark, F_OK) != 0) { /* held: the call is half-way */
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void op_unstall(void) {
+    unlink(g_stall.gate);
+    pthread_join(g_stall.thread, NULL);
+    printf("unstall=%d\n", (int)g_stall.rc);
 }
 
 int main(int argc, char **argv) {
@@ -142,6 +196,10 @@ int main(int argc, char **argv) {
             printf("alloc.%s=%d\n", name, (int)cuMemAlloc(&p, (size_t)strtoull(name, NULL, 10)));
         } else if (strncmp(argv[i], "free:", 5) == 0) {
             printf("free.%s=%zu\n", name, free_bytes());
+        } else if (strncmp(argv[i], "stall:", 6) == 0) {
+            op_stall(ctx, name);
+        } else if (strcmp(argv[i], "unstall:") == 0) {
+            op_unstall();
         } else if (strncmp(argv[i], "sleep:", 6) == 0) {
             struct timespec ts = {atoi(name) / 1000, (long)(atoi(name) % 1000) * 1000000L};
             nanosleep(&ts, NULL);

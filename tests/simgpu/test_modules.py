@@ -424,3 +424,45 @@ def test_code_a_launch_loads_past_the_limit_is_charged_and_refuses_what_follows(
     assert out["free.now"] == "0"
     warned = [line for line in proc.stderr.splitlines() if "over its limit" in line]
     assert len(warned) == 1 and "1073741824 bytes" in warned[0], proc.stderr
+
+
+@pytest.mark.parametrize("call", ["alloc", "free"])
+def test_a_neighbours_allocation_in_flight_during_a_settle_takes_no_code_back(
+    native_tree: Path,
+    native_bin: Path,
+    simgpu_node: Node,
+    tmp_path: Path,
+    long_cubin: bytes,
+    call: str,
+) -> None:
+    """A settle that runs while another thread's allocation is reserved but not yet made by
+    the driver (or freed by the driver, not yet given back) reads the driver holding less
+    than the charge: that is not code the driver let go of. simgpu holds the other thread's
+    call half-way (SIMGPU_STALL) while a second launch makes a settle due and a view runs it.
+    The code stays charged: the container's free memory moves by exactly the allocation.
+    Before, the settle gave the code back (the view showed it free again)."""
+    shim = shim_for(native_tree, simgpu_node, tmp_path)
+    image = write(tmp_path, "long.cubin", long_cubin)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m", "SIMGPU_STALL": str(tmp_path / "gate")})
+    out = run(
+        native_bin,
+        env,
+        image,
+        "module",
+        "launch:long_kernel",
+        "free:settled",  # the first settle: the launch's code charged
+        f"stall:{call}:{MIB}",
+        "launch:long_kernel",  # a settle is due again
+        "sleep:150",  # past VGPU_CODE_SETTLE_NS since the first
+        "free:racing",  # the settle, with the other thread's call half-way
+        "unstall:",
+        "free:after",
+    )
+    assert out["unstall"] == "0"
+    code = kernel_code(long_cubin, "long_kernel")
+    settled = int(out["free.settled"])
+    assert int(out["free_loaded"]) - settled == code
+    made = MIB if call == "alloc" else 0  # a freed allocation is gone after the race
+    assert int(out["free.after"]) == settled - made
+    if call == "free":  # still charged until the shim gives it back
+        assert int(out["free.racing"]) == settled - MIB

@@ -707,9 +707,12 @@ VGPU_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreatePa
 
 static CUresult destroy(CUcontext ctx, __typeof__(cuCtxDestroy_v2) *real) {
     /* Our timing events live in the context: destroy them while it still exists. */
-    if (vgpu.limited) vgpu_launch_forget_ctx(ctx, 1);
+    if (!vgpu.limited) return real(ctx);
+    vgpu_launch_forget_ctx(ctx, 1);
+    vgpu_release_begin();
     CUresult rc = real(ctx);
-    if (rc == CUDA_SUCCESS && vgpu.limited) gone(ctx);
+    if (rc == CUDA_SUCCESS) gone(ctx);
+    vgpu_release_end();
     return rc;
 }
 
@@ -833,6 +836,7 @@ int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *
  * allocations are refused until memory is freed. What is charged is given back with the
  * context. Between a launch and the settle the container may hold up to the code just loaded
  * over its limit (docs/contracts.md, "Module memory"). */
+struct vgpu_releases vgpu_releases;
 static pthread_mutex_t g_watch_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_code_settled_ns; /* CLOCK_MONOTONIC of the last settle; 0: at once (atomic) */
 
@@ -872,25 +876,35 @@ static CUcontext ctx_on(int o, CUcontext current) {
     return found;
 }
 
-/* measure_mu held. */
-static void settle_code_on(struct vgpu_dev *d, CUcontext current) {
+/* measure_mu held. 1: settle again at the next allocation or view, because a release was in
+ * flight (nothing compared) or the charge changed (a settle that misread some other path's
+ * call in flight, e.g. a stream-ordered free given back when enqueued, is put right there). */
+static int settle_code_on(struct vgpu_dev *d, CUcontext current) {
     CUcontext ctx = ctx_on(d->ordinal, current);
     uint64_t used = 0;
-    if (!ctx || g_listed[d->ordinal] < 0) return;
+    if (!ctx || g_listed[d->ordinal] < 0) return 0;
+    uint64_t begun = __atomic_load_n(&vgpu_releases.begun, __ATOMIC_SEQ_CST);
+    uint64_t ended = __atomic_load_n(&vgpu_releases.ended, __ATOMIC_SEQ_CST);
+    /* Read before the driver's usage: what is committed meanwhile only reads as more held. */
+    uint64_t committed = (uint64_t)own_committed(d);
     /* NVML cannot tell this process apart: nothing to settle by */
-    if (proc_used_probed(d, ctx, &used) != 1) return;
-    /* Against everything charged, reservations not yet made by the driver included, so a
-     * neighbouring thread's allocation in flight is never taken for code. */
+    if (proc_used_probed(d, ctx, &used) != 1) return 0;
+    /* Everything charged, reservations not yet made by the driver included, read after the
+     * driver's usage: a neighbouring thread's allocation in flight is never taken for code. */
     uint64_t own = vgpu_region_own_usage(vgpu.region, d->rdev);
-    if (used < own) { /* a module unloaded, a limit lowered: what growth charged goes back */
-        uint64_t back = settled_take(d->ordinal, own - used);
+    if (begun != ended || __atomic_load_n(&vgpu_releases.begun, __ATOMIC_SEQ_CST) != begun)
+        return 1; /* a free or a context's end overlapped: the driver may read as holding less */
+    /* Against what is committed, not what is reserved: a reservation the driver has not made
+     * yet is no memory it let go of. */
+    if (used < committed) { /* a module unloaded, a limit lowered: what growth charged goes back */
+        uint64_t back = settled_take(d->ordinal, committed - used);
         vgpu_uncharge(d, back);
         if (back)
             VLOG(VGPU_LOG_DEBUG, "GPU %s: %llu bytes of module memory the driver let go of given back", d->uuid,
                  (unsigned long long)back);
-        return;
+        return back != 0;
     }
-    if (used == own) return;
+    if (used <= own) return 0;
     uint64_t extra = used - own;
     if (vgpu_charge(d, extra) == CUDA_SUCCESS) {
         vgpu_commit(d, extra);
@@ -904,6 +918,7 @@ static void settle_code_on(struct vgpu_dev *d, CUcontext current) {
     charged_add(ctx, d->ordinal, extra, 1);
     VLOG(VGPU_LOG_DEBUG, "launches on GPU %s loaded %llu bytes: charged to context %p", d->uuid,
          (unsigned long long)extra, (void *)ctx);
+    return 1;
 }
 
 void vgpu_code_settle(void) {
@@ -919,11 +934,13 @@ void vgpu_code_settle(void) {
         __atomic_store_n(&vgpu.code_due, 0, __ATOMIC_RELEASE);
         CUcontext current = NULL;
         if (vgpu.real.cuCtxGetCurrent) vgpu.real.cuCtxGetCurrent(&current);
+        int again = 0;
         for (int o = 0; o < VGPU_MAX_ORDINALS; o++) {
             struct vgpu_dev *d = &vgpu.dev[o];
-            if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && d->accounted) settle_code_on(d, current);
+            if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && d->accounted) again |= settle_code_on(d, current);
         }
-        __atomic_store_n(&vgpu.mem_hot, vgpu.mem_hot_on, __ATOMIC_RELEASE);
+        if (again) vgpu_code_due(0); /* the next allocation or view, VGPU_CODE_SETTLE_NS on */
+        else __atomic_store_n(&vgpu.mem_hot, vgpu.mem_hot_on, __ATOMIC_RELEASE);
         vgpu_code_watch();
     }
     pthread_mutex_unlock(&g_ctx.measure_mu);
@@ -953,8 +970,11 @@ static void primary_maybe_gone(CUdevice dev) {
 
 /* Release and reset, each ABI: the same bookkeeping after the driver's call. */
 static CUresult primary_call(CUdevice dev, CUresult (*real)(CUdevice)) {
+    if (!vgpu.limited) return real(dev);
+    vgpu_release_begin();
     CUresult rc = real(dev);
-    if (rc == CUDA_SUCCESS && vgpu.limited) primary_maybe_gone(dev);
+    if (rc == CUDA_SUCCESS) primary_maybe_gone(dev);
+    vgpu_release_end();
     return rc;
 }
 

@@ -257,12 +257,13 @@ static inline __attribute__((always_inline)) CUresult mem_free_limited(enum real
     int had = vgpu_tab_take_inline(kind, key, &r);
     /* cuMemFree also frees stream-ordered memory (the driver synchronises first). */
     int pooled = !had && kind == VGPU_OBJ_PTR && vgpu_tab_take(VGPU_OBJ_POOLPTR, key, &r);
+    if (!had && !pooled) return real_free_any(which, key);
+    vgpu_release_begin();
     CUresult rc = real_free_any(which, key);
-    if (had || pooled) {
-        if (rc != CUDA_SUCCESS) vgpu_tab_restore(&r);
-        else if (pooled) vgpu_pool_freed(&r);
-        else give_back(&r);
-    }
+    if (rc != CUDA_SUCCESS) vgpu_tab_restore(&r);
+    else if (pooled) vgpu_pool_freed(&r);
+    else give_back(&r);
+    vgpu_release_end();
     return rc;
 }
 
@@ -315,10 +316,12 @@ VGPU_API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     if (LIKELY(!vgpu.limited)) return vgpu.real.cuMemRelease(handle);
     struct vgpu_rec r;
     int refs = vgpu_tab_unref(VGPU_OBJ_VMM, handle, -1, &r);
+    if (refs == 0) vgpu_release_begin();
     CUresult rc = vgpu.real.cuMemRelease(handle);
     if (refs == 0) {
         if (rc == CUDA_SUCCESS) give_back(&r);
         else vgpu_tab_restore(&r);
+        vgpu_release_end();
     } else if (refs > 0 && rc != CUDA_SUCCESS) {
         vgpu_tab_unref(VGPU_OBJ_VMM, handle, +1, &r);
     }

@@ -394,6 +394,20 @@ VGPU_HIDDEN void vgpu_code_settle(void);
 /* A settle is due at the next allocation or view: after a watched launch, or (at_once: not
  * waiting for VGPU_CODE_SETTLE_NS) when the driver let memory go (a module unloaded). */
 VGPU_HIDDEN void vgpu_code_due(int at_once);
+/* Releases in flight: frees and context ends that the driver may have made and the shim not
+ * yet given back, counted begun and ended (process-wide, a cache line of their own). A settle
+ * that a release overlapped does not compare the driver's usage with the charge: the driver
+ * would read as holding less than is charged, as after an unload. */
+struct vgpu_releases {
+    uint64_t begun, ended;
+} __attribute__((aligned(64)));
+VGPU_HIDDEN extern struct vgpu_releases vgpu_releases;
+static inline __attribute__((always_inline)) void vgpu_release_begin(void) {
+    __atomic_add_fetch(&vgpu_releases.begun, 1, __ATOMIC_SEQ_CST);
+}
+static inline __attribute__((always_inline)) void vgpu_release_end(void) {
+    __atomic_add_fetch(&vgpu_releases.ended, 1, __ATOMIC_SEQ_CST);
+}
 #define VGPU_CODE_SETTLE()                                                                     \
     do {                                                                                       \
         if (UNLIKELY(__atomic_load_n(&vgpu.code_due, __ATOMIC_RELAXED))) vgpu_code_settle();   \

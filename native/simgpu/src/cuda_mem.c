@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_internal.h"
@@ -184,7 +186,43 @@ static CUresult device_alloc(size_t size, uint64_t charge, enum sim_mem_kind kin
     return rc;
 }
 
+/* --- SIMGPU_STALL: a test's hand on a call in flight ------------------------------------------
+ * SIMGPU_STALL=<gate file>: while the gate file exists and holds the name of the call
+ * (cuMemAlloc_v2 or cuMemFree_v2), that call stalls half-way (an allocation before it takes
+ * the memory, a free after it gave it back): it creates <gate>.stalled and waits until the gate
+ * is removed (30 s at most). A test then sees the driver's state with the call in flight, as a
+ * neighbouring thread would, whatever the machine's load. Unset: one load per call. */
+static const char *g_stall_gate;
+static pthread_once_t g_stall_once = PTHREAD_ONCE_INIT;
+
+static void stall_init(void) {
+    const char *e = getenv("SIMGPU_STALL");
+    g_stall_gate = e && *e ? e : NULL;
+}
+
+static void stall(const char *call) {
+    pthread_once(&g_stall_once, stall_init);
+    if (!g_stall_gate) return;
+    char named[64] = {0};
+    FILE *f = fopen(g_stall_gate, "r");
+    if (!f) return;
+    size_t n = fread(named, 1, sizeof named - 1, f);
+    fclose(f);
+    while (n && (named[n - 1] == '\n' || named[n - 1] == ' ')) named[--n] = 0;
+    if (strcmp(named, call) != 0) return;
+    char mark[4096];
+    snprintf(mark, sizeof mark, "%s.stalled", g_stall_gate);
+    FILE *m = fopen(mark, "w");
+    if (m) fclose(m);
+    for (int ms = 0; ms < 30000 && access(g_stall_gate, F_OK) == 0; ms++) {
+        struct timespec ts = {0, 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    unlink(mark);
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    stall("cuMemAlloc_v2");
     return device_alloc(bytesize, bytesize, SIM_MEM_DEVICE, 0, dptr);
 }
 
@@ -270,7 +308,11 @@ static CUresult mem_free(CUdeviceptr dptr) {
     return rc;
 }
 
-CUresult cuMemFree_v2(CUdeviceptr dptr) { return mem_free(dptr); }
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    CUresult rc = mem_free(dptr);
+    if (rc == CUDA_SUCCESS) stall("cuMemFree_v2");
+    return rc;
+}
 CUresult cuMemFree(CUdeviceptr_v1 dptr) { return mem_free(dptr); }
 
 /* --- page-locked host memory: the caller's RAM, never charged to the GPU ------------------ */

@@ -17,6 +17,8 @@
  *                held by simgpu half-way (SIMGPU_STALL names the gate file): the ops that
  *                follow see the call in flight, as a neighbouring thread's would be
  *   unstall:     lets it go and joins it: unstall=<its rc>
+ *   sync:        sync.=<rc of cuCtxSynchronize>
+ *   hold:        prints "held" and waits for a line on stdin (a test looks meanwhile)
  * and around them: load=<rc>, free0 (before loading), free_loaded, free_ops (after the ops),
  * free_unloaded, free_destroyed (after the context is destroyed, a library still loaded).
  * CUDA_MODULES_HOLD_MIB=<n>: allocate n MiB before loading (to load at a memory limit).
@@ -200,6 +202,13 @@ int main(int argc, char **argv) {
             op_stall(ctx, name);
         } else if (strcmp(argv[i], "unstall:") == 0) {
             op_unstall();
+        } else if (strcmp(argv[i], "sync:") == 0) {
+            printf("sync.=%d\n", (int)cuCtxSynchronize());
+        } else if (strcmp(argv[i], "hold:") == 0) {
+            printf("held\n");
+            fflush(stdout);
+            char line[8];
+            if (!fgets(line, sizeof line, stdin)) return 2;
         } else if (strncmp(argv[i], "sleep:", 6) == 0) {
             struct timespec ts = {atoi(name) / 1000, (long)(atoi(name) % 1000) * 1000000L};
             nanosleep(&ts, NULL);

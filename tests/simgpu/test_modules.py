@@ -466,3 +466,38 @@ def test_a_neighbours_allocation_in_flight_during_a_settle_takes_no_code_back(
     assert int(out["free.after"]) == settled - made
     if call == "free":  # still charged until the shim gives it back
         assert int(out["free.racing"]) == settled - MIB
+
+
+def test_code_is_charged_at_a_synchronisation_without_any_allocation(
+    native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path, long_cubin: bytes
+) -> None:
+    """A program that launches and waits for its results, allocating nothing more (an
+    inference loop over memory it holds already), has the code its launches loaded charged at
+    its next synchronisation: the container's usage, as the node reads it from the region
+    while the program lives on, holds the code. Before, it was charged only at an allocation
+    or a memory view, which such a program may never make again."""
+    from vgpu_plugin.node.observe.region import read_region
+
+    shim = shim_for(native_tree, simgpu_node, tmp_path)  # puts test_shim_helpers on the path
+    from test_shim_helpers import read_until
+
+    image = write(tmp_path, "long.cubin", long_cubin)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m"})
+    ops = ("launch:long_kernel", "sleep:150", "sync:", "hold:")
+    proc = subprocess.Popen(
+        [str(native_bin / "cuda_modules"), str(image), "module", *ops],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out = read_until(proc, "held")
+        (used,) = [d.used for d in read_region(shim.region).devices if d.used]  # GPU 0's
+    finally:
+        proc.communicate("\n", timeout=60)
+    assert proc.returncode == 0
+    assert out["launch.long_kernel"] == out["sync."] == "0"
+    before_launch = (1024 << 20) - int(out["free_loaded"])
+    assert used == before_launch + kernel_code(long_cubin, "long_kernel")

@@ -829,8 +829,8 @@ int vgpu_growth_end(struct vgpu_dev *d, CUcontext ctx, CUresult rc, const char *
  * the context's local memory. None of it passes through an allocation the shim sees, and
  * measuring launches would put an NVML process list on the hot path. Instead the first launch
  * after each settle is watched (the launch hooks take their slow path once: no cost on the
- * common path), and the next allocation or memory view, at least VGPU_CODE_SETTLE_NS after
- * the last settle, charges what the driver holds for this process on each GPU beyond what the
+ * common path), and the next allocation, memory view or synchronisation, at least
+ * VGPU_CODE_SETTLE_NS after the last settle, charges what the driver holds for this process on each GPU beyond what the
  * shim has charged it (the same measure as a context made out of the shim's sight). The code
  * is already on the GPU: past the limit the charge is forced (one warning line), so further
  * allocations are refused until memory is freed. What is charged is given back with the
@@ -853,7 +853,7 @@ void vgpu_code_due(int at_once) {
     __atomic_store_n(&vgpu.mem_hot, 0, __ATOMIC_RELEASE);
 }
 
-/* A watched launch (its slow path): the next allocation or view settles; launches are fast
+/* A watched launch (its slow path): the next allocation, view or sync settles; launches are fast
  * again until then. */
 void vgpu_code_seen(void) {
     pthread_mutex_lock(&g_watch_mu);
@@ -876,7 +876,7 @@ static CUcontext ctx_on(int o, CUcontext current) {
     return found;
 }
 
-/* measure_mu held. 1: settle again at the next allocation or view, because a release was in
+/* measure_mu held. 1: settle again at the next allocation, view or sync, because a release was in
  * flight (nothing compared) or the charge changed (a settle that misread some other path's
  * call in flight, e.g. a stream-ordered free given back when enqueued, is put right there). */
 static int settle_code_on(struct vgpu_dev *d, CUcontext current) {
@@ -939,7 +939,7 @@ void vgpu_code_settle(void) {
             struct vgpu_dev *d = &vgpu.dev[o];
             if (__atomic_load_n(&d->ready, __ATOMIC_ACQUIRE) && d->accounted) again |= settle_code_on(d, current);
         }
-        if (again) vgpu_code_due(0); /* the next allocation or view, VGPU_CODE_SETTLE_NS on */
+        if (again) vgpu_code_due(0); /* the next allocation, view or sync, VGPU_CODE_SETTLE_NS on */
         else __atomic_store_n(&vgpu.mem_hot, vgpu.mem_hot_on, __ATOMIC_RELEASE);
         vgpu_code_watch();
     }

@@ -311,25 +311,36 @@ VGPU_API CUresult cuMemPoolDestroy(CUmemoryPool pool) {
 }
 
 /* --- synchronisations: where the driver brings pools down to their release threshold, so
- * where what they released is given back. */
+ * where what they released is given back; and where what launches loaded is settled when a
+ * settle is due (ctx.c): a program that only launches and waits for its results, allocating
+ * nothing, has its code charged there. */
 
 VGPU_API CUresult cuCtxSynchronize(void) {
     NEED(cuCtxSynchronize);
     CUresult rc = vgpu.real.cuCtxSynchronize();
-    if (vgpu.limited) vgpu_pools_settle();
+    if (vgpu.limited) {
+        vgpu_pools_settle();
+        VGPU_CODE_SETTLE();
+    }
     return rc;
 }
 
 VGPU_API CUresult cuStreamSynchronize(CUstream hStream) {
     NEED(cuStreamSynchronize);
     CUresult rc = vgpu.real.cuStreamSynchronize(hStream);
-    if (vgpu.limited) vgpu_pools_settle();
+    if (vgpu.limited) {
+        vgpu_pools_settle();
+        VGPU_CODE_SETTLE();
+    }
     return rc;
 }
 
 VGPU_API CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
     NEED(cuStreamSynchronize_ptsz);
     CUresult rc = vgpu.real.cuStreamSynchronize_ptsz(hStream);
-    if (vgpu.limited) vgpu_pools_settle();
+    if (vgpu.limited) {
+        vgpu_pools_settle();
+        VGPU_CODE_SETTLE();
+    }
     return rc;
 }

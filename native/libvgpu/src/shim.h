@@ -384,14 +384,14 @@ VGPU_HIDDEN void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events);
 
 /* ctx.c: memory the driver takes at a launch (a kernel's code, loaded lazily at its first
  * launch; a library's module first used by a launch) is settled later, off the launch path:
- * the first launch after a settle is watched (vgpu_code_seen), and the next allocation or
+ * the first launch after a settle is watched (vgpu_code_seen), and the next allocation, sync or
  * memory view at least VGPU_CODE_SETTLE_NS after the last settle charges what this process's
  * driver-side usage holds beyond its charge (vgpu_code_settle). */
 #define VGPU_CODE_SETTLE_NS 100000000ull
 VGPU_HIDDEN void vgpu_code_watch(void);
 VGPU_HIDDEN void vgpu_code_seen(void);
 VGPU_HIDDEN void vgpu_code_settle(void);
-/* A settle is due at the next allocation or view: after a watched launch, or (at_once: not
+/* A settle is due at the next allocation, view or sync: after a watched launch, or (at_once: not
  * waiting for VGPU_CODE_SETTLE_NS) when the driver let memory go (a module unloaded). */
 VGPU_HIDDEN void vgpu_code_due(int at_once);
 /* Releases in flight: frees and context ends that the driver may have made and the shim not

@@ -75,7 +75,8 @@ static int parse_percent(const char *s, int *out) {
 
 /* strlcpy: truncating copy, always terminated. */
 static void copy(char *dst, size_t size, const char *src) {
-    size_t n = strnlen(src, size - 1);
+    size_t n = 0;
+    while (n < size - 1 && src[n]) n++;
     memcpy(dst, src, n);
     dst[n] = 0;
 }
@@ -280,7 +281,10 @@ static void load_env(struct vgpu_config *c) {
     if (all_uuid) {
         char buf[4096];
         copy(buf, sizeof buf, vis);
-        for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        for (char *t = buf, *next; t; t = next) { /* comma-separated */
+            next = strchr(t, ',');
+            if (next) *next++ = 0;
+            if (!*t) continue; /* as strtok_r: empty fields are skipped */
             while (*t == ' ') t++;
             if (strncmp(t, "GPU-", 4) != 0 && strncmp(t, "MIG-", 4) != 0) all_uuid = 0;
             if (nnames < VGPU_MAX_DEVICES) copy(names[nnames++], VGPU_UUID_SIZE, t);

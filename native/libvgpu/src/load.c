@@ -29,8 +29,19 @@ struct vgpu_state vgpu = {.mu = PTHREAD_MUTEX_INITIALIZER};
 enum { N_HOOKS = 0 VGPU_CUDA_HOOKS(VGPU_HOOK_ONE) VGPU_NVML_HOOKS(VGPU_HOOK_ONE) };
 static struct vgpu_hook g_hooks[N_HOOKS];
 
-static int cmp_hook(const void *a, const void *b) {
-    return strcmp(((const struct vgpu_hook *)a)->name, ((const struct vgpu_hook *)b)->name);
+/* Sorted by name once, for the lookups' binary search: a Shell sort here rather than qsort,
+ * since every import costs every process a relocation at load. */
+static void sort_hooks(void) {
+    static const size_t gaps[] = {301, 132, 57, 23, 10, 4, 1};
+    for (size_t g = 0; g < sizeof gaps / sizeof gaps[0]; g++) {
+        for (size_t i = gaps[g]; i < N_HOOKS; i++) {
+            struct vgpu_hook h = g_hooks[i];
+            size_t j = i;
+            for (; j >= gaps[g] && strcmp(g_hooks[j - gaps[g]].name, h.name) > 0; j -= gaps[g])
+                g_hooks[j] = g_hooks[j - gaps[g]];
+            g_hooks[j] = h;
+        }
+    }
 }
 
 /* A hook's own address. `&n` of an exported function is read from a GOT entry, and each such
@@ -53,7 +64,7 @@ static void build_hooks(void) {
     size_t i = 0;
     VGPU_CUDA_HOOKS(VGPU_HOOK_CUDA)
     VGPU_NVML_HOOKS(VGPU_HOOK_NVML)
-    qsort(g_hooks, N_HOOKS, sizeof g_hooks[0], cmp_hook);
+    sort_hooks();
 }
 
 const struct vgpu_hook *vgpu_hook_by_name(const char *name) {

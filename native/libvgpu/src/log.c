@@ -22,7 +22,7 @@ static void read_level(void) {
         int i = 0;
         while (i < 4 && strcasecmp(v, names[i]) != 0) i++;
         if (i < 4) level = i;
-        else dprintf(STDERR_FILENO, "[vgpu] warn: LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn\n", v);
+        else vgpu_log(VGPU_LOG_WARN, "LIBVGPU_LOG_LEVEL=%s is not error|warn|info|debug; using warn", v);
     }
     __atomic_store_n(&g_level, level, __ATOMIC_RELEASE);
 }

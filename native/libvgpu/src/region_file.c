@@ -13,6 +13,14 @@
 
 static const char k_magic[8] = "VGPUREG";
 
+/* A NUL within the n bytes of s (memchr, less an import: each costs every process a
+ * relocation at load). */
+static int terminated(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!s[i]) return 1;
+    return 0;
+}
+
 _Static_assert(sizeof(struct vgpu_region_slot) % 64 == 0, "slots must fill whole cache lines");
 _Static_assert(offsetof(struct vgpu_region_file, lock) == 64 &&
                    offsetof(struct vgpu_region_file, stats) == 320,
@@ -108,7 +116,7 @@ int vgpu_region_validate(const struct vgpu_region_file *f, uint64_t size, const 
     }
     for (uint32_t d = 0; d < ndev; d++) {
         const struct vgpu_region_device *dv = &f->devices[d];
-        if (memchr(dv->uuid, 0, sizeof dv->uuid) == NULL || dv->uuid[0] == 0 ||
+        if (!terminated(dv->uuid, sizeof dv->uuid) || dv->uuid[0] == 0 ||
             dv->sm_percent > 100) {
             vgpu_region_seterr(err, errlen, "%s is corrupt: device %u has a bad uuid or SM "
                                "percent", path, d);
@@ -198,7 +206,7 @@ static int check_limits(const struct vgpu_limits *l, const char *path, char *err
     }
     for (uint32_t i = 0; i < l->count; i++) {
         const struct vgpu_device_limit *d = &l->devices[i];
-        if (memchr(d->uuid, 0, sizeof d->uuid) == NULL || d->uuid[0] == 0 ||
+        if (!terminated(d->uuid, sizeof d->uuid) || d->uuid[0] == 0 ||
             d->sm_percent > 100) {
             vgpu_region_seterr(err, errlen, "cannot create region %s: device %u has a bad "
                                "uuid or SM percent", path, i);

@@ -10,7 +10,7 @@
  * table that does not look like one (no size in slot 0) or a page that cannot be written is
  * left alone, with one warning: its context is then charged when the shim first meets it. */
 #include <errno.h>
-#include <stdio.h>
+#include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -33,20 +33,44 @@ static CUresult wrapped_primary_get(CUcontext *pctx, CUdevice dev) {
     return vgpu_primary_get(pctx, dev, g_rt.real, 0);
 }
 
-/* The protection of the mapping holding addr (PROT_*), or -1. */
+/* The protection of the mapping holding addr (PROT_*), or -1. /proc/self/maps is read with
+ * read(2) and each line's "lo-hi perms" parsed as it streams by (lines of any length): no
+ * stdio, whose imports would each cost every process a relocation at load. */
 static int protection_of(uintptr_t addr) {
-    FILE *f = fopen("/proc/self/maps", "re");
-    if (!f) return -1;
-    char line[512];
-    int prot = -1;
-    while (prot < 0 && fgets(line, sizeof line, f)) {
-        unsigned long lo, hi;
-        char perms[5];
-        if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3 || addr < lo || addr >= hi) continue;
-        prot = (perms[0] == 'r' ? PROT_READ : 0) | (perms[1] == 'w' ? PROT_WRITE : 0) |
-               (perms[2] == 'x' ? PROT_EXEC : 0);
+    int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    enum { LO, HI, PERMS, REST } field = LO;
+    uintptr_t bound[2] = {0, 0};
+    int prot = -1, perm = 0, nperm = 0;
+    char buf[1024];
+    ssize_t n;
+    while (prot < 0 && (n = read(fd, buf, sizeof buf)) != 0) {
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        for (ssize_t i = 0; i < n && prot < 0; i++) {
+            char c = buf[i];
+            if (c == '\n') { /* the next line */
+                field = LO;
+                bound[0] = bound[1] = 0;
+                perm = nperm = 0;
+            } else if (field == LO || field == HI) {
+                int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+                if (v >= 0) bound[field] = bound[field] << 4 | (uintptr_t)v;
+                else field = field == LO && c == '-' ? HI : field == HI && c == ' ' ? PERMS : REST;
+            } else if (field == PERMS && c != ' ') {
+                static const char flag[3] = {'r', 'w', 'x'};
+                static const int bit[3] = {PROT_READ, PROT_WRITE, PROT_EXEC};
+                if (nperm < 3 && c == flag[nperm]) perm |= bit[nperm];
+                nperm++;
+            } else if (field == PERMS) {
+                field = REST;
+                if (nperm == 4 && addr >= bound[0] && addr < bound[1]) prot = perm;
+            }
+        }
     }
-    fclose(f);
+    close(fd);
     return prot;
 }
 

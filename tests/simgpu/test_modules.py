@@ -469,7 +469,7 @@ def test_a_neighbours_allocation_in_flight_during_a_settle_takes_no_code_back(
 
 
 def test_code_is_charged_at_a_synchronisation_without_any_allocation(
-    native_tree: Path, native_bin: Path, simgpu_node: Node, tmp_path: Path, long_cubin: bytes
+    native_tree: Path, simgpu_node: Node, tmp_path: Path, long_cubin: bytes
 ) -> None:
     """A program that launches and waits for its results, allocating nothing more (an
     inference loop over memory it holds already), has the code its launches loaded charged at
@@ -484,14 +484,7 @@ def test_code_is_charged_at_a_synchronisation_without_any_allocation(
     image = write(tmp_path, "long.cubin", long_cubin)
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1024m"})
     ops = ("launch:long_kernel", "sleep:150", "sync:", "hold:")
-    proc = subprocess.Popen(
-        [str(native_bin / "cuda_modules"), str(image), "module", *ops],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = shim.start("cuda_modules", image, "module", *ops, env=env)
     try:
         out = read_until(proc, "held")
         (used,) = [d.used for d in read_region(shim.region).devices if d.used]  # GPU 0's

@@ -206,9 +206,16 @@ def test_serve_rebuilds_a_prepared_claim_after_a_power_loss_before_it_registers(
         limits.unlink()
         spec.write_bytes(b"")
         shutil.rmtree(region)
+        gone_aid = f"dra-{uids['gone']}"
+        gone_files = [
+            s.host_root / "limits" / gone_aid,
+            s.host_root / "containers" / gone_aid,
+            s.cdi_dir / f"vgpu-plugin-allocation_{gone_aid}.json",
+        ]
         # Without a reboot nothing is rebuilt: no write can have been lost.
         s.start()
         assert not limits.exists() and spec.read_bytes() == b""
+        assert not any(p.exists() for p in gone_files)  # unprepared on purpose
         s.kill()
         assert "rebuilt claim" not in s.log.read_text()
         # The node booted since: the boot the last start ran in is another one.
@@ -217,9 +224,7 @@ def test_serve_rebuilds_a_prepared_claim_after_a_power_loss_before_it_registers(
         s.start()
         assert [limits.read_bytes(), spec.read_bytes()] == before
         assert region.is_dir()
-        gone_aid = f"dra-{uids['gone']}"
-        assert not (s.host_root / "limits" / gone_aid).exists()
-        assert not (s.cdi_dir / f"vgpu-plugin-allocation_{gone_aid}.json").exists()
+        assert not any(p.exists() for p in gone_files)
         wait_until(lambda: "registered with the kubelet" in s.log.read_text()[log_before:])
         lines = s.log.read_text()[log_before:].splitlines()
         rebuilt = [i for i, line in enumerate(lines) if "rebuilt claim ml/lost" in line]

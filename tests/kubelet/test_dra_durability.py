@@ -7,6 +7,7 @@ comes back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -167,18 +168,28 @@ def test_a_claim_whose_gpu_left_the_driver_is_one_error_and_the_rest_goes_on(
     driver.prepare(b)
     os.unlink(tmp_path / "vgpu" / "limits" / f"dra-{a.uid}")
     os.unlink(tmp_path / "vgpu" / "limits" / f"dra-{b.uid}")
+    store = AllocationStore(tmp_path / "state")
+    record = store.get(f"dra-{b.uid}")
+    assert record is not None
+    uid = "c" * 8 + b.uid[8:]  # a damaged record: no limits
+    store.add(
+        dataclasses.replace(
+            record, allocation_id=f"dra-{uid}", claim_uid=uid, claim_name="c", limits=()
+        )
+    )
     config = Config(host_root=str(tmp_path / "vgpu"), dra=DraConfig(enabled=True))
     only_a = DraDriver(
-        GPUS[:1], config, "node-a", ClaimLedger(AllocationStore(tmp_path / "state")), api, api,
+        GPUS[:1], config, "node-a", ClaimLedger(store), api, api,
         "0.1.0-abc", lock_dir=str(tmp_path / "locks"), cdi_spec_dir=str(tmp_path / "cdi"),
     )  # fmt: skip
-    assert only_a.rebuild() == (0, 1, 1)
+    assert only_a.rebuild() == (0, 1, 2)
     assert (tmp_path / "vgpu" / "limits" / f"dra-{a.uid}").exists()
-    (line,) = [r.getMessage() for r in caplog.records if "cannot rebuild" in r.getMessage()]
-    assert line == (
+    lines = sorted(r.getMessage() for r in caplog.records if "cannot rebuild" in r.getMessage())
+    assert lines == [
         f"cannot rebuild the files of claim ml/b: its GPU {GPUS[1].uuid} is not one of this"
-        " driver's any more"
-    )
+        " driver's any more",
+        "cannot rebuild the files of claim ml/c: its record holds no limits",
+    ]
 
 
 def test_serve_rebuilds_a_prepared_claim_after_a_power_loss_before_it_registers(

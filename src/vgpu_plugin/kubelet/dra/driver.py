@@ -391,6 +391,8 @@ class DraDriver:
     def _spec_of(self, claim: PreparedClaim) -> ContainerSpec:
         """The files ``_prepare`` wrote for ``claim``, from its record and the config now in
         force; ValueError when they cannot be the same (a GPU gone, another host root)."""
+        if not claim.limits:
+            raise ValueError("its record holds no limits")
         gpus = []
         for limit in claim.limits:
             gpu = next((g for g in self._gpus if g.uuid == limit.uuid), None)

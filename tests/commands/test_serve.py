@@ -314,6 +314,25 @@ class DraServed:
     proc: subprocess.Popen[bytes]
     host_root: Path
     log: Path
+    argv: list[str]
+    env: dict[str, str]
+    state_dir: Path
+    cdi_dir: Path
+
+    def kill(self) -> None:
+        """SIGKILL: as a crash, or the power loss that takes the process with the node."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def start(self) -> None:
+        """Starts serve again (after ``kill``) and waits until its DRA driver registered."""
+        self.dra.restart()  # forgets the last registration, so the wait is for this one
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=out)
+        try:
+            self.dra.wait_registered(dra.DRIVER_NAME, timeout=30)
+        except TimeoutError:
+            raise AssertionError(self.log.read_text()) from None
 
 
 @contextlib.contextmanager
@@ -350,13 +369,20 @@ def serve_with_dra(node: Node, native_tree: Path, tmp_path: Path, gpus: str) -> 
     dra_kubelet.start()
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out)
+    served: DraServed | None = None
     try:
         try:
             dra_kubelet.wait_registered(dra.DRIVER_NAME, timeout=30)
         except TimeoutError:
             raise AssertionError(log.read_text()) from None
-        yield DraServed(devices, dra_kubelet, api, http, proc, host_root, log)
+        served = DraServed(
+            devices, dra_kubelet, api, http, proc, host_root, log, argv, env,
+            tmp_path / "state", tmp_path / "cdi",
+        )  # fmt: skip
+        yield served
     finally:
+        if served is not None:
+            proc = served.proc
         if proc.poll() is None:
             proc.kill()
             proc.wait()

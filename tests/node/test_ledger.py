@@ -250,3 +250,49 @@ def test_claims_the_api_server_no_longer_has_are_released(tmp_path: Path) -> Non
         assert not any(p.exists() for p in claim_files(tmp_path, ref.uid))
     assert all(p.exists() for p in claim_files(tmp_path, kept.uid))
     assert driver.release_stale() == 0
+
+
+def test_a_front_ends_records_stay_those_of_the_whole_ledger_through_every_change(
+    tmp_path: Path,
+) -> None:
+    """``of_front_end`` keeps DRA's records apart so a prepare does not scan the device
+    plugin's thousands: it must stay exactly the DRA records of ``all()``, whichever way the
+    ledger changes (this process, another process's appends, a compaction)."""
+    store = AllocationStore(tmp_path, compact_min=4)
+
+    def dra(i: int, state: str = PREPARED) -> AllocationRecord:
+        return AllocationRecord(
+            f"dra-{i:08d}-0000-0000-0000-000000000000", (), DRA, 1000.0 + i,
+            (GpuLimit(AAAA, GIB, 30),), front_end=DRA, state=state,
+            claim_uid=f"{i:08d}-0000-0000-0000-000000000000", claim_namespace="ml",
+            claim_name=f"c{i}",
+        )  # fmt: skip
+
+    def plugin(i: int) -> AllocationRecord:
+        return AllocationRecord(f"{i:020x}", (f"{AAAA}-{i}",), "nvidia.com/gpu", 500.0 + i)
+
+    def check(s: AllocationStore) -> None:
+        assert s.of_front_end(DRA) == [r for r in s.all() if r.front_end == DRA]
+
+    with pytest.raises(ValueError):
+        store.of_front_end(DEVICE_PLUGIN)
+    store.add_many([plugin(i) for i in range(6)] + [dra(1), dra(2)])
+    check(store)
+    store.add_many([dra(3, PREPARING)], sync=False)
+    check(store)
+    store.add_many([dra(3)])  # a state change in place
+    store.remove(dra(1).allocation_id)
+    check(store)
+    # A record that changes front end (never made by the plugin; the index must not keep it).
+    store.add(dataclasses.replace(dra(2), front_end=DEVICE_PLUGIN))
+    check(store)
+    other = AllocationStore(tmp_path, compact_min=4)  # another plugin process
+    other.add_many([dra(4), plugin(7)])
+    other.remove(dra(3).allocation_id)
+    check(store)
+    assert [r.claim_name for r in store.of_front_end(DRA)] == ["c4"]
+    for i in range(10):  # enough dead entries for a compaction
+        store.add(dataclasses.replace(plugin(i % 3), created=900.0 + i))
+    check(store)
+    check(other)
+    check(AllocationStore(tmp_path))

@@ -219,19 +219,21 @@ class Plugin:
         _make_shared_dir(Path(s.lock_dir))
         store = _open_store(s.state_dir)
         gpus, dra_gpus = split_gpus(config, gpus)
+        # Allocate's and prepare's writes are synced after they answer; what a power loss took
+        # is rebuilt at the first start of a boot (docs/contracts.md#durability).
+        syncer = self._syncer = DeferredSync(name="vgpu-sync")
+        syncer.register(store.flush)
+        syncer.start()
+        first_start = self._first_start_of_boot()
         if config.dra.enabled:
             try:
                 self._dra = DraRunner(
                     config, dra_gpus, s.node_name, store, version, s.lock_dir,
-                    s.cdi_spec_dir,
+                    s.cdi_spec_dir, syncer,
                 )  # fmt: skip
-                self._dra.start()
+                self._dra.start(rebuild=first_start)
             except (RuntimeError, OSError) as exc:
                 raise StartupError(f"DRA driver: {exc}", EXIT_NODE) from exc
-        # Allocate's writes are synced after it answers (docs/contracts.md#durability).
-        syncer = self._syncer = DeferredSync(name="vgpu-sync")
-        syncer.register(store.flush)
-        syncer.start()
         try:
             self.backend = VgpuBackend(
                 gpus, config, s.node_name, labels, store, version, s.lock_dir,
@@ -239,7 +241,8 @@ class Plugin:
             )  # fmt: skip
         except ListTooLargeError as exc:
             raise StartupError(str(exc), EXIT_CONFIG) from exc
-        self._rebuild_from_checkpoint()
+        if first_start and self._rebuild_from_checkpoint():
+            self._mark_boot()
         for g in self.backend.plan.gpus:
             log.info(
                 "GPU %d %s %s: %d slices of %d MiB, compute %d%%",
@@ -273,26 +276,42 @@ class Plugin:
         )
         self._cleaner.start(interval=min(10.0, max(0.5, s.cleanup_grace / 4)))
 
-    def _rebuild_from_checkpoint(self) -> None:
-        """Before the kubelet can start a container again: what a power loss took of an
-        allocation it keeps in its checkpoint is rebuilt (``kubelet/rebuild.py``). Only on
-        the first start since the node booted: without a reboot no write was lost, and the
-        checkpoint may still name allocations the cleanup removed (the kubelet drops a pod's
-        entries only at its next write), which must not come back."""
-        assert self.backend is not None
-        marker = self.settings.state_dir / BOOT_ID_FILE_NAME
+    def _first_start_of_boot(self) -> bool:
+        """Whether this is the first start since the node booted (the state dir's ``boot_id``
+        names another boot, or none): only then can a power loss have taken writes, and only
+        then are they rebuilt. Within one boot nothing was lost, and what is missing was
+        removed on purpose (the kubelet's checkpoint may still name allocations the cleanup
+        removed: the kubelet drops a pod's entries only at its next write), which must not
+        come back. True where the kernel does not say its boot."""
         boot = _boot_id()
         try:
-            last = marker.read_text().strip()
+            last = (self.settings.state_dir / BOOT_ID_FILE_NAME).read_text().strip()
         except OSError:
             last = None
-        if boot is not None and last == boot:
+        return boot is None or last != boot
+
+    def _mark_boot(self) -> None:
+        """Records this boot as the last start's: its rebuilds are done."""
+        boot = _boot_id()
+        if boot is None:
             return
+        marker = self.settings.state_dir / BOOT_ID_FILE_NAME
+        try:
+            write_atomically(marker, f"{boot}\n".encode(), 0o644)
+        except OSError as exc:
+            log.warning("cannot write %s: %s (the next start checks again)", marker, exc)
+
+    def _rebuild_from_checkpoint(self) -> bool:
+        """Before the kubelet can start a container again, at the first start of a boot:
+        what a power loss took of an allocation it keeps in its checkpoint is rebuilt
+        (``kubelet/rebuild.py``). False when the checkpoint cannot be read (the next start
+        checks again)."""
+        assert self.backend is not None
         try:
             entries = read_checkpoint(self.settings.device_plugin_dir)
         except CheckpointError as exc:
             log.warning("cannot check the allocations against the kubelet's checkpoint: %s", exc)
-            return
+            return False
         if entries:
             report = rebuild(self.backend, entries)
             log.info(
@@ -302,11 +321,7 @@ class Plugin:
                 len(report.rebuilt),
                 len(report.refused),
             )
-        if boot is not None:
-            try:
-                write_atomically(marker, f"{boot}\n".encode(), 0o644)
-            except OSError as exc:
-                log.warning("cannot write %s: %s (the next start checks again)", marker, exc)
+        return True
 
     def _resource_name(self) -> str:
         assert self.backend is not None

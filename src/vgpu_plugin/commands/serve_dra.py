@@ -20,6 +20,7 @@ from vgpu_plugin.core.devices import PhysicalGpu
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, device_facts
+from vgpu_plugin.node.host.atomicfile import DeferredSync
 from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
 from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.node.serving.kubeapi import ApiError, ClientMissing, KubeApi
@@ -53,6 +54,7 @@ class DraRunner:
         shim_version: str,
         lock_dir: str,
         cdi_spec_dir: str,
+        syncer: DeferredSync | None = None,
     ) -> None:
         try:
             api = KubeApi(API_TIMEOUT_S, os.environ.get("KUBECONFIG") or None)
@@ -67,7 +69,7 @@ class DraRunner:
             facts = {}
         self.driver = DraDriver(
             gpus, config, node_name, ClaimLedger(store), api, api, shim_version,
-            facts=facts, lock_dir=lock_dir, cdi_spec_dir=cdi_spec_dir,
+            facts=facts, lock_dir=lock_dir, cdi_spec_dir=cdi_spec_dir, syncer=syncer,
         )  # fmt: skip
         self.server = DraServer(
             self.driver,
@@ -78,7 +80,18 @@ class DraRunner:
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, rebuild: bool = False) -> None:
+        """``rebuild``: the first start since the node booted (``DraDriver.rebuild``, before
+        the driver registers)."""
+        if rebuild:
+            intact, rebuilt, refused = self.driver.rebuild()
+            log.info(
+                "first start since the node booted: of the prepared claims %d intact,"
+                " %d rebuilt, %d not rebuildable",
+                intact,
+                rebuilt,
+                refused,
+            )
         self.driver.recover()
         for g in self.driver.gpus:
             log.info("GPU %d %s %s: DRA", g.index, g.uuid, g.name)

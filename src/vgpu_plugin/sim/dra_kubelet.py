@@ -437,6 +437,13 @@ class FakeApiHttp:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Connections kept alive, as a real API server keeps the client's (HTTP/1.0 made
+            # every read a new connection and a new server thread: a cost no cluster has).
+            protocol_version = "HTTP/1.1"
+            # The headers and the body are two writes: Nagle would hold the body for the
+            # client's delayed ACK (40 ms) on a kept connection.
+            disable_nagle_algorithm = True
+
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 

@@ -12,7 +12,11 @@ share a claim share one limits file and one region: one limit for all of them.
 A claim is one record of the node's allocation ledger (``node/ledger/state.py``, through
 ``node/ledger/dra_claims.py``), in the lifecycle every allocation follows: recorded ``preparing``
 before its files are written, ``prepared`` (synced) before the answer, so a kubelet retry or a
-restarted plugin answers from the record without the API server; unprepare marks it
+restarted plugin answers from the record without the API server. With a ``DeferredSync`` (as
+``serve`` runs it) that record's ``fdatasync`` is the one sync before the answer: the limits
+file, the CDI spec and their dirs are synced after it, and what a power loss took of them is
+written again from the record (which holds the limits and paths) at the first start of a boot,
+before the driver registers (``rebuild``; docs/contracts.md#durability). Unprepare marks it
 ``releasing``, removes exactly what was made with the one remover (``hostfiles``) and drops
 it. A record a crash left ``preparing`` or ``releasing`` is finished at start (``recover``)
 or by the next call for its claim. While the record exists the cleanup's orphan sweep leaves
@@ -28,12 +32,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vgpu_plugin.core import cdi, defaults, dra
-from vgpu_plugin.core.allocation import container_spec
+from vgpu_plugin.core.allocation import ContainerSpec, container_spec
 from vgpu_plugin.core.config import Config
 from vgpu_plugin.core.devices import PhysicalGpu
-from vgpu_plugin.core.grant import Amount, InvalidRequest, grant_amounts
+from vgpu_plugin.core.grant import Amount, GpuGrant, Grant, InvalidRequest, grant_amounts
 from vgpu_plugin.kubelet.dra.health import DeviceHealth
-from vgpu_plugin.node.host.hostfiles import remove_allocation, write_allocation
+from vgpu_plugin.node.host.atomicfile import DeferredSync
+from vgpu_plugin.node.host.hostfiles import (
+    allocation_paths,
+    remove_allocation,
+    restore_allocation,
+    write_allocation,
+)
 from vgpu_plugin.node.ledger.dra_claims import ClaimLedger, PreparedClaim, PreparedDevice, claim_of
 from vgpu_plugin.node.ledger.state import PREPARED, PREPARING, RELEASING, AllocationRecord
 from vgpu_plugin.node.serving.kubeapi import ApiError, ClaimReader, SlicePublisher
@@ -67,8 +77,12 @@ class DraDriver:
         lock_dir: str = defaults.LOCK_DIR,
         cdi_spec_dir: str = cdi.SPEC_DIR,
         clock: Callable[[], float] = time.time,
+        syncer: DeferredSync | None = None,
     ) -> None:
         self._gpus = tuple(sorted(gpus, key=lambda g: g.index))
+        # None: a claim's files are synced before its answer; else the syncer syncs them after
+        # (the ``prepared`` record is synced first either way).
+        self._syncer = syncer
         self._config = config
         self._node = node_name
         self._claims = claims
@@ -285,14 +299,7 @@ class DraDriver:
             grant = grant_amounts(self._gpus, amounts, aid, self._config.dra.compute_limit)
         except InvalidRequest as exc:
             raise dra.ClaimError(f"claim {claim.namespace}/{claim.name}: {exc}") from exc
-        spec = container_spec(
-            grant,
-            self._config.host_root,
-            self._shim_version,
-            self._lock_dir,
-            (cdi.CDI_CRI,),
-            self._config.driver_memory_limit,
-        )
+        spec = self._container_spec(grant)
         shim_device = spec.cdi_devices[-1]
         devices = []
         for i, r in enumerate(results):
@@ -316,11 +323,89 @@ class DraDriver:
             # Not synced: the process's death keeps it; after a power loss the files are
             # orphans the sweep removes. The ``prepared`` record's sync covers it.
             self._claims.put(prepared, PREPARING, sync=False)
-            write_allocation(spec, aid, self._cdi_spec_dir)  # all or nothing
+            # All or nothing. With the syncer, synced after the answer: the ``prepared``
+            # record, synced before it, is what ``rebuild`` writes them again from.
+            write_allocation(spec, aid, self._cdi_spec_dir, durable=self._syncer is None)
         except OSError as exc:
             self._forget(aid)
             raise ValueError(f"cannot prepare the claim's files on the host: {exc}") from exc
+        if self._syncer is not None:
+            files, dirs = allocation_paths(spec, aid, self._cdi_spec_dir)
+            self._syncer.note(files, dirs)
         return prepared
+
+    def _container_spec(self, grant: Grant) -> ContainerSpec:
+        """A claim's files and CDI device: the device plugin's builder, the CDI strategy."""
+        return container_spec(
+            grant,
+            self._config.host_root,
+            self._shim_version,
+            self._lock_dir,
+            (cdi.CDI_CRI,),
+            self._config.driver_memory_limit,
+        )
+
+    def rebuild(self) -> tuple[int, int, int]:
+        """At the first start after the node booted, before registering with the kubelet:
+        what a power loss took of a prepared claim's files before the syncer made them
+        durable (a limits file missing or torn, the region dir, a CDI spec missing or torn)
+        is written again from the claim's record, which was synced before the kubelet got
+        its answer (and the kubelet never prepares that claim again). Only ``prepared``
+        records: one ``preparing`` or ``releasing`` is ``recover``'s. One warning line per
+        claim rebuilt, one error line per claim that cannot be (the rest goes on). Returns
+        (intact, rebuilt, not rebuildable)."""
+        intact = rebuilt = refused = 0
+        with self._lock:
+            for r in self._claims.records():
+                if r.state != PREPARED:
+                    continue
+                try:
+                    claim = claim_of(r)
+                    done = restore_allocation(
+                        self._spec_of(claim), claim.allocation_id, self._cdi_spec_dir
+                    )
+                except (OSError, ValueError) as exc:
+                    refused += 1
+                    log.error(
+                        "cannot rebuild the files of claim %s/%s: %s",
+                        r.claim_namespace,
+                        r.claim_name,
+                        exc,
+                        extra={"allocation_id": r.allocation_id, "claim_uid": r.claim_uid},
+                    )
+                    continue
+                if not done:
+                    intact += 1
+                    continue
+                rebuilt += 1
+                log.warning(
+                    "rebuilt claim %s/%s from its record: %s (lost to a power loss before"
+                    " they were synced)",
+                    claim.namespace,
+                    claim.name,
+                    ", ".join(done),
+                    extra={"allocation_id": claim.allocation_id, "claim_uid": claim.uid},
+                )
+        return intact, rebuilt, refused
+
+    def _spec_of(self, claim: PreparedClaim) -> ContainerSpec:
+        """The files ``_prepare`` wrote for ``claim``, from its record and the config now in
+        force; ValueError when they cannot be the same (a GPU gone, another host root)."""
+        if not claim.limits:
+            raise ValueError("its record holds no limits")
+        gpus = []
+        for limit in claim.limits:
+            gpu = next((g for g in self._gpus if g.uuid == limit.uuid), None)
+            if gpu is None:
+                raise ValueError(f"its GPU {limit.uuid} is not one of this driver's any more")
+            gpus.append(GpuGrant(gpu=gpu, slice_ids=(), limit=limit))
+        spec = self._container_spec(Grant(claim.allocation_id, tuple(gpus), oversubscribed=False))
+        if (spec.limits_path, spec.allocation_dir) != (claim.limits_path, claim.allocation_dir):
+            raise ValueError(
+                f"its files ({claim.limits_path}, {claim.allocation_dir}) are not where the"
+                f" config's host root {self._config.host_root} puts them"
+            )
+        return spec
 
     def unprepare(self, claim: ClaimRef) -> None:
         """Remove the claim's files and record; a claim never prepared here is fine. OSError

@@ -32,7 +32,8 @@ def write_spec(
     nothing is synced (``atomicfile.write_atomically``)."""
     path = spec_path(spec_dir, allocation_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = (json.dumps(spec, indent=1) + "\n").encode()
+    # One line: the C encoder (``indent`` takes the pure-Python one, ~0.4 ms a spec).
+    data = (json.dumps(spec) + "\n").encode()
     write_atomically(path, data, 0o644, sync_dir, durable)
     return path
 

@@ -4,13 +4,15 @@ strategies and DRA, the CDI spec (docs/contracts.md#mounts, #device-lists)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 from vgpu_plugin.core.allocation import ContainerSpec
 from vgpu_plugin.node.host import cdi as cdi_files
-from vgpu_plugin.node.host.atomicfile import write_atomically
+from vgpu_plugin.node.host.atomicfile import fsync_dir, write_atomically
 from vgpu_plugin.node.host.rmtree import remove_tree
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,48 @@ def allocation_paths(
         files.append(path)
         dirs.append(path.parent)
     return files, dirs
+
+
+def restore_allocation(
+    spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path
+) -> list[str]:
+    """Writes again, synced, what a power loss took of ``write_allocation``'s files for
+    ``spec`` (written unsynced and not synced yet): a limits file missing or not ``spec``'s
+    (torn: a renamed file whose data never reached the disk reads empty), a region dir
+    missing or not 0777, a CDI spec missing or not a whole JSON object (torn). What is
+    intact is left as it is: a CDI spec that reads whole is never rewritten. Returns what
+    it wrote; OSError when it cannot."""
+    done: list[str] = []
+    limits = Path(spec.limits_path)
+    text = spec.limits_text.encode()
+    try:
+        intact = limits.read_bytes() == text
+    except FileNotFoundError:
+        intact = False
+    if not intact:
+        limits.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(limits, text, 0o644)
+        done.append("limits file")
+    alloc_dir = Path(spec.allocation_dir)
+    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
+        alloc_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
+        fsync_dir(alloc_dir.parent)
+        done.append("region dir")
+    if spec.cdi_spec is not None:
+        path = cdi_files.spec_path(cdi_spec_dir, allocation_id)
+        if not _whole_json(path):
+            cdi_files.write_spec(cdi_spec_dir, allocation_id, spec.cdi_spec)
+            done.append("CDI spec")
+    return done
+
+
+def _whole_json(path: Path) -> bool:
+    """Whether ``path`` holds a whole JSON object (a torn file is empty or zeros)."""
+    try:
+        return isinstance(json.loads(path.read_bytes()), dict)
+    except (FileNotFoundError, ValueError):  # UnicodeDecodeError is a ValueError
+        return False
 
 
 def remove_allocation(

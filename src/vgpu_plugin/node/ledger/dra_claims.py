@@ -241,12 +241,12 @@ class ClaimLedger:
         self.store.remove(allocation_id)
 
     def all(self) -> list[PreparedClaim]:
-        return prepared_claims(self.store.all())
+        return prepared_claims(self.store.of_front_end(DRA))
 
     def records(self) -> list[AllocationRecord]:
         """Every DRA record, whatever its state, oldest first."""
-        return [r for r in self.store.all() if r.front_end == DRA]
+        return self.store.of_front_end(DRA)
 
     def unfinished(self) -> list[AllocationRecord]:
         """DRA records a crash left half-way (``preparing`` or ``releasing``)."""
-        return [r for r in self.store.all() if r.front_end == DRA and r.state != PREPARED]
+        return [r for r in self.store.of_front_end(DRA) if r.state != PREPARED]

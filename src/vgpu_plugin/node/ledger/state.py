@@ -525,6 +525,9 @@ class AllocationStore:
         self._entries = 0
         self._records: dict[str, AllocationRecord] = {}
         self._sorted: list[AllocationRecord] | None = None
+        # The records of each front end but the device plugin's, kept with ``_records`` (None:
+        # built again when next asked for): a DRA prepare reads its few claims, not the ledger.
+        self._others: dict[str, AllocationRecord] | None = None
         # Group commit: add_many's batches waiting for the next writer to hold the lock.
         self._queue_lock = threading.Lock()
         self._pending: list[_Batch] = []
@@ -601,6 +604,8 @@ class AllocationStore:
                 return False
             self._append([delete_entry(allocation_id)])
             del self._records[allocation_id]
+            if self._others is not None:
+                self._others.pop(allocation_id, None)
             self._drop_sorted(allocation_id)
             self._maybe_compact()
             return True
@@ -615,6 +620,17 @@ class AllocationStore:
             if self._sorted is None:
                 self._sorted = _sorted(self._records.values())
             return list(self._sorted)
+
+    def of_front_end(self, front_end: str) -> list[AllocationRecord]:
+        """The records of ``front_end`` (not the device plugin's), oldest first: costs what
+        that front end holds, however many records the device plugin has."""
+        if front_end == DEVICE_PLUGIN:
+            raise ValueError("of_front_end is for the front ends beside the device plugin")
+        with self._locked():
+            if self._others is None:
+                others = (r for r in self._records.values() if r.front_end != DEVICE_PLUGIN)
+                self._others = {r.allocation_id: r for r in others}
+            return _sorted(r for r in self._others.values() if r.front_end == front_end)
 
     def flush(self) -> None:
         """Make every append so far durable (``add_many(sync=False)``'s), holding the lock only
@@ -687,6 +703,11 @@ class AllocationStore:
         for from the newest end); otherwise the list is sorted again when next asked for."""
         old = self._records.get(r.allocation_id)
         self._records[r.allocation_id] = r
+        if self._others is not None:
+            if r.front_end != DEVICE_PLUGIN:
+                self._others[r.allocation_id] = r
+            else:
+                self._others.pop(r.allocation_id, None)
         ordered = self._sorted
         if ordered is None:
             return
@@ -747,7 +768,7 @@ class AllocationStore:
     def _reload(self) -> None:
         """Read the journal from the start (another process rewrote it, or at start)."""
         self._close_fd()
-        self._records, self._sorted = {}, None
+        self._records, self._sorted, self._others = {}, None, None
         self._offset = self._entries = 0
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
@@ -774,7 +795,7 @@ class AllocationStore:
         size = os.fstat(self._fd).st_size
         found = scan(os.pread(self._fd, size - self._offset, self._offset), self._offset)
         apply(self._records, found.changes)
-        self._sorted = None
+        self._sorted = self._others = None
         self._entries += found.entries
         self._offset = found.end
         if found.damage:
@@ -819,7 +840,7 @@ class AllocationStore:
         self._offset, self._entries = len(data), len(records)
         self._unsynced = False  # written and synced whole
         self._records = {r.allocation_id: r for r in records}
-        self._sorted = None
+        self._sorted = self._others = None
 
     def _maybe_compact(self) -> None:
         if self._entries - len(self._records) > max(self.compact_min, len(self._records)):

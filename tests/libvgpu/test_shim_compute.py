@@ -91,8 +91,7 @@ def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[fl
     return [100.0 * got.get(p, 0) / (b - a) for p in pids]
 
 
-BUSY_STEP = 50 * MS  # containers side by side (time-sliced: one kernel every ~16 ms at 25 %)
-WINDOW_STEP = 20 * MS  # a launcher alone on its GPU (gpu_windows)
+BUSY_STEP = 50 * MS
 
 
 def busy_steps(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[dict[int, int]]:
@@ -133,14 +132,12 @@ def gpu_windows(
     from one second after all of them started running (the warm-up) to the end of their
     work, less the last 200 ms (kernels in flight at the end); at least two windows.
 
-    Each second counts only its 20 ms steps in which the processes were busy (some of their
-    work ran there and in the steps beside it): a launcher the loaded host does not schedule
-    for longer than its bucket's 40 ms is not launching, and the time it does not ask for is
-    not the pacing's to give (a second with less than half of it busy is left out). A paced
-    launcher alone on its GPU leaves it idle at most one kernel's debt at its rate (5 ms at
-    30 %: 12 ms) at a time; a stop of the host longer than two steps leaves one empty, and
-    with its neighbours the whole of it goes (at 50 ms, a 60 - 100 ms stop that straddled two
-    steps was counted: 68.5 % for 75)."""
+    Each second counts only its 50 ms steps in which the processes were busy: their work
+    ran there for at least half as long as in the median step, and so in the steps beside
+    it. A launcher the loaded host does not schedule for longer than its bucket's 40 ms is
+    not launching, and the time it does not ask for is not the pacing's to give (a second
+    with less than half of it busy is left out). A 60 - 100 ms stop that straddled two
+    steps, with some work in each, was counted with "any work" (68.5 % for 75)."""
     for p in procs:
         if p.returncode is None:
             r = finish(p, timeout=120)
@@ -149,13 +146,19 @@ def gpu_windows(
     a, b = all_running(shim.node, pids, t0, time.monotonic_ns(), gpu)
     a = max(a + SECOND, shim.node.recorded_since(gpu))
     n = (b - 200 * MS - a) // SECOND
+    per_step = SECOND // BUSY_STEP
+    used = [sum(s.values()) for s in timeline(shim.node, pids, a, a + n * SECOND, BUSY_STEP, gpu)]
+    typical = sorted(used)[len(used) // 2]
+    idle = [u * 2 < typical for u in used]
     got = []
     for k in range(n):
-        steps = timeline(shim.node, pids, a + k * SECOND, a + (k + 1) * SECOND, WINDOW_STEP, gpu)
-        idle = [sum(s.values()) == 0 for s in steps]
-        busy = [s for i, s in enumerate(steps) if not any(idle[max(0, i - 1) : i + 2])]
-        if 2 * len(busy) >= len(steps):
-            got.append(100.0 * sum(sum(s.values()) for s in busy) / (len(busy) * WINDOW_STEP))
+        busy = [
+            used[i]
+            for i in range(k * per_step, (k + 1) * per_step)
+            if not any(idle[max(0, i - 1) : i + 2])
+        ]
+        if 2 * len(busy) >= per_step:
+            got.append(100.0 * sum(busy) / (len(busy) * BUSY_STEP))
     assert len(got) >= 2, (a, b, n, got)
     return got
 

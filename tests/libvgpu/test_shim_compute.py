@@ -136,7 +136,7 @@ def gpu_windows(
     ran there for at least half as long as in the median step, and so in the steps beside
     it. A launcher the loaded host does not schedule for longer than its bucket's 40 ms is
     not launching, and the time it does not ask for is not the pacing's to give (a second
-    with less than half of it busy is left out). A 60 - 100 ms stop that straddled two
+    with less than a quarter of it busy, 250 ms, is left out). A 60 - 100 ms stop that straddled two
     steps, with some work in each, was counted with "any work" (68.5 % for 75)."""
     for p in procs:
         if p.returncode is None:
@@ -157,7 +157,7 @@ def gpu_windows(
             for i in range(k * per_step, (k + 1) * per_step)
             if not any(idle[max(0, i - 1) : i + 2])
         ]
-        if 2 * len(busy) >= per_step:
+        if 4 * len(busy) >= per_step:
             got.append(100.0 * sum(busy) / (len(busy) * BUSY_STEP))
     assert len(got) >= 2, (a, b, n, got)
     return got

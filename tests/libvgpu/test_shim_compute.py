@@ -136,8 +136,9 @@ def gpu_windows(
     ran there for at least half as long as in the median step, and so in the steps beside
     it. A launcher the loaded host does not schedule for longer than its bucket's 40 ms is
     not launching, and the time it does not ask for is not the pacing's to give (a second
-    with less than a quarter of it busy, 250 ms, is left out). A 60 - 100 ms stop that straddled two
-    steps, with some work in each, was counted with "any work" (68.5 % for 75)."""
+    with less than a quarter of it busy, 250 ms, is left out). A 60 - 100 ms stop that
+    straddled two steps, with some work in each, was counted with "any work" (68.5 % for
+    75)."""
     for p in procs:
         if p.returncode is None:
             r = finish(p, timeout=120)

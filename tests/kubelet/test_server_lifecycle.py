@@ -512,6 +512,33 @@ def test_a_stream_the_kubelet_ends_is_registered_again(
     assert len(kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=30)) == 4
 
 
+def test_a_stream_ended_before_the_register_answer_arrives_is_registered_again(
+    backend: FakeBackend, plugin_dir: Path
+) -> None:
+    """The kubelet opens the stream before it answers Register, so it can end that stream
+    before the answer reaches the plugin (a loaded host that delays the plugin's supervisor,
+    as test_a_stream_the_kubelet_ends_is_registered_again did once at load 10). That end is
+    the new registration's, not an older one's: the plugin registers again. Taking the
+    answer for a fresh start, it forgot the end and left the node at capacity 0."""
+
+    def drop_before_answering(registration: Registration) -> None:
+        if len(kubelet.registrations) == 1:
+            kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=WAIT)
+            kubelet.disconnect(RESOURCE)
+            time.sleep(0.5)  # the plugin sees its stream end before the answer
+
+    kubelet = KubeletEmulator(plugin_dir, before_answer=drop_before_answering)
+    with kubelet:
+        server = DevicePluginServer(backend, RESOURCE, plugin_dir, poll_interval=0.05)
+        server.start()
+        try:
+            regs = kubelet.wait_registrations(2, timeout=WAIT)
+            assert regs[0].endpoint == regs[1].endpoint
+            assert len(kubelet.wait_devices(RESOURCE, lambda d: len(d) == 4, timeout=WAIT)) == 4
+        finally:
+            server.stop(grace=0.2)
+
+
 def test_a_rolling_update_with_surge_keeps_the_devices(
     kubelet: KubeletEmulator, backend: FakeBackend, plugin_dir: Path
 ) -> None:

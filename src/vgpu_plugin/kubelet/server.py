@@ -338,6 +338,9 @@ class DevicePluginServer:
                 )
                 need_serve = self._own_gone()
                 continue
+            # Streams the kubelet opens for this registration are numbered above the mark,
+            # even one that ends before its answer reaches us (an older one's end is not ours).
+            mark = self._service.streams_opened()
             try:
                 self._register()
             except grpc.RpcError as err:
@@ -358,12 +361,11 @@ class DevicePluginServer:
                 need_serve = self._own_gone()
                 continue
             backoff = self._backoff_initial
-            self._service.dropped.clear()
             self._on_registered(kubelet)
-            self._poll_until(functools.partial(self._restart_or_dropped, kubelet))
+            self._poll_until(functools.partial(self._restart_or_dropped, kubelet, mark))
             self._registered.clear()
             self._detector.disarm()
-            if self._restart_reason is None and self._service.dropped.is_set():
+            if self._restart_reason is None and self._service.dropped_since(mark):
                 log.info(
                     "the kubelet ended the ListAndWatch stream of %s and no other instance "
                     "serves it: registering again",
@@ -395,14 +397,15 @@ class DevicePluginServer:
         if self.hooks.on_register is not None:
             self.hooks.on_register(path.name)
 
-    def _restart_or_dropped(self, kubelet: FileId) -> bool:
-        return self._restart_seen() or self._dropped_alone(kubelet)
+    def _restart_or_dropped(self, kubelet: FileId, mark: int) -> bool:
+        return self._restart_seen() or self._dropped_alone(kubelet, mark)
 
-    def _dropped_alone(self, kubelet: FileId) -> bool:
-        """The kubelet ended our stream while it still serves, the same kubelet (a restart
-        is the detector's), and no other live instance of ours serves the resource (a newer
-        one that took over, or an older one still stopping): registering again is ours."""
-        if not self._service.dropped.is_set() or self._own_gone():
+    def _dropped_alone(self, kubelet: FileId, mark: int) -> bool:
+        """The kubelet ended the stream of our latest registration (one opened after
+        ``mark``) while it still serves, the same kubelet (a restart is the detector's), and
+        no other live instance of ours serves the resource (a newer one that took over, or an
+        older one still stopping): registering again is ours."""
+        if not self._service.dropped_since(mark) or self._own_gone():
             return False
         if file_id(self.kubelet_socket) != kubelet or not _answers(self.kubelet_socket):
             return False

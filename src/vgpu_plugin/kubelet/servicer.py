@@ -138,10 +138,15 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self._streams = streams or StreamSlots(DEFAULT_MAX_STREAMS)
         # Set by a stop that takes the devices off the node: streams send an empty list.
         self.withdrawn = threading.Event()
-        # Set when a stream ends while we serve on: the kubelet let go of this endpoint (a
-        # kubelet disconnects the resource's current plugin when an older instance's stream
-        # ends, as in a rolling update with surge). The server registers again.
-        self.dropped = threading.Event()
+        # Streams are numbered as they open; a stream that ends while we serve on means the
+        # kubelet let go of this endpoint (a kubelet disconnects the resource's current
+        # plugin when an older instance's stream ends, as in a rolling update with surge),
+        # and the server registers again. By number, so that the server counts only the
+        # streams of its latest registration, whenever their end is noticed: the kubelet
+        # opens one before it answers Register, so it may end before the answer arrives.
+        self._numbers = threading.Lock()
+        self._opened = 0
+        self._dropped = 0  # the highest number of a stream that ended while we serve on
         self._sent_empty = 0
         self._sent_cond = threading.Condition()
 
@@ -186,13 +191,17 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 f"{self._streams.limit} ListAndWatch streams are open, the limit",
             )
             return
+        with self._numbers:
+            self._opened += 1
+            number = self._opened
         ended = threading.Event()
 
         def on_end() -> None:
             ended.set()
             release()
             if not self._stopping.is_set() and not self.withdrawn.is_set():
-                self.dropped.set()
+                with self._numbers:
+                    self._dropped = max(self._dropped, number)
             self._feed.poke()
 
         context.add_callback(on_end)
@@ -222,6 +231,17 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                         return
         finally:
             release()
+
+    def streams_opened(self) -> int:
+        """How many ListAndWatch streams were opened so far: the mark to pass dropped_since."""
+        with self._numbers:
+            return self._opened
+
+    def dropped_since(self, mark: int) -> bool:
+        """Whether a stream opened after ``mark`` (streams_opened before a Register) ended
+        while we serve on."""
+        with self._numbers:
+            return self._dropped > mark
 
     def withdraw(self, timeout: float) -> int:
         """Sends every open stream an empty device list and ends it; returns how many were

@@ -136,6 +136,17 @@ def test_the_publisher_writes_each_containers_window_and_removes_what_it_made(
     assert sorted(os.listdir(tmp_path / "containers")) == ["other"]
 
 
+def test_records_an_earlier_run_left_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    containers = tmp_path / "containers"
+    containers.mkdir()
+    for name in ("old.gputime", "live.gputime", "old.pace", ".x.gputime"):
+        (containers / name).write_bytes(b"x")
+    (containers / "old").mkdir()
+    pub = GpuTimePublisher(tmp_path, FakeDriver().read, owners({}))
+    pub.publish({"live": {"GPU-1"}})
+    assert sorted(os.listdir(containers)) == [".x.gputime", "live.gputime", "old", "old.pace"]
+
+
 def test_proc_owner_reads_the_pids_mountinfo(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     for name, text in (("self", HOST), ("42", CONTAINER_A), ("43", HOST)):

@@ -216,6 +216,7 @@ class GpuTimePublisher:
         self._wall_us = wall_us
         self._since: dict[str, tuple[int, int]] = {}  # per GPU: wall us, monotonic ns
         self._published: set[str] = set()
+        self._swept = False
 
     def publish(self, allocations: Mapping[str, Collection[str]]) -> None:
         """``allocations``: each guaranteed container's GPUs (UUIDs). The first call per GPU
@@ -242,6 +243,8 @@ class GpuTimePublisher:
         for alloc, items in per_alloc.items():
             if items:
                 self._write(alloc, items[:MAX_DEVICES])
+        if not self._swept:
+            self._sweep(set(allocations))
         for gone in self._published - set(allocations):
             self._remove(gone)
         for uuid in set(self._since) - set(gpus):
@@ -260,6 +263,24 @@ class GpuTimePublisher:
             tmp.unlink(missing_ok=True)
             return
         self._published.add(alloc)
+
+    def _sweep(self, live: set[str]) -> None:
+        """Once: the records an earlier run left (a crash, a kill) for allocations no longer
+        live; only names of this module's making (``<allocation id>.gputime``)."""
+        self._swept = True
+        try:
+            names = os.listdir(self._root / "containers")
+        except OSError:
+            return
+        for name in names:
+            alloc = name[: -len(SUFFIX)]
+            if not name.endswith(SUFFIX) or alloc in live:
+                continue
+            try:
+                check_allocation_id(alloc)
+            except ValueError:
+                continue
+            self._published.add(alloc)  # removed below, as one of ours
 
     def _remove(self, alloc: str) -> None:
         self._published.discard(alloc)

@@ -54,7 +54,9 @@
 #define PEER_TOP_ENTRIES 4096      /* entries of peers_dir looked at */
 #define PEER_DIR_ENTRIES 64        /* entries of one container's directory looked at */
 #define SCALE_ONE 1000             /* the private rate's scale: per mille */
-#define SCALE_MIN 20               /* never below 2 % of the rate: a process always progresses */
+#define SCALE_MIN 4                /* 0.4 % of the rate at least: a process always progresses,
+                                    * and up to 250 forging processes are still held (region.h's
+                                    * 256 slots) */
 #define SCALE_DEADBAND 10          /* per mille of the GPU over the rate that is not acted on */
 #define GPUTIME_MAGIC "VGPUGPT"
 #define GPUTIME_VERSION 1u
@@ -175,7 +177,7 @@ struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent, int req) 
 struct own_budget {
     struct vgpu_pace_dev b;
     int scale;           /* per mille of the rate this process may use (relaxed) */
-    uint64_t applied_ns; /* when the scale last changed: windows ending before are not used */
+    uint64_t applied_ns; /* when the scale last changed: windows that began before are not used */
 };
 
 struct vgpu_pace_dev *vgpu_pace_private(void) {

@@ -9,8 +9,8 @@ utilisation of each GPU that has guaranteed containers, attributes each node pid
 container whose limits file is bind-mounted in the pid's mount namespace (the kernel's
 ``/proc/<pid>/mountinfo``: that file's device and path, which a tenant cannot mount for
 another container, seeing no other's; a region's process slots are the tenant's to write
-and are not used), sums each container's share of
-the window, and replaces ``<root>/containers/<id>.gputime``. Containers see that directory
+and are not used), sums each container's share of the window, and replaces
+``<root>/containers/<id>.gputime``. Containers see that directory
 only through the read-only peers mount (``/etc/vgpu/peers/<id>.gputime``), beside, not in,
 their own writable directory; the shim finds it by the allocation its read-only limits file
 names, and scales its processes' private rate so the container together keeps to its rate

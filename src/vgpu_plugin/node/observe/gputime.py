@@ -196,6 +196,10 @@ def proc_owner(
     return owner
 
 
+def _nobody(_pid: int) -> str | None:
+    return None
+
+
 class GpuTimePublisher:
     """Publishes each guaranteed container's measured share per GPU every call of
     ``publish``. ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside
@@ -222,7 +226,9 @@ class GpuTimePublisher:
         """``allocations``: each guaranteed container's GPUs (UUIDs). The first call per GPU
         only starts its window."""
         gpus = sorted({u for uuids in allocations.values() for u in uuids})
-        owner = self._owner_of(self._root / "limits", list(allocations))
+        owner: PidOwner = _nobody
+        if gpus:  # the node's mounts are read only where there is something to attribute
+            owner = self._owner_of(self._root / "limits", list(allocations))
         per_alloc: dict[str, list[GpuShare]] = {a: [] for a in allocations}
         for uuid in gpus:
             wall, now = self._wall_us(), self._clock()

@@ -147,6 +147,24 @@ def test_records_an_earlier_run_left_are_removed_and_nothing_else(tmp_path: Path
     assert sorted(os.listdir(containers)) == [".x.gputime", "live.gputime", "old", "old.pace"]
 
 
+def test_a_plugin_that_cannot_see_the_nodes_pids_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "containers").mkdir()
+    driver = FakeDriver()
+    driver.samples["GPU-1"] = [(4242, 50)]
+    pub = GpuTimePublisher(tmp_path, driver.read, owners({}), pid_visible=lambda pid: False)
+    for _ in range(3):
+        pub.publish({"a": {"GPU-1"}})
+    said = [r for r in caplog.records if "pid namespace" in r.getMessage()]
+    assert len(said) == 1 and "hostPID" in said[0].getMessage()
+    seen = GpuTimePublisher(tmp_path, driver.read, owners({}), pid_visible=lambda pid: True)
+    caplog.clear()
+    for _ in range(3):
+        seen.publish({"a": {"GPU-1"}})
+    assert not [r for r in caplog.records if "pid namespace" in r.getMessage()]
+
+
 def test_proc_owner_reads_the_pids_mountinfo(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     for name, text in (("self", HOST), ("42", CONTAINER_A), ("43", HOST)):

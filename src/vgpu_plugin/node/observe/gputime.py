@@ -212,6 +212,7 @@ class GpuTimePublisher:
         owner_of: Callable[[Path, Collection[str]], PidOwner] = proc_owner,
         clock: Callable[[], int] = time.monotonic_ns,
         wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
+        pid_visible: Callable[[int], bool] = lambda pid: os.path.exists(f"/proc/{pid}"),
     ) -> None:
         self._root = Path(host_root)
         self._read = read_samples
@@ -221,6 +222,8 @@ class GpuTimePublisher:
         self._since: dict[str, tuple[int, int]] = {}  # per GPU: wall us, monotonic ns
         self._published: set[str] = set()
         self._swept = False
+        self._pid_visible = pid_visible
+        self._warned = False
 
     def publish(self, allocations: Mapping[str, Collection[str]]) -> None:
         """``allocations``: each guaranteed container's GPUs (UUIDs). The first call per GPU
@@ -243,6 +246,15 @@ class GpuTimePublisher:
                 continue
             start = max(last[1], now - MAX_WINDOW_NS)
             shares = container_shares(samples, owner)
+            if samples and not self._warned and not any(self._pid_visible(p) for p, _ in samples):
+                self._warned = True
+                log.warning(
+                    "no process NVML lists on GPU %s is in this process's pid namespace: the "
+                    "GPU time of guaranteed containers cannot be attributed, and a container "
+                    "of several processes is paced as without it (the plugin needs the node's "
+                    "pids: hostPID; docs/security.md#compute-guarantees)",
+                    uuid,
+                )
             for alloc, uuids in allocations.items():
                 if uuid in uuids:
                     per_alloc[alloc].append(GpuShare(uuid, shares.get(alloc, 0), start, now))

@@ -15,6 +15,7 @@ import test_shim_invariant as invariant
 import test_shim_late_contexts as late
 import test_shim_loading as loading
 import test_shim_memory as memory
+import test_shim_multiproc as multiproc
 import test_shim_views as views
 from test_shim_helpers import Shim
 
@@ -143,6 +144,13 @@ def test_guaranteed_launches(asan_tree: Path, tmp_path: Path) -> None:
 # Time-slicing: the peers' queued work read and each kernel charged its share of the GPU.
 def test_guaranteed_launches_time_sliced(asan_tree: Path, tmp_path: Path) -> None:
     guarantee.test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
+        asan_tree, tmp_path
+    )
+
+
+# The driver's measure of the container read and the private rates scaled by it.
+def test_guaranteed_launches_of_several_processes(asan_tree: Path, tmp_path: Path) -> None:
+    multiproc.test_a_container_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
         asan_tree, tmp_path
     )
 

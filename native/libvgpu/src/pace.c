@@ -20,7 +20,14 @@
  * are set aside, never below its own guarantee, never above its cap. Nothing a container
  * writes can lower a peer's rate below that peer's guarantee (a peer's rate comes from its
  * own read-only limits and records only others can write), and its own records only bear on
- * what it lends (security.md). */
+ * what it lends (security.md).
+ *
+ * The private budget holds one process, not the container: a tenant that keeps its shared
+ * file full gets its rate once per process. So the node agent measures each container's GPU
+ * time with the driver (per-process utilisation, attributed by the container's mounts) and
+ * publishes it read-only beside the peers (<peers_dir>/<allocation>.gputime, node/observe/
+ * gputime.py); each process scales its private rate by what that measure says the container
+ * took beyond its rate (gputime_scale). Absent or stale: the private rate is the whole rate. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -46,6 +53,15 @@
 #define PEER_MAX 128               /* pacing files read (containers of the node, on any GPU) */
 #define PEER_TOP_ENTRIES 4096      /* entries of peers_dir looked at */
 #define PEER_DIR_ENTRIES 64        /* entries of one container's directory looked at */
+#define SCALE_ONE 1000             /* the private rate's scale: per mille */
+#define SCALE_MIN 4                /* 0.4 % of the rate at least: a process always progresses,
+                                    * and up to 250 forging processes are still held (region.h's
+                                    * 256 slots) */
+#define SCALE_DEADBAND 10          /* per mille of the GPU over the rate that is not acted on */
+#define GPUTIME_MAGIC "VGPUGPT"
+#define GPUTIME_VERSION 1u
+#define GPUTIME_READ_NS 40000000ull /* the node agent's record is read once per window at most */
+#define GPUTIME_STALE_NS 5000000000ull /* older than this: the agent is gone, today's pacing */
 
 struct vgpu_pace_dev {
     char uuid[VGPU_UUID_SIZE];
@@ -156,7 +172,20 @@ struct vgpu_pace_dev *vgpu_pace_attach(const char *uuid, int *percent, int req) 
     return own;
 }
 
-struct vgpu_pace_dev *vgpu_pace_private(void) { return calloc(1, sizeof(struct vgpu_pace_dev)); }
+/* A process's private bucket and the scale of its rate (per mille) that the driver's measure
+ * of its container set (gputime_scale); d->own points at `b`, its first member. */
+struct own_budget {
+    struct vgpu_pace_dev b;
+    int scale;           /* per mille of the rate this process may use (relaxed) */
+    uint64_t applied_ns; /* when the scale last changed: windows that began before are not used */
+};
+
+struct vgpu_pace_dev *vgpu_pace_private(void) {
+    struct own_budget *o = calloc(1, sizeof *o);
+    if (!o) return NULL;
+    o->scale = SCALE_ONE;
+    return &o->b;
+}
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;
@@ -301,6 +330,89 @@ int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo) {
     return share > solo ? share : solo;
 }
 
+/* --- the driver's measure of this container (node/observe/gputime.py) -----------------------
+ * One GPU of the record: the container's share of the GPU (per mille) in the window
+ * [start_ns, end_ns] of CLOCK_MONOTONIC, as the driver's per-process utilisation gave it. */
+struct gputime_dev {
+    char uuid[VGPU_UUID_SIZE];
+    uint32_t share;
+    uint32_t reserved;
+    uint64_t start_ns;
+    uint64_t end_ns;
+};
+
+struct gputime_file {
+    char magic[8];
+    uint32_t version;
+    uint32_t count;
+    uint64_t size;
+    uint64_t reserved;
+    struct gputime_dev dev[VGPU_MAX_DEVICES];
+};
+
+_Static_assert(sizeof(struct gputime_dev) == 104 && offsetof(struct gputime_file, dev) == 32,
+               "the record's layout is a contract (docs/contracts.md)");
+_Static_assert(offsetof(struct own_budget, b) == 0, "d->own is the budget's first member");
+
+/* The last record read (g_peers.mu held), and when it was read. */
+static struct gputime_file g_gt;
+static int g_gt_ok;
+static uint64_t g_gt_read_ns;
+
+/* Re-opened each read: the agent replaces the file whole (rename). Its path is the host's
+ * read-only mount and the allocation of the read-only limits file, which the tenant cannot
+ * redirect (limits.c); never mapped, size-checked, one pread. */
+static void __attribute__((noinline)) gputime_read(uint64_t now) {
+    if (g_gt_read_ns && now - g_gt_read_ns < GPUTIME_READ_NS) return;
+    g_gt_read_ns = now;
+    g_gt_ok = 0;
+    if (!vgpu.cfg.allocation[0]) return;
+    char path[sizeof vgpu.cfg.peers_dir + sizeof vgpu.cfg.allocation + 16];
+    snprintf(path, sizeof path, "%s/%s.gputime", vgpu.cfg.peers_dir, vgpu.cfg.allocation);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (uint64_t)st.st_size == sizeof g_gt &&
+        pread(fd, &g_gt, sizeof g_gt, 0) == (ssize_t)sizeof g_gt)
+        g_gt_ok = memcmp(g_gt.magic, GPUTIME_MAGIC, sizeof g_gt.magic) == 0 &&
+                  g_gt.version == GPUTIME_VERSION && g_gt.size == sizeof g_gt &&
+                  g_gt.count <= VGPU_MAX_DEVICES;
+    close(fd);
+}
+
+/* The private rate's scale from the container's measured share (g_peers.mu held): over the
+ * rate, the scale shrinks in proportion (n processes of a forged shared budget: to 1/n in one
+ * step); under it, it grows by at most a quarter a window, up to the whole rate. Only a window
+ * that began after the last change is used, so each step sees the effect of the one before
+ * (no overshoot from a measure of the old scale). */
+static void gputime_scale(struct vgpu_dev *d, uint64_t now, int rate) {
+    struct own_budget *o = (struct own_budget *)d->own;
+    if (!o) return;
+    gputime_read(now);
+    const struct gputime_dev *r = NULL;
+    for (uint32_t i = 0; g_gt_ok && i < g_gt.count; i++) {
+        g_gt.dev[i].uuid[sizeof g_gt.dev[i].uuid - 1] = 0; /* our copy */
+        if (strcasecmp(g_gt.dev[i].uuid, d->uuid) == 0) {
+            r = &g_gt.dev[i];
+            break;
+        }
+    }
+    if (!r || r->end_ns > now || now - r->end_ns > GPUTIME_STALE_NS || r->start_ns >= r->end_ns) {
+        __atomic_store_n(&o->scale, SCALE_ONE, __ATOMIC_RELAXED); /* no measure: today's pacing */
+        return;
+    }
+    if (r->start_ns < o->applied_ns) return; /* measured (partly) at the scale before */
+    int64_t share = r->share > SCALE_ONE ? SCALE_ONE : r->share, target = (int64_t)rate * 10;
+    int64_t s = __atomic_load_n(&o->scale, __ATOMIC_RELAXED), was = s;
+    if (share > target + SCALE_DEADBAND) s = s * target / share;
+    else if (share < target) s = share * 5 < target * 4 ? s * 5 / 4 : s * target / (share ? share : 1);
+    s = s < SCALE_MIN ? SCALE_MIN : s > SCALE_ONE ? SCALE_ONE : s;
+    if (s != was) {
+        __atomic_store_n(&o->scale, (int)s, __ATOMIC_RELAXED);
+        o->applied_ns = now;
+    }
+}
+
 /* A guaranteed container's rate now: what its busy peers' guarantees leave, within
  * [guarantee, cap]; worked out again at most every RATE_NS (by one thread at a time). */
 static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns) {
@@ -318,10 +430,11 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d, d->uuid, now);
-    pthread_mutex_unlock(&g_peers.mu);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;
     rate = rate < cap ? rate : cap;
+    gputime_scale(d, now, rate);
+    pthread_mutex_unlock(&g_peers.mu);
     __atomic_store_n(&d->rate, rate, __ATOMIC_RELAXED);
     __atomic_store_n(&d->rate_ns, now, __ATOMIC_RELAXED);
     return rate;
@@ -329,14 +442,15 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
 
 /* refill() for a process's private bucket: no other process refills it, so plain (relaxed)
  * moves do; two of its threads refilling at once may add one interval twice, which only
- * this process can cause and which the shared bucket still bounds across processes. */
-static void refill_own(struct vgpu_pace_dev *p, int percent, uint64_t now) {
+ * this process can cause and which the shared bucket still bounds across processes.
+ * `rate`: percent x the scale (per mille), so in units of 1/100000 of the GPU. */
+static void refill_own(struct vgpu_pace_dev *p, int64_t rate, uint64_t now) {
     uint64_t last = __atomic_load_n(&p->last_ns, __ATOMIC_RELAXED);
     __atomic_store_n(&p->last_ns, now, __ATOMIC_RELAXED);
     if (UNLIKELY(last == 0) || now <= last) return;
     uint64_t dt = now - last;
-    int64_t cap = CAP_NS * percent / 100;
-    int64_t add = dt > 1000000000ull ? cap : (int64_t)(dt * (uint64_t)percent / 100);
+    int64_t cap = CAP_NS * rate / 100000;
+    int64_t add = dt > 1000000000ull ? cap : (int64_t)(dt * (uint64_t)rate / 100000);
     int64_t t = __atomic_add_fetch(&p->tokens, add, __ATOMIC_RELAXED);
     if (t > cap) __atomic_store_n(&p->tokens, cap, __ATOMIC_RELAXED);
 }
@@ -347,6 +461,7 @@ void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns) {
     for (;;) {
         uint64_t now = now_ns();
         int percent = d->sm;
+        int64_t rate = 0; /* the bucket in debt's rate, in 1/100000 of the GPU */
         if (d->req) percent = guaranteed_rate(d, now, queued_ns);
         refill(p, percent, now);
         int64_t t = __atomic_load_n(&p->tokens, __ATOMIC_ACQUIRE);
@@ -356,14 +471,16 @@ void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns) {
              * it reads empty: the same credit, later, off the common path. */
             int64_t o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
             if (o < 0) {
-                refill_own(own, percent, now);
+                rate = (int64_t)percent * __atomic_load_n(&((struct own_budget *)own)->scale, __ATOMIC_RELAXED);
+                refill_own(own, rate, now);
                 o = __atomic_load_n(&own->tokens, __ATOMIC_RELAXED);
             }
+            if (o >= t) rate = 0;
             t = o < t ? o : t;
         }
         if (t >= 0) break;
         /* Sleep until the debt would be repaid at our rate (others may repay it sooner). */
-        int64_t ns = -t * 100 / percent;
+        int64_t ns = rate > 0 ? -t * 100000 / rate : -t * 100 / percent;
         ns = ns < MIN_SLEEP_NS ? MIN_SLEEP_NS : ns > MAX_SLEEP_NS ? MAX_SLEEP_NS : ns;
         struct timespec ts = {ns / 1000000000ll, ns % 1000000000ll};
         while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {

@@ -45,6 +45,7 @@ from vgpu_plugin.node.gpu.nvml import (
     discover,
     nvml_memory_used,
     nvml_session,
+    process_utilization,
 )
 from vgpu_plugin.node.host.atomicfile import DeferredSync, write_atomically
 from vgpu_plugin.node.host.cleanup import (
@@ -58,6 +59,7 @@ from vgpu_plugin.node.host.install import ShimNotInstalled, installed_shim_versi
 from vgpu_plugin.node.ledger.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.ledger.state import AllocationStore, NotRegularFile
 from vgpu_plugin.node.observe import region
+from vgpu_plugin.node.observe.gputime import GpuTimePublisher, run_publisher
 from vgpu_plugin.node.observe.lending import LendingMeter
 from vgpu_plugin.node.observe.metrics import (
     MetricsServer,
@@ -69,6 +71,7 @@ from vgpu_plugin.node.observe.nodeview import (
     GpuFacts,
     dra_gpu_facts,
     gpu_facts_from_plan,
+    guaranteed_gpus,
     live_processes,
     staged_view_provider,
 )
@@ -195,6 +198,8 @@ class Plugin:
         self._cleaner: Cleaner | None = None
         self._dra: DraRunner | None = None
         self._syncer: DeferredSync | None = None
+        self._gputime: threading.Thread | None = None
+        self._gputime_stop = threading.Event()
 
     def start(self) -> None:
         s = self.settings
@@ -260,6 +265,7 @@ class Plugin:
             recovery_seconds=config.health.recovery_seconds,
         )
         self._start_metrics(store)
+        self._start_gputime(store)
         watched = [g.uuid for g in gpus] + [g.uuid for g in dra_gpus]
         self._health = HealthWatcher(tracker, watched, self._on_health)
         self._health.start()
@@ -330,6 +336,30 @@ class Plugin:
     def _host_root(self) -> str:
         assert self.backend is not None
         return self.backend.config.host_root
+
+    def _start_gputime(self, store: AllocationStore) -> None:
+        """The guaranteed containers' driver-measured GPU time, published to each every
+        ``--gputime-interval`` (node/observe/gputime.py; docs/security.md)."""
+        interval = self.settings.gputime_interval
+        if interval <= 0:
+            log.info("--gputime-interval 0: guaranteed containers' GPU time is not measured")
+            return
+        host_root = Path(self._host_root())
+        state_dir = self.settings.state_dir
+
+        def allocations() -> dict[str, set[str]]:
+            return guaranteed_gpus(store.all(), read_prepared_claims(state_dir)[0])
+
+        def loop() -> None:
+            try:
+                with nvml_session():
+                    publisher = GpuTimePublisher(host_root, process_utilization)
+                    run_publisher(publisher, allocations, self._gputime_stop, interval)
+            except NvmlUnavailable as exc:
+                log.warning("guaranteed containers' GPU time is not measured: %s", exc)
+
+        self._gputime = threading.Thread(target=loop, name="vgpu-gputime", daemon=True)
+        self._gputime.start()
 
     def _start_metrics(self, store: AllocationStore) -> None:
         backend = self.backend
@@ -489,6 +519,9 @@ class Plugin:
             self._health.stop()
         if self._dra is not None:
             self._dra.stop()
+        self._gputime_stop.set()
+        if self._gputime is not None:
+            self._gputime.join(timeout=10)  # its records removed: the shims pace as before
         if self._syncer is not None:
             self._syncer.stop()  # the last Allocates' writes, durable before we exit
         log.info("stopped")

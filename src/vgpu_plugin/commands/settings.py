@@ -72,6 +72,13 @@ FLAGS: tuple[Flag, ...] = (
         "60",
         "seconds an allocation no pod holds is kept before its files are removed",
     ),
+    Flag(
+        "gputime-interval",
+        "VGPU_GPUTIME_INTERVAL",
+        "0.2",
+        "seconds between readings of the driver's per-process GPU time, published to each "
+        "guaranteed container (0: not read)",
+    ),
     Flag("log-format", "VGPU_LOG_FORMAT", "text", "text or json"),
     Flag("log-level", "VGPU_LOG_LEVEL", "info", "error, warning, info or debug"),
 )
@@ -92,6 +99,7 @@ class ServeSettings:
     cleanup_grace: float
     log_format: str
     log_level: str
+    gputime_interval: float = 0.2
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +145,7 @@ def settings_from(
         cleanup_grace=_seconds(str(values["cleanup-grace"]), "--cleanup-grace"),
         log_format=str(values["log-format"]),
         log_level=str(values["log-level"]),
+        gputime_interval=_seconds(str(values["gputime-interval"]), "--gputime-interval"),
     )
 
 

@@ -602,6 +602,33 @@ def staged_view_provider(
     return prepare
 
 
+def _requests(
+    records: Sequence[AllocationRecord], claims: Sequence[PreparedClaim]
+) -> dict[str, dict[str, int]]:
+    """Each live allocation's guarantee per GPU (0: none): the device plugin's live records,
+    DRA's prepared claims (the ledger's and ``claims``)."""
+    guaranteed: dict[str, dict[str, int]] = {}
+    for r in records:
+        if r.front_end == DEVICE_PLUGIN and r.released is None:
+            guaranteed[r.allocation_id] = {g.uuid: g.compute_request for g in r.limits}
+    for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
+        guaranteed[c.allocation_id] = {g.uuid: g.compute_request for g in c.limits}
+    return guaranteed
+
+
+def guaranteed_gpus(
+    records: Sequence[AllocationRecord], claims: Sequence[PreparedClaim]
+) -> dict[str, set[str]]:
+    """The GPUs on which each live allocation has a guarantee (for the GPU-time publisher,
+    ``gputime.py``); allocations without one are left out."""
+    out = {}
+    for allocation_id, requests in _requests(records, claims).items():
+        uuids = {u for u, r in requests.items() if r}
+        if uuids:
+            out[allocation_id] = uuids
+    return out
+
+
 def lending_samples(
     host_root: Path,
     records: Sequence[AllocationRecord],
@@ -611,12 +638,7 @@ def lending_samples(
     """Each guaranteed allocation's GPU time per GPU, from its region (for LendingMeter):
     the device plugin's live records, DRA's prepared claims (the ledger's and ``claims``).
     A region that cannot be read, or that accounts a GPU the allocation lacks, gives none."""
-    guaranteed: dict[str, dict[str, int]] = {}
-    for r in records:
-        if r.front_end == DEVICE_PLUGIN and r.released is None:
-            guaranteed[r.allocation_id] = {g.uuid: g.compute_request for g in r.limits}
-    for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
-        guaranteed[c.allocation_id] = {g.uuid: g.compute_request for g in c.limits}
+    guaranteed = _requests(records, claims)
     out = []
     for allocation_id, requests in guaranteed.items():
         if not any(requests.values()):

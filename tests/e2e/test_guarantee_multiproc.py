@@ -1,0 +1,94 @@
+"""On a whole emulated node (the plugin's `serve`, the kubelet's Allocate, runc containers
+with their own pid namespaces): a guaranteed pod of three processes that keeps its shared
+pacing file full is held to its guarantee, because `serve` measures its GPU time with NVML's
+per-process utilisation, attributes the node pids by the limits file runc bind-mounted into
+each container, and publishes it read-only to the pod (node/observe/gputime.py,
+docs/security.md#compute-guarantees). The same with the shim alone, without runc:
+tests/libvgpu/test_shim_multiproc.py.
+
+Shares come from simgpu's record of whose work ran when (`Node.busy`), in its clock. Measured
+here: the tenant 24.8 %, its 75 % neighbour 71.9 %; with `VGPU_GPUTIME_INTERVAL=0` (serve
+measures nothing, the pacing as before) the tenant took 75.0 % and left its neighbour 25.0 %.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+import time
+from pathlib import Path
+
+from e2e.helpers import NodeFactory, needs_containers
+
+from vgpu_plugin.node.observe.gputime import decode_record, record_path
+from vgpu_plugin.sim.compute_demo import wait_running
+from vgpu_plugin.sim.node import WORKLOAD
+
+pytestmark = needs_containers
+
+CONFIG = "version: v1\nsharing: {splitCount: 4, compute: guaranteed}\n"
+MS = 1_000_000
+PACE_RECORD = 64  # the first device record of a pacing file (native/libvgpu/src/pace.c)
+
+
+def forge(pace: Path, stop: threading.Event) -> None:
+    """What the tenant may do to the file it can write: a full bucket, a 100 % guarantee."""
+    while not pace.exists() or pace.stat().st_size == 0:
+        if stop.wait(0.01):
+            return
+    with pace.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        while not stop.wait(0.001):
+            struct.pack_into("<I", m, PACE_RECORD + 84, 100)
+            struct.pack_into("<q", m, PACE_RECORD + 128, 10**12)
+
+
+def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
+    make_emulated_node: NodeFactory,
+) -> None:
+    node = make_emulated_node(config=CONFIG)
+    uuid = node.node.gpus()[0].uuid
+    neighbour, tenant = node.admit("neighbour", 3), node.admit("tenant", 1)
+    assert (
+        neighbour.envs["CUDA_DEVICE_SM_REQUEST_0"],
+        tenant.envs["CUDA_DEVICE_SM_REQUEST_0"],
+    ) == (
+        "75",
+        "25",
+    )
+    kernels = [*WORKLOAD, "compute", "--kernel-ms", "4", "--seconds"]
+    stop = threading.Event()
+    aid = tenant.allocation_id
+    pace = node.host_root / "containers" / aid / f"{aid}.pace"
+    writer = threading.Thread(target=forge, args=(pace, stop))
+    t0 = time.monotonic_ns()
+    procs = [node.start_container(neighbour, [*kernels, "16"])]
+    try:
+        wait_running(node.node, t0, procs, 1)
+        (nb_pid,) = node.node.busy(0, t0, time.monotonic_ns())
+        writer.start()
+        procs += [node.start_container(tenant, [*kernels, "10"]) for _ in range(3)]
+        wait_running(node.node, t0, procs, 4)
+        record = decode_record(record_path(node.host_root, aid).read_bytes())
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+    assert [g.uuid for g in record] == [uuid]  # serve published the tenant's record
+    t1 = time.monotonic_ns()
+    step = 50 * MS
+    steps = [node.node.busy(0, t, t + step) for t in range(t0, t1, step)]
+    pids = {p for s in steps for p, ns in s.items() if ns > 0}
+    tenant_pids = pids - {nb_pid}
+    assert len(tenant_pids) == 3, pids
+    both = [i for i, s in enumerate(steps) if all(s.get(p, 0) > 0 for p in pids)]
+    a, b = t0 + both[0] * step + 1500 * MS, t0 + (both[-1] + 1) * step - 500 * MS
+    assert b - a >= 2000 * MS, (a, b)
+    got = node.node.busy(0, a, b)
+    share = 100 * sum(got.get(p, 0) for p in tenant_pids) / (b - a)
+    nb = 100 * got.get(nb_pid, 0) / (b - a)
+    assert share <= 28.0, (share, nb)  # without the measure: ~75, the neighbour ~25
+    assert nb >= 65.0, (share, nb)

@@ -1,0 +1,174 @@
+"""The GPU-time publisher's core (node/observe/gputime.py): attribution of node pids by the
+container's limits mount, the per-container shares, the record the shim reads, and the
+publisher's files. The whole loop against the shim: tests/libvgpu/test_shim_multiproc.py."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+import pytest
+
+from vgpu_plugin.node.observe import gputime
+from vgpu_plugin.node.observe.gputime import (
+    GpuShare,
+    GpuTimePublisher,
+    PidOwner,
+    container_shares,
+    decode_record,
+    encode_record,
+    file_key,
+    mount_owner,
+    proc_owner,
+)
+
+HOST = (
+    "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+    "40 22 253:2 / /var/lib/vgpu rw,relatime shared:9 - xfs /dev/vdb rw\n"
+)
+# A container: its root is an overlay, the limits file bind-mounted from the host's xfs.
+CONTAINER_A = (
+    "600 500 0:90 / / rw - overlay overlay rw\n"
+    "611 600 253:2 /limits/aaa /etc/vgpu/limits ro,relatime - xfs /dev/vdb rw\n"
+    "612 600 253:2 /containers/aaa /tmp/vgpu rw,relatime - xfs /dev/vdb rw\n"
+    "613 600 253:2 /containers /etc/vgpu/peers ro,relatime - xfs /dev/vdb rw\n"
+)
+
+
+def test_a_limits_file_is_known_by_its_device_and_its_path_in_that_filesystem() -> None:
+    assert file_key(HOST, "/var/lib/vgpu/limits/aaa") == ("253:2", "/limits/aaa")
+    assert file_key(HOST, "/usr/local/vgpu/limits/aaa") == ("253:1", "/usr/local/vgpu/limits/aaa")
+
+
+def test_a_pid_belongs_to_the_container_whose_limits_file_its_namespace_mounts() -> None:
+    keys = {("253:2", "/limits/aaa"): "aaa", ("253:2", "/limits/bbb"): "bbb"}
+    assert mount_owner(CONTAINER_A, keys) == "aaa"
+    assert mount_owner(HOST, keys) is None  # a host process: nobody's
+
+
+def test_a_tenant_cannot_pass_its_processes_off_as_another_containers() -> None:
+    """It can mount only what it sees: a file named like B's limits in its own writable
+    directory (same filesystem) or in a tmpfs of its user namespace is not B's file."""
+    keys = {("253:2", "/limits/aaa"): "aaa", ("253:2", "/limits/bbb"): "bbb"}
+    forged = (
+        "620 600 253:2 /containers/aaa/limits/bbb /x ro - xfs /dev/vdb rw\n"
+        "621 600 0:99 /limits/bbb /y ro - tmpfs tmpfs rw\n"
+    )
+    assert mount_owner(CONTAINER_A + forged, keys) == "aaa"
+    assert mount_owner(forged, keys) is None
+
+
+def test_mountinfo_escapes_are_undone() -> None:
+    info = "1 0 8:1 /a\\040b/limits/x /etc/vgpu/limits ro - ext4 /dev/sda rw\n"
+    assert mount_owner(info, {("8:1", "/a b/limits/x"): "x"}) == "x"
+
+
+def test_each_containers_share_is_the_sum_of_its_processes_means() -> None:
+    owners = {1: "a", 2: "a", 3: "b"}
+    samples = [(1, 20), (1, 30), (2, 10), (3, 70), (4, 99)]  # pid 4: no container of ours
+    assert container_shares(samples, owners.get) == {"a": 350, "b": 700}
+    assert container_shares([(1, 90), (2, 90)], owners.get) == {"a": 1000}  # at most the GPU
+
+
+def test_the_record_has_the_layout_the_shim_reads() -> None:
+    data = encode_record([GpuShare("GPU-1", 250, 10, 20), GpuShare("GPU-2", 1500, 30, 40)])
+    assert len(data) == gputime.SIZE == 32 + 16 * 104
+    assert data[:8] == b"VGPUGPT\0"
+    assert struct.unpack_from("<IIQ", data, 8) == (1, 2, gputime.SIZE)
+    rec = 32 + 104
+    assert data[rec : rec + 6] == b"GPU-2\0"
+    assert struct.unpack_from("<IIQQ", data, rec + 80) == (1000, 0, 30, 40)  # clamped
+    assert decode_record(data) == [GpuShare("GPU-1", 250, 10, 20), GpuShare("GPU-2", 1000, 30, 40)]
+    with pytest.raises(ValueError, match="longer than 79"):
+        encode_record([GpuShare("G" * 80, 0, 0, 0)])
+
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.samples: dict[str, list[tuple[int, int]]] = {}
+        self.asked: list[tuple[str, int]] = []
+
+    def read(self, uuid: str, since_us: int) -> list[tuple[int, int]]:
+        self.asked.append((uuid, since_us))
+        return self.samples.get(uuid, [])
+
+
+def owners(table: dict[int, str]) -> Callable[[Path, Collection[str]], PidOwner]:
+    def owner_of(limits_dir: Path, ids: Collection[str]) -> PidOwner:
+        return lambda pid: table.get(pid) if table.get(pid) in ids else None
+
+    return owner_of
+
+
+def test_the_publisher_writes_each_containers_window_and_removes_what_it_made(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "containers").mkdir()
+    driver = FakeDriver()
+    clock = iter([1_000, 200_000_000, 2_000_000_000]).__next__
+    wall = iter([5_000, 205_000, 2_005_000]).__next__
+    pub = GpuTimePublisher(
+        tmp_path,
+        driver.read,
+        owners({7: "a", 8: "a", 9: "b"}),
+        clock,
+        wall,
+    )
+    allocs = {"a": {"GPU-1"}, "b": {"GPU-1"}}
+    pub.publish(allocs)  # starts the window
+    assert driver.asked == []
+    assert not (tmp_path / "containers" / "a.gputime").exists()
+    driver.samples["GPU-1"] = [(7, 10), (8, 15), (9, 70)]
+    pub.publish(allocs)
+    assert driver.asked == [("GPU-1", 5_000)]
+    a = tmp_path / "containers" / "a.gputime"
+    assert decode_record(a.read_bytes()) == [GpuShare("GPU-1", 250, 1_000, 200_000_000)]
+    assert decode_record((tmp_path / "containers" / "b.gputime").read_bytes())[0].share == 700
+    assert a.stat().st_mode & 0o777 == 0o444
+    # B is gone; a long gap is measured as the driver's last second
+    pub.publish({"a": {"GPU-1"}})
+    assert decode_record(a.read_bytes())[0].start_ns == 1_000_000_000
+    assert not (tmp_path / "containers" / "b.gputime").exists()
+    (tmp_path / "containers" / "other").write_text("not ours")
+    pub.close()
+    assert sorted(os.listdir(tmp_path / "containers")) == ["other"]
+
+
+def test_records_an_earlier_run_left_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    containers = tmp_path / "containers"
+    containers.mkdir()
+    for name in ("old.gputime", "live.gputime", "old.pace", ".x.gputime"):
+        (containers / name).write_bytes(b"x")
+    (containers / "old").mkdir()
+    pub = GpuTimePublisher(tmp_path, FakeDriver().read, owners({}))
+    pub.publish({"live": {"GPU-1"}})
+    assert sorted(os.listdir(containers)) == [".x.gputime", "live.gputime", "old", "old.pace"]
+
+
+def test_a_plugin_that_cannot_see_the_nodes_pids_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "containers").mkdir()
+    driver = FakeDriver()
+    driver.samples["GPU-1"] = [(4242, 50)]
+    pub = GpuTimePublisher(tmp_path, driver.read, owners({}), pid_visible=lambda pid: False)
+    for _ in range(3):
+        pub.publish({"a": {"GPU-1"}})
+    said = [r for r in caplog.records if "pid namespace" in r.getMessage()]
+    assert len(said) == 1 and "hostPID" in said[0].getMessage()
+    seen = GpuTimePublisher(tmp_path, driver.read, owners({}), pid_visible=lambda pid: True)
+    caplog.clear()
+    for _ in range(3):
+        seen.publish({"a": {"GPU-1"}})
+    assert not [r for r in caplog.records if "pid namespace" in r.getMessage()]
+
+
+def test_proc_owner_reads_the_pids_mountinfo(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    for name, text in (("self", HOST), ("42", CONTAINER_A), ("43", HOST)):
+        (proc / name).mkdir(parents=True)
+        (proc / name / "mountinfo").write_text(text)
+    owner = proc_owner(Path("/var/lib/vgpu/limits"), ["aaa", "bbb"], proc)
+    assert (owner(42), owner(43), owner(44)) == ("aaa", None, None)

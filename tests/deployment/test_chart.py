@@ -294,6 +294,15 @@ def test_nothing_runs_more_privileged_than_it_needs(helm: Helm) -> None:
         assert devices["hostPath"] == {"path": "/dev/null", "type": "CharDevice"}
 
 
+def test_the_nodes_pids_only_where_asked(helm: Helm) -> None:
+    """hostPID (the GPU-time measure of guaranteed containers needs the node's pids) is an
+    opt-in; it adds nothing else: same containers, same security contexts."""
+    plain = daemonset(render({}, helm))["spec"]["template"]["spec"]
+    pids = daemonset(render({"hostPID": True}, helm))["spec"]["template"]["spec"]
+    assert "hostPID" not in plain and pids.pop("hostPID") is True
+    assert pids == plain
+
+
 @pytest.mark.parametrize(
     "settings",
     [ToolkitSettings(), UNSAFE_DEFAULTS, ToolkitSettings(accept_volume_mounts=False)],

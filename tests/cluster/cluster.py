@@ -25,12 +25,16 @@ from .images import Images
 
 SIMGPU_IN_CONTAINER = "/usr/local/simgpu"
 STATE_IN_CONTAINER = "/run/simgpu"
+# A real driver's NVML lists processes by their pids on the node: simgpu reports those when it
+# can read the node's /proc (SIMGPU_HOST_PROC, simgpu's NVML.md), bound here read-only.
+NODE_PROC_IN_CONTAINER = "/run/simgpu-node-proc"
 BRING_UP_TIMEOUT = 300.0
 
 
 def toolkit_spec(uuids: list[str], libdir: Path, state: Path) -> dict[str, object]:
     """The stand-in for the toolkit's generated CDI spec: a device per GPU UUID and index and
-    ``all``; each gives the container simgpu's libcuda/libnvidia-ml and the node's state."""
+    ``all``; each gives the container simgpu's libcuda/libnvidia-ml, the node's state and the
+    node's /proc (for the pids NVML reports)."""
     devices = [
         {"name": name, "containerEdits": {"env": [f"NVIDIA_VISIBLE_DEVICES={value}"]}}
         for i, u in enumerate(uuids)
@@ -42,7 +46,11 @@ def toolkit_spec(uuids: list[str], libdir: Path, state: Path) -> dict[str, objec
         "kind": "nvidia.com/gpu",
         "devices": devices,
         "containerEdits": {
-            "env": [f"LD_LIBRARY_PATH={SIMGPU_IN_CONTAINER}", f"SIMGPU_STATE={STATE_IN_CONTAINER}"],
+            "env": [
+                f"LD_LIBRARY_PATH={SIMGPU_IN_CONTAINER}",
+                f"SIMGPU_STATE={STATE_IN_CONTAINER}",
+                f"SIMGPU_HOST_PROC={NODE_PROC_IN_CONTAINER}",
+            ],
             "mounts": [
                 {
                     "hostPath": str(libdir),
@@ -53,6 +61,11 @@ def toolkit_spec(uuids: list[str], libdir: Path, state: Path) -> dict[str, objec
                     "hostPath": str(state),
                     "containerPath": STATE_IN_CONTAINER,
                     "options": ["rw", "rbind", "nosuid", "nodev"],
+                },
+                {
+                    "hostPath": "/proc",
+                    "containerPath": NODE_PROC_IN_CONTAINER,
+                    "options": ["ro", "rbind", "nosuid", "nodev", "noexec"],
                 },
             ],
         },

@@ -7,12 +7,9 @@ have written (``<hostRoot>/limits/<id>``, ``<hostRoot>/containers/<id>``) are wr
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
-import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
@@ -30,7 +27,7 @@ from vgpu_plugin.core.limits import Limits, format_limits
 from vgpu_plugin.core.pods import CheckpointEntry
 from vgpu_plugin.kubelet.plugin import OVERSUBSCRIBED_KEY, VgpuBackend, record_extra
 from vgpu_plugin.node.host import cdi as cdi_files
-from vgpu_plugin.node.host.atomicfile import fsync_dir, write_atomically
+from vgpu_plugin.node.host.hostfiles import restore_limits_and_dir
 from vgpu_plugin.node.ledger.state import AllocationRecord
 
 log = logging.getLogger(__name__)
@@ -195,23 +192,9 @@ def _rebuild_one(backend: VgpuBackend, e: CheckpointEntry, aid: str, config: Con
             host_limits_path(config.host_root, aid),
             host_allocation_dir(config.host_root, aid),
         )
-    done: list[str] = []
-    text = format_limits(wanted.limits).encode()
-    limits_path = Path(wanted.limits_path)
-    try:
-        intact = limits_path.read_bytes() == text
-    except FileNotFoundError:
-        intact = False
-    if not intact:
-        limits_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(limits_path, text, 0o644)
-        done.append("limits file")
-    alloc_dir = Path(wanted.allocation_dir)
-    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
-        alloc_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
-        fsync_dir(alloc_dir.parent)
-        done.append("region dir")
+    done = restore_limits_and_dir(
+        wanted.limits_path, format_limits(wanted.limits), wanted.allocation_dir
+    )
     if response.cdi_devices or response.annotations:
         spec_path = cdi_files.spec_path(backend._cdi_spec_dir, aid)
         if not spec_path.exists():

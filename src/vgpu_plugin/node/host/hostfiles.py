@@ -68,6 +68,32 @@ def allocation_paths(
     return files, dirs
 
 
+def restore_limits_and_dir(
+    limits_path: str | Path, limits_text: str, allocation_dir: str | Path
+) -> list[str]:
+    """Writes again, synced, a limits file missing or not ``limits_text`` (torn: a renamed
+    file whose data never reached the disk reads empty) and a region dir missing or not 0777;
+    what is intact is left alone. Returns what it wrote; OSError when it cannot."""
+    done: list[str] = []
+    limits = Path(limits_path)
+    text = limits_text.encode()
+    try:
+        intact = limits.read_bytes() == text
+    except FileNotFoundError:
+        intact = False
+    if not intact:
+        limits.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(limits, text, 0o644)
+        done.append("limits file")
+    alloc_dir = Path(allocation_dir)
+    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
+        alloc_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
+        fsync_dir(alloc_dir.parent)
+        done.append("region dir")
+    return done
+
+
 def restore_allocation(
     spec: ContainerSpec, allocation_id: str, cdi_spec_dir: str | Path
 ) -> list[str]:
@@ -77,23 +103,7 @@ def restore_allocation(
     missing or not 0777, a CDI spec missing or not a whole JSON object (torn). What is
     intact is left as it is: a CDI spec that reads whole is never rewritten. Returns what
     it wrote; OSError when it cannot."""
-    done: list[str] = []
-    limits = Path(spec.limits_path)
-    text = spec.limits_text.encode()
-    try:
-        intact = limits.read_bytes() == text
-    except FileNotFoundError:
-        intact = False
-    if not intact:
-        limits.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(limits, text, 0o644)
-        done.append("limits file")
-    alloc_dir = Path(spec.allocation_dir)
-    if not alloc_dir.is_dir() or stat.S_IMODE(alloc_dir.stat().st_mode) != 0o777:
-        alloc_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(alloc_dir, 0o777)  # as write_allocation makes it
-        fsync_dir(alloc_dir.parent)
-        done.append("region dir")
+    done = restore_limits_and_dir(spec.limits_path, spec.limits_text, spec.allocation_dir)
     if spec.cdi_spec is not None:
         path = cdi_files.spec_path(cdi_spec_dir, allocation_id)
         if not _whole_json(path):

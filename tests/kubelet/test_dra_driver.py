@@ -20,6 +20,7 @@ from vgpu_plugin.core.limits import parse_limits
 from vgpu_plugin.kubelet.dra.driver import DraDriver
 from vgpu_plugin.kubelet.dra.server import DraServer
 from vgpu_plugin.kubelet.watch import file_id
+from vgpu_plugin.node.host.atomicfile import DeferredSync
 from vgpu_plugin.node.ledger.dra_claims import ClaimLedger
 from vgpu_plugin.node.ledger.state import AllocationStore
 from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiServer
@@ -53,7 +54,8 @@ class Node:
         return self.root / "cdi"
 
 
-def make_driver(root: Path, api: FakeApiServer) -> DraDriver:
+def make_driver(root: Path, api: FakeApiServer, syncer: DeferredSync | None = None) -> DraDriver:
+    """syncer: as serve runs it (files synced after the answer); None: all synced before."""
     config = Config(host_root=str(root / "vgpu"), dra=DraConfig(enabled=True))
     return DraDriver(
         GPUS,
@@ -66,6 +68,7 @@ def make_driver(root: Path, api: FakeApiServer) -> DraDriver:
         facts={g.uuid: dra.DeviceFacts("8.0", "550.54.15") for g in GPUS},
         lock_dir=str(root / "locks"),
         cdi_spec_dir=str(root / "cdi"),
+        syncer=syncer,
     )
 
 

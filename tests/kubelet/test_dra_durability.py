@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from commands.test_serve import serve_with_dra, wait_until
 from core.test_cdi import validator
-from kubelet.test_dra_driver import DEV_A, GPUS
+from kubelet.test_dra_driver import DEV_A, GPUS, make_driver
 
 from vgpu_plugin.core import dra
 from vgpu_plugin.core.config import Config, DraConfig
@@ -32,19 +32,7 @@ DRIVER = dra.DRIVER_NAME
 
 
 def new_driver(root: Path, api: FakeApiServer, syncer: DeferredSync | None) -> DraDriver:
-    config = Config(host_root=str(root / "vgpu"), dra=DraConfig(enabled=True))
-    driver = DraDriver(
-        GPUS,
-        config,
-        "node-a",
-        ClaimLedger(AllocationStore(root / "state")),
-        api,
-        api,
-        "0.1.0-abc",
-        lock_dir=str(root / "locks"),
-        cdi_spec_dir=str(root / "cdi"),
-        syncer=syncer,
-    )
+    driver = make_driver(root, api, syncer)
     assert driver.publish("started")  # the slice the fake API server allocates from
     return driver
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_plugin.core.grant import check_allocation_id
+from vgpu_plugin.node.host.atomicfile import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -270,15 +271,12 @@ class GpuTimePublisher:
 
     def _write(self, alloc: str, items: list[GpuShare]) -> None:
         path = record_path(self._root, alloc)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         try:
-            # Replaced whole (rename): a shim reads either record, never half of one.
-            tmp.write_bytes(encode_record(items))
-            tmp.chmod(0o444)
-            tmp.replace(path)
+            # Replaced whole (rename): a shim reads either record, never half of one; not
+            # synced: a new one comes every interval.
+            write_atomically(path, encode_record(items), 0o444, durable=False)
         except OSError as exc:
             log.warning("cannot publish the GPU time of %s at %s: %s", alloc, path, exc)
-            tmp.unlink(missing_ok=True)
             return
         self._published.add(alloc)
 

@@ -113,6 +113,7 @@ def start_in_container(
     point.touch()
     env = dict(env)
     env["VGPU_TEST_PRELOAD"] = env.pop("LD_PRELOAD")
+    env["SHIM_LAUNCH_GATE"] = "1"  # see run
     script = 'mount --bind "$1" "$2" && shift 2 && export LD_PRELOAD="$VGPU_TEST_PRELOAD"'
     script += ' && exec "$@"'
     args = [str(shim.prog("shim_launch")), "handle", "0", "kernel", str(KERNEL_US)]
@@ -168,6 +169,15 @@ def run(
         t0 = time.monotonic_ns()
         for name, _, n in layout:
             procs[name] = [start_in_container(shim, root, name, envs[name]) for _ in range(n)]
+        # all start launching at once: started one after another on a loaded host, the last
+        # came up seconds after the first and left too short a time in which all ran
+        for p in (p for ps in procs.values() for p in ps):
+            assert p.stdout is not None and p.stderr is not None
+            assert p.stdout.readline() == "ready\n", p.stderr.read()
+        for p in (p for ps in procs.values() for p in ps):
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
         if forging:
             writer.start()
         for p in (p for ps in procs.values() for p in ps):

@@ -73,6 +73,18 @@ int main(int argc, char **argv) {
     CUevent *ev = calloc((size_t)depth, sizeof *ev);
     unsigned *ev_us = calloc((size_t)depth, sizeof *ev_us); /* what the kernel before ev[i] runs */
     for (int i = 0; i < depth; i++) CK(C(event_create, cuEventCreate)(&ev[i], 0));
+    /* With SHIM_LAUNCH_GATE set: say "ready" and wait for a line on stdin before the clock
+     * starts, so that a test's several launchers run together however long the host took to
+     * start each one. */
+    if (getenv("SHIM_LAUNCH_GATE")) {
+        char go[16];
+        printf("ready\n");
+        fflush(stdout);
+        if (!fgets(go, sizeof go, stdin)) {
+            fprintf(stderr, "no go line on stdin\n");
+            return 2;
+        }
+    }
     double busy_us[64] = {0};
     double start = shim_now_ms(), deadline = start + seconds * 1e3;
     long launched = 0, done = 0;

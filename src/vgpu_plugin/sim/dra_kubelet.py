@@ -434,6 +434,7 @@ class FakeApiHttp:
     def __init__(self, api: FakeApiServer) -> None:
         self.api = api
         self.calls: list[str] = []
+        self.tokens: list[str] = []  # each call's Authorization header ("" when none)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -461,6 +462,7 @@ class FakeApiHttp:
             def _handle(self) -> None:
                 method, path = self.command, self.path.split("?")[0]
                 outer.calls.append(f"{method} {path}")
+                outer.tokens.append(self.headers.get("Authorization", ""))
                 found = outer._CLAIM.match(path)
                 node = outer._NODE.match(path)
                 name = path.removeprefix(outer._SLICES + "/") if path != outer._SLICES else ""

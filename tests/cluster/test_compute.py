@@ -1,13 +1,21 @@
 """Guaranteed compute on a real kubelet and containerd: with the chart's ``hostPID`` the
 plugin sees the node's pids, attributes a pod's kernels to its allocation by the pod's limits
 mount, and publishes the pod's GPU-time record where the pod reads it only through the
-read-only peers mount (node/observe/gputime.py, docs/security.md#compute-guarantees)."""
+read-only peers mount (node/observe/gputime.py, docs/security.md#compute-guarantees). A pod
+of three processes that keeps its own pacing file full is then held to its guarantee beside a
+busy neighbour (tests/e2e/test_guarantee_multiproc.py is the same under runc and serve).
+Measured in simgpu's clock, while all four launchers were busy: the tenant 24.9 %, its 75 %
+neighbour 73.1 %; with ``gputimeIntervalSeconds=0`` (nothing measured) 74.9 % and 25.1 %."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import pytest
+
 from vgpu_plugin.node.observe.gputime import SUFFIX, GpuShare, decode_record
+from vgpu_plugin.sim.simgpu import Node
 
 from .cluster import Cluster
 from .conftest import (
@@ -19,10 +27,29 @@ from .conftest import (
     upgrade,
     wait_plugin_ready,
 )
+from .images import Images
 from .kube import Kube, pod, wait_for
 
 # Kernels back to back on its slice (the workload of the demo's batch pods).
 BUSY = "exec python3 -m vgpu_plugin.sim.workload compute --seconds 600 --kernel-ms 4"
+# What a tenant may do to the pacing file it can write (the region's path ending in .pace):
+# keep its first device record's bucket full and its guarantee at 100 % (native/libvgpu/src/
+# pace.c: the records start at 64, the guarantee at +84, the bucket at +128).
+FORGE = """
+import mmap, os, struct, time
+path = os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"].removesuffix(".cache") + ".pace"
+while not os.path.exists(path) or os.path.getsize(path) == 0:
+    time.sleep(0.01)
+with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+    while True:
+        struct.pack_into("<I", m, 64 + 84, 100)
+        struct.pack_into("<q", m, 64 + 128, 10**12)
+        time.sleep(0.001)
+"""
+WORKER = "python3 -m vgpu_plugin.sim.workload compute --seconds 600 --kernel-ms 4"
+TENANT = f'python3 -c "$FORGE" & for i in 1 2 3; do {WORKER} & done; wait'
+MS = 1_000_000
+STEP = 50 * MS
 
 
 def records(cluster: Cluster) -> dict[str, list[GpuShare]]:
@@ -37,9 +64,28 @@ def records(cluster: Cluster) -> dict[str, list[GpuShare]]:
     return found
 
 
+def running_pids(node: Node, gpu: int, since: int) -> set[int]:
+    """The pids whose kernels ran on ``gpu`` since ``since`` (node pids, simgpu's clock)."""
+    now = time.monotonic_ns()
+    return {p for p, ns in node.busy(gpu, max(since, now - 1000 * MS), now).items() if ns > 0}
+
+
+def busy_shares(node: Node, gpu: int, pids: set[int], a: int, b: int) -> dict[int, float]:
+    """Each pid's percent of the GPU over the 50 ms steps of [a, b) in which every pid's work
+    ran, less the steps next to one in which some pid's did not: a launcher the loaded host
+    does not schedule is idle, and its time rightly lent meanwhile (test_shim_compute.py's
+    busy_steps, in simgpu's clock)."""
+    steps = [node.busy(gpu, t, t + STEP) for t in range(a, b - STEP + 1, STEP)]
+    idle = [any(s.get(p, 0) == 0 for p in pids) for s in steps]
+    kept = [s for i, s in enumerate(steps) if not any(idle[max(0, i - 1) : i + 2])]
+    assert len(kept) >= 20, f"{len(kept)} steps of 50 ms in which all ran, of {len(steps)}"
+    return {p: 100 * sum(s.get(p, 0) for s in kept) / (STEP * len(kept)) for p in pids}
+
+
 def test_a_guaranteed_pods_gpu_time_is_measured_by_the_nodes_pids(
-    cluster: Cluster, kube: Kube, plugin: Helm
+    cluster: Cluster, kube: Kube, plugin: Helm, images: Images, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("VGPU_NATIVE_DIR", str(images.native_dir))  # simgpu's record, read here
     (old,) = plugin_pods(kube)
     upgrade(plugin, "hostPID=true", "config.sharing.compute=guaranteed")
     try:
@@ -73,8 +119,48 @@ def test_a_guaranteed_pods_gpu_time_is_measured_by_the_nodes_pids(
         assert share.start_ns < share.end_ns, share
         # The record names the pod's own allocation: its limits file is the one mounted.
         assert cluster.node_path(f"{HOST_ROOT}/limits/{aid}").exists(), aid
-    finally:
+
+        # A neighbour (3 of the GPU's 4 slices: 75 %) beside a tenant of one slice (25 %)
+        # running three launchers and keeping its pacing file full.
+        node, gpu = Node(cluster.work / "simgpu"), 1
+        first = running_pids(node, gpu, 0)
         kube.delete_pods("busy")
+        since = time.monotonic_ns()
+
+        def gone() -> bool:  # the deleted pod's launcher is stopped (the kubelet's kill)
+            nonlocal since
+            since = time.monotonic_ns() - 200 * MS
+            return not running_pids(node, gpu, since) & first
+
+        wait_for("the first busy pod's kernels to end", gone, 60)
+        kube.create_pod(pod("neighbour", BUSY, limits={"nvidia.com/gpu": "3"}))
+        wait_for("the neighbour running", lambda: kube.running("neighbour"), 120)
+        (busy_pid,) = wait_for("its kernels", lambda: running_pids(node, gpu, since), 60)
+        tenant = pod("tenant", TENANT, limits={"nvidia.com/gpu": "1"})
+        tenant["spec"]["containers"][0]["env"].append({"name": "FORGE", "value": FORGE})
+        kube.create_pod(tenant)
+        wait_for("the tenant running", lambda: kube.running("tenant"), 120)
+
+        def launchers() -> set[int] | None:
+            seen = running_pids(node, gpu, since)
+            return seen if len(seen) >= 4 else None
+
+        pids = wait_for("four launchers' kernels", launchers, 60)
+
+        def measuring() -> bool:
+            return sum(any(g.share > 0 for g in r) for r in records(cluster).values()) >= 2
+
+        wait_for("both pods' GPU time published", measuring, 30)
+        time.sleep(2)  # the pacing settled on the measure
+        t0 = time.monotonic_ns()
+        time.sleep(6)
+        got = busy_shares(node, gpu, pids, t0, time.monotonic_ns())
+        tenant_share = sum(v for p, v in got.items() if p != busy_pid)
+        # Without the measure the tenant took 75 % and left its neighbour 25 % (e2e tier).
+        assert tenant_share <= 30.0, (tenant_share, got)
+        assert got[busy_pid] >= 65.0, (tenant_share, got)
+    finally:
+        kube.delete_pods("busy", "neighbour", "tenant")
         plugin.install()  # the tier's values: no hostPID, compute as before
 
         def back() -> list[Any]:  # the rollout done: the next test meets a plugin that stays

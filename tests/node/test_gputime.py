@@ -5,7 +5,9 @@ publisher's files. The whole loop against the shim: tests/libvgpu/test_shim_mult
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import subprocess
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -172,3 +174,109 @@ def test_proc_owner_reads_the_pids_mountinfo(tmp_path: Path) -> None:
         (proc / name / "mountinfo").write_text(text)
     owner = proc_owner(Path("/var/lib/vgpu/limits"), ["aaa", "bbb"], proc)
     assert (owner(42), owner(43), owner(44)) == ("aaa", None, None)
+
+
+# A process of container A that changed its root (chroot into a dir of its image): its
+# mountinfo shows no limits file, its cgroup is A's.
+CHROOTED = "700 600 0:90 /srv/jail / rw - overlay overlay rw\n"
+CGROUP_A = "0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-a.scope\n"
+CGROUP_B = "0::/kubepods.slice/kubepods-pod2.slice/cri-containerd-b.scope\n"
+CONTAINER_B = CONTAINER_A.replace("aaa", "bbb")
+
+
+def fake_proc(root: Path, pids: dict[str, tuple[str, str]]) -> Path:
+    """A /proc of (mountinfo, cgroup) per pid; ``self`` the host's mounts."""
+    proc = root / "proc"
+    for pid, (mountinfo, cgroup) in {"self": (HOST, "0::/\n"), **pids}.items():
+        (proc / pid).mkdir(parents=True, exist_ok=True)
+        (proc / pid / "mountinfo").write_text(mountinfo)
+        (proc / pid / "cgroup").write_text(cgroup)
+    return proc
+
+
+def drop(proc: Path, pid: str) -> None:
+    for name in ("mountinfo", "cgroup"):
+        (proc / pid / name).unlink()
+    (proc / pid).rmdir()
+
+
+LIMITS = Path("/var/lib/vgpu/limits")
+
+
+def test_a_process_that_hides_its_limits_mount_is_its_containers_by_its_cgroup(
+    tmp_path: Path,
+) -> None:
+    """Found by another pid of its cgroup that the mount attributes (a search of /proc), and
+    remembered after that pid is gone; forgotten when the allocation ends."""
+    proc = fake_proc(
+        tmp_path, {"42": (CONTAINER_A, CGROUP_A), "44": (CHROOTED, CGROUP_A), "45": (HOST, "")}
+    )
+    memo = gputime.CgroupMemo()
+    owner = proc_owner(LIMITS, ["aaa", "bbb"], proc, memo)
+    assert (owner(44), owner(42), owner(45)) == ("aaa", "aaa", None)
+    drop(proc, "42")
+    owner = proc_owner(LIMITS, ["aaa", "bbb"], proc, memo)
+    assert owner(44) == "aaa"  # no pid shows the mount now: the cgroup learnt before
+    owner = proc_owner(LIMITS, ["bbb"], proc, memo)
+    assert owner(44) is None  # A ended: its cgroup is forgotten
+
+
+def test_a_cgroup_two_containers_share_attributes_nobody_by_it(tmp_path: Path) -> None:
+    proc = fake_proc(
+        tmp_path,
+        {
+            "42": (CONTAINER_A, CGROUP_A),
+            "43": (CONTAINER_B, CGROUP_A),
+            "44": (CHROOTED, CGROUP_A),
+        },
+    )
+    owner = proc_owner(LIMITS, ["aaa", "bbb"], proc, gputime.CgroupMemo())
+    assert (owner(42), owner(43), owner(44)) == ("aaa", "bbb", None)
+
+
+def test_proc_is_searched_for_a_cgroup_at_most_every_few_seconds(tmp_path: Path) -> None:
+    now = [0]
+    proc = fake_proc(tmp_path, {"44": (CHROOTED, CGROUP_B)})
+    memo = gputime.CgroupMemo(scan_every_ns=5_000_000_000)
+
+    def owner(pid: int) -> str | None:
+        return proc_owner(LIMITS, ["bbb"], proc, memo, clock=lambda: now[0])(pid)
+
+    assert owner(44) is None  # searched: no pid of B's cgroup shows B's mount
+    fake_proc(tmp_path, {"47": (CONTAINER_B, CGROUP_B)})
+    now[0] = 4_000_000_000
+    assert owner(44) is None  # not searched again yet
+    now[0] = 5_000_000_000
+    assert owner(44) == "bbb"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    reason="needs root and unshare(1)/mount(8): a container is a mount namespace here",
+)
+def test_on_the_real_proc_a_pid_without_the_mount_is_known_by_its_cgroup(
+    tmp_path: Path,
+) -> None:
+    """Two real processes of one cgroup (this test's): one with the limits file bind-mounted
+    in a mount namespace of its own, one without any (as after a chroot)."""
+    limits = tmp_path / "limits"
+    limits.mkdir()
+    (limits / "aaa").write_text("vgpu-limits 1\n")
+    point = tmp_path / "point"
+    point.touch()
+    mounted = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" "$2" && echo up && exec sleep 60', "sh", str(limits / "aaa"),
+         str(point)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    hidden = subprocess.Popen(["sleep", "60"])
+    try:
+        assert mounted.stdout is not None and mounted.stdout.readline() == "up\n"
+        owner = proc_owner(limits, ["aaa"], memo=gputime.CgroupMemo())
+        assert owner(hidden.pid) == "aaa"  # by the search: the mount's pid shares its cgroup
+        assert owner(mounted.pid) == "aaa"
+    finally:
+        for p in (mounted, hidden):
+            p.kill()
+            p.wait()

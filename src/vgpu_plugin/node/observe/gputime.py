@@ -9,7 +9,8 @@ utilisation of each GPU that has guaranteed containers, attributes each node pid
 container whose limits file is bind-mounted in the pid's mount namespace (the kernel's
 ``/proc/<pid>/mountinfo``: that file's device and path, which a tenant cannot mount for
 another container, seeing no other's; a region's process slots are the tenant's to write
-and are not used), sums each container's share of the window, and replaces
+and are not used), or, for a pid that hides the mount by changing its root, by the cgroup it
+cannot leave (``CgroupMemo``), sums each container's share of the window, and replaces
 ``<root>/containers/<id>.gputime``. Containers see that directory
 only through the read-only peers mount (``/etc/vgpu/peers/<id>.gputime``), beside, not in,
 their own writable directory; the shim finds it by the allocation its read-only limits file
@@ -55,6 +56,8 @@ SUFFIX = ".gputime"
 # as its last second.
 MAX_WINDOW_NS = 1_000_000_000
 DEFAULT_INTERVAL = 0.2  # seconds; NVML's own per-process samples are about 1/6 s
+# How often /proc may be searched for the other pids of an unattributed pid's cgroup.
+SCAN_EVERY_NS = 5_000_000_000
 
 _HEADER = struct.Struct("<8sIIQQ")
 _RECORD = struct.Struct(f"<{UUID_SIZE}sIIQQ")
@@ -167,12 +170,52 @@ def record_path(host_root: Path, allocation_id: str) -> Path:
     return Path(host_root) / "containers" / f"{allocation_id}{SUFFIX}"
 
 
+class CgroupMemo:
+    """Each container's cgroup, learnt from its pids that the limits mount attributes. A
+    process that changes its root (chroot, pivot_root) no longer shows the mount in its
+    mountinfo, but it cannot leave its container's cgroup: it is that container's. A cgroup
+    learnt for two allocations is nobody's (our containers never share one). Kept across
+    publications; an allocation's cgroups are forgotten when it ends."""
+
+    def __init__(self, scan_every_ns: int = SCAN_EVERY_NS) -> None:
+        self._owner: dict[str, str | None] = {}
+        self._scanned: dict[str, int] = {}  # cgroup -> when /proc was last searched for it
+        self._scan_every = scan_every_ns
+
+    def learn(self, cgroup: str, alloc: str) -> None:
+        if cgroup:
+            self._owner[cgroup] = alloc if self._owner.get(cgroup, alloc) == alloc else None
+
+    def owner(self, cgroup: str) -> str | None:
+        return self._owner.get(cgroup) if cgroup else None
+
+    def keep(self, live: Collection[str]) -> None:
+        for cgroup, alloc in list(self._owner.items()):
+            if alloc is not None and alloc not in live:
+                del self._owner[cgroup]
+
+    def may_scan(self, cgroup: str, now_ns: int) -> bool:
+        """Whether /proc may be searched for ``cgroup``'s other pids now: at most once per
+        ``scan_every_ns`` for each (a search reads every pid's cgroup)."""
+        last = self._scanned.get(cgroup)
+        if last is not None and now_ns - last < self._scan_every:
+            return False
+        self._scanned[cgroup] = now_ns
+        return True
+
+
 def proc_owner(
-    limits_dir: Path, allocation_ids: Collection[str], proc: Path = Path("/proc")
+    limits_dir: Path,
+    allocation_ids: Collection[str],
+    proc: Path = Path("/proc"),
+    memo: CgroupMemo | None = None,
+    clock: Callable[[], int] = time.monotonic_ns,
 ) -> PidOwner:
     """Attribution of node pids by their mount namespace (see the module doc): the pid whose
-    mountinfo shows the bind mount of ``<limits_dir>/<id>``. Cached per pid for one
-    publication (a pid does not change container)."""
+    mountinfo shows the bind mount of ``<limits_dir>/<id>``; a pid whose mountinfo shows no
+    limits file, by its cgroup (``memo``): that of pids the mount attributed, these or
+    earlier ones, or, at most every few seconds, another pid of that cgroup found in
+    ``proc``. Cached per pid for one publication (a pid does not change container)."""
     try:
         own = (proc / "self" / "mountinfo").read_text(errors="replace")
     except OSError:
@@ -183,15 +226,42 @@ def proc_owner(
         key = file_key(own, f"{base}/{alloc}")
         if key is not None:
             keys[key] = alloc
+    cgroups = memo if memo is not None else CgroupMemo()
+    cgroups.keep(allocation_ids)
     cache: dict[int, str | None] = {}
+
+    def read(pid: int | str, name: str) -> str:
+        try:
+            return (proc / str(pid) / name).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def by_mount(pid: int | str) -> str | None:
+        who = mount_owner(read(pid, "mountinfo"), keys)
+        if who is not None:
+            cgroups.learn(read(pid, "cgroup"), who)
+        return who
+
+    def search(cgroup: str) -> None:
+        """Learn ``cgroup``'s owner from any pid in it that the mount attributes."""
+        try:
+            pids = [n for n in os.listdir(proc) if n.isdigit()]
+        except OSError:
+            return
+        for other in pids:
+            if read(other, "cgroup") == cgroup and by_mount(other) is not None:
+                return
 
     def owner(pid: int) -> str | None:
         if pid not in cache:
-            try:
-                text = (proc / str(pid) / "mountinfo").read_text(errors="replace")
-            except OSError:
-                text = ""
-            cache[pid] = mount_owner(text, keys)
+            who = by_mount(pid)
+            if who is None:
+                cgroup = read(pid, "cgroup")
+                who = cgroups.owner(cgroup)
+                if who is None and cgroup and cgroups.may_scan(cgroup, clock()):
+                    search(cgroup)
+                    who = cgroups.owner(cgroup)
+            cache[pid] = who
         return cache[pid]
 
     return owner
@@ -204,20 +274,22 @@ def _nobody(_pid: int) -> str | None:
 class GpuTimePublisher:
     """Publishes each guaranteed container's measured share per GPU every call of
     ``publish``. ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside
-    a session); ``owner_of`` makes a pid attribution for a set of allocation ids."""
+    a session); ``owner_of`` makes a pid attribution for a set of allocation ids (default:
+    ``proc_owner`` with the cgroups it learns kept from one publication to the next)."""
 
     def __init__(
         self,
         host_root: Path,
         read_samples: ReadSamples,
-        owner_of: Callable[[Path, Collection[str]], PidOwner] = proc_owner,
+        owner_of: Callable[[Path, Collection[str]], PidOwner] | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
         wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
         pid_visible: Callable[[int], bool] = lambda pid: os.path.exists(f"/proc/{pid}"),
     ) -> None:
         self._root = Path(host_root)
         self._read = read_samples
-        self._owner_of = owner_of
+        memo = CgroupMemo()
+        self._owner_of = owner_of or (lambda d, ids: proc_owner(d, ids, memo=memo))
         self._clock = clock
         self._wall_us = wall_us
         self._since: dict[str, tuple[int, int]] = {}  # per GPU: wall us, monotonic ns

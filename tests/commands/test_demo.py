@@ -7,17 +7,22 @@ plain LD_PRELOAD (no root): the limits must hold in each, and the demo must say 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vgpu_plugin.core.allocation import Mount
-from vgpu_plugin.sim import compute_demo, process
+from vgpu_plugin.sim import cap_share, compute_demo, demo, process
+from vgpu_plugin.sim.node import WORKLOAD
 from vgpu_plugin.sim.process import choose_runtime, host_path, preload_env
 from vgpu_plugin.sim.runc import ContainerConfig, runc_unavailable_reason
+from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
 HOW = {"runc": "under runc", "namespace": "private mount and pid", "preload": "LD_PRELOAD"}
 REASONS = {
@@ -235,3 +240,86 @@ def test_compute_demo_judges_the_shares_of_simgpus_record() -> None:
     assert step == 20 * MS
     with pytest.raises(RuntimeError, match="too short to measure"):
         compute_demo.measure(_steps((10, {steady: MS, n1: MS}), (60, {n1: MS})), 0, 50)
+
+
+# --- the plain demo's compute verdicts ----------------------------------------------------
+
+STEP = cap_share.MIN_STEP_NS  # a 50 % cap's step with the demo's 10 ms kernels
+
+
+def _capped(limit: int) -> Any:
+    """An admitted pod as verdict() reads it: its compute limit."""
+    return type("Admitted", (), {"compute_limit": lambda self, i=0: limit})()
+
+
+def _judged(steps: list[int], limit: int) -> tuple[cap_share.CapShare, demo.Pod]:
+    r = cap_share.measure(steps, STEP, limit)
+    pod = demo.Pod("batch-50", 2, ["compute"], "", admitted=_capped(limit), share=r)
+    pod.verdict = demo.verdict(pod)
+    return r, pod
+
+
+def test_a_starved_launcher_is_judged_while_it_was_launching() -> None:
+    """The flake: at load 13 on 2 cores the host ran batch-50's launcher a fraction of the
+    time, and its own wall-clock count read 20.8 % for a 50 % cap. In simgpu's record the
+    pacing held it at 50 % whenever it launched: the verdict counts those steps."""
+    paced = 25 * MS  # 50 % of a 50 ms step
+    # 0.5 s launching, its last kernel cut short by the pause, 1.5 s with nothing launched,
+    # the bucket's catch-up (20 ms at 50 %) after it, and so on for 3 s of 50 ms steps.
+    burst = [paced] * 9 + [12 * MS] + [0] * 30 + [paced + 20 * MS]
+    steps = [5 * MS, *burst, *burst, paced * 1, 3 * MS]  # first and last: partly outside
+    r, pod = _judged(steps, 50)
+    assert abs(r.whole - 50) > 5  # what the old judging, over the whole run, read: OFF
+    assert round(r.launching, 1) == 50.0 and r.held and pod.held
+    assert "on target" in pod.verdict and "50.0% of the GPU's time" in pod.verdict
+    assert f"{r.whole:.1f}% over its whole" in pod.verdict  # what the host left, said too
+
+
+def test_a_cap_that_does_not_hold_reads_as_not_held() -> None:
+    """Not enforced, paced too hard, or above the cap in bursts: never "on target"."""
+    free = [STEP] * 40  # the shim not pacing: all the GPU while it launches
+    # ... and starved half the time: over the whole run 50 %, what the old judging accepted.
+    half = [STEP] + [STEP, STEP, STEP, STEP, 0, 0, 0, 0] * 5 + [STEP]
+    bursts = [20 * MS] * 10 + [STEP] * 10  # 40 % in some steps, 100 % in others: 70 %
+    for steps, words in ((free, "not enforced"), (half, "OFF its limit"),
+                         ((bursts * 2), "not enforced")):  # fmt: skip
+        r, pod = _judged(steps, 50)
+        assert not r.held and not pod.held, (steps, r)
+        assert words in pod.verdict
+    r, pod = _judged([15 * MS] * 40, 50)  # held to 30 %: below what the pod was promised
+    assert not pod.held and "OFF its limit" in pod.verdict and "30.0%" in pod.verdict
+    r, pod = _judged([25 * MS] * 8, 50)  # 0.3 s launching: too little to say
+    assert not pod.held and "not judged" in pod.verdict
+
+
+def test_a_step_always_holds_some_of_a_paced_pods_work() -> None:
+    """A paced 10 ms kernel waits up to its period (kernel / share): with steps shorter than
+    that, pacing itself would leave steps empty, and leaving those out would judge wrongly."""
+    assert cap_share.step_ns(50, 10 * MS) == 50 * MS
+    assert cap_share.step_ns(25, 10 * MS) == 80 * MS
+    assert cap_share.step_ns(10, 10 * MS) == 200 * MS
+    period = [10 * MS] + [0] * 9  # a 10 % cap: 10 ms every 100 ms, in 10 ms pieces
+    record = period * 30
+    for step in (50 * MS, cap_share.step_ns(10, 10 * MS)):
+        n = step // (10 * MS)
+        steps = [sum(record[i : i + n]) for i in range(0, len(record), n)]
+        r = cap_share.measure(steps, step, 10)
+        assert r.held == (step != 50 * MS), (step, r)
+
+
+@pytest.mark.slow
+def test_an_unpaced_launcher_reads_above_its_limit(native_tree: Path, tmp_path: Path) -> None:
+    """The compute workload without the shim, on a simulated GPU: judged by simgpu's record of
+    the pid it reports, a 50 % cap reads as not enforced (the GPU ran it all the time)."""
+    node = Node.create(tmp_path / "simgpu", [GpuSpec(memory=16 << 30)], seed=tmp_path.name)
+    t0 = time.monotonic_ns()
+    proc = subprocess.run(
+        [*WORKLOAD, "compute", "--kernel-ms", "10", "--seconds", "1.5"],
+        capture_output=True, text=True, env=node.env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid, t1 = json.loads(proc.stdout.splitlines()[-1])["pid"], time.monotonic_ns()
+    r = cap_share.measure(cap_share.timeline(node, 0, pid, t0, t1, STEP), STEP, 50)
+    assert r.launching > 90 and not r.held, r
+    assert "not enforced" in cap_share.describe(r)
+    assert not any(cap_share.timeline(node, 0, pid + 1, t0, t1, STEP))  # only its own pid's

@@ -56,8 +56,8 @@ def test_on_target_is_the_documented_five_points(share: float, judged: str) -> N
     doc = " ".join(QUICKSTART.read_text().split())
     assert "**on target** when within 5 percentage points" in doc
     admitted: Any = _Admitted(50)
-    step = cap_share.MIN_STEP_NS
-    steps = [round(share / 100 * step)] * 40  # 2 s of simgpu's record at that share
-    record = cap_share.measure(steps, step, 50)
+    step = cap_share.RESOLUTION_NS
+    steps = [round(share / 100 * step)] * 400  # 2 s of simgpu's record at that share
+    record = cap_share.measure(steps, step, 50, 10 * cap_share.MS)
     pod = demo.Pod("batch", 1, ["compute"], "", admitted=admitted, share=record)
     assert judged in demo.verdict(pod)

@@ -4,15 +4,16 @@ The plain demo's verdict on a compute cap (sim/demo.py). A cap promises that the
 gets more than its limit, and the pacing that enforces it should give the pod its limit while
 it has work to run. Both are read in simgpu's clock (``Node.busy``), never from the workload's
 wall-clock count: a loaded host that does not run the pod's launcher for a while leaves the GPU
-without its work, which no limiter holds back, and the workload's count read 20.8 % for a 50 %
-cap at load 13 on 2 cores.
+without its work, which no limiter holds back (the workload's count read 20.8 % for a 50 % cap
+at load 13 on 2 cores).
 
-So the record is cut into steps, each long enough that the pacing always runs some of the
-pod's work in it (the longest a paced kernel waits is its own period, kernel / share). A step
-without any of its work is one in which its launcher launched nothing; it and the steps beside
-it (the way into and out of the pause, and the bucket's catch-up after it: 40 ms x share) are
-left out of the share *while launching*. The share over the whole run is kept too: a burst
-above the cap, in whichever step, shows there.
+The pacing is a token bucket (native/libvgpu/README.md, Compute pacing) that holds at most
+40 ms x share: a launcher that pauses gets back, once it runs again, the share of the first
+40 ms of its pause, and no more. So in the pod's record, in RESOLUTION_NS steps, every gap
+between its work longer than the pacing's own wait (its period, kernel / share, less the
+kernel) is a pause of its launcher, and the part of the pause beyond 40 ms is left out of the
+time it was *launching*: over the rest, a cap that holds gives it its limit, catch-ups
+included. The share over the whole run is kept too: a burst above the cap shows there.
 """
 
 from __future__ import annotations
@@ -23,20 +24,23 @@ from dataclasses import dataclass
 from vgpu_plugin.sim.simgpu import Node
 
 MS = 1_000_000
-MIN_STEP_NS = 50 * MS
+RESOLUTION_NS = 5 * MS  # the record's steps: a gap is known to within one
+BUCKET_NS = 40 * MS  # the pacing's catch-up, in time at its share (libvgpu README)
 TOLERANCE = 5.0  # points: the demo's "on target" band (docs/quickstart.md)
 LEAST_LAUNCHING_NS = 500 * MS  # less than this while launching: too little to judge
 
 
-def step_ns(limit: int, kernel_ns: int) -> int:
-    """A step in which a launcher paced to ``limit`` % with ``kernel_ns`` kernels always has
-    work on the GPU: twice the pacing's period (kernel / share), at least 50 ms."""
-    return max(MIN_STEP_NS, -(-2 * kernel_ns * 100 // max(limit, 1)))
-
-
-def timeline(node: Node, gpu: int, pid: int, t0: int, t1: int, step: int) -> list[int]:
+def timeline(
+    node: Node, gpu: int, pid: int, t0: int, t1: int, step: int = RESOLUTION_NS
+) -> list[int]:
     """Per ``step`` of [t0, t1) in simgpu's clock, the GPU time ``pid``'s work ran on ``gpu``."""
     return [node.busy(gpu, a, a + step).get(pid, 0) for a in range(t0, t1, step)]
+
+
+def pause_allowance(limit: int, kernel_ns: int) -> int:
+    """How long a gap in the pod's work may be with all of it made up: the pacing's own wait
+    between two kernels plus the 40 ms its bucket lets a paused launcher catch up."""
+    return max(0, kernel_ns * 100 // max(limit, 1) - kernel_ns) + BUCKET_NS
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class CapShare:
     """What simgpu's record says of one capped pod, in percent of the GPU and seconds."""
 
     limit: int
-    launching: float  # share in the steps in which it was launching (see the module doc)
+    launching: float  # share of the time it was launching (see the module doc)
     whole: float  # share over its whole run, first to last step with its work
     launching_s: float
     run_s: float
@@ -63,23 +67,29 @@ class CapShare:
         return self.enough and not self.above and abs(self.launching - self.limit) <= TOLERANCE
 
 
-def measure(steps: Sequence[int], step: int, limit: int) -> CapShare:
-    """The pod's shares from its timeline (``timeline``). Its first and last steps with work
-    are partly before and after its run, and are left out."""
+def measure(steps: Sequence[int], step: int, limit: int, kernel_ns: int) -> CapShare:
+    """The pod's shares from its timeline (``timeline``) and its kernels' length. Its first and
+    last steps with work are partly before and after its run, and are left out."""
     worked = [i for i, ns in enumerate(steps) if ns > 0]
     run = list(steps[worked[0] + 1 : worked[-1]]) if worked else []
-    idle = [ns == 0 for ns in run]
-    launching = [ns for i, ns in enumerate(run) if not any(idle[max(0, i - 1) : i + 2])]
-
-    def share(part: Sequence[int]) -> float:
-        return 100.0 * sum(part) / (len(part) * step) if part else 0.0
-
+    allowance = pause_allowance(limit, kernel_ns)
+    paused = 0
+    gap = 0
+    for ns in [*run, 1]:  # a last step with work closes a gap at the end
+        if ns == 0:
+            gap += 1
+            continue
+        if gap:  # n empty steps: the gap was between n and n + 2 steps long
+            paused += max(0, (gap + 1) * step - allowance)
+        gap = 0
+    run_ns = len(run) * step
+    launching_ns = max(run_ns - paused, 0)
     return CapShare(
         limit=limit,
-        launching=share(launching),
-        whole=share(run),
-        launching_s=len(launching) * step / 1e9,
-        run_s=len(run) * step / 1e9,
+        launching=100.0 * sum(run) / launching_ns if launching_ns else 0.0,
+        whole=100.0 * sum(run) / run_ns if run_ns else 0.0,
+        launching_s=launching_ns / 1e9,
+        run_s=run_ns / 1e9,
     )
 
 

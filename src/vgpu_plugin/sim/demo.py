@@ -28,7 +28,7 @@ GPU_MEMORY_MIB = 16384
 CONTEXT_MIB = 256
 SPLIT = 4
 CONFIG = f"version: v1\nsharing:\n  splitCount: {SPLIT}\n  compute: proportional\n"
-KERNEL_MS = 10  # the compute pods' kernels: the steps their shares are read in follow from it
+KERNEL_MS = 10  # the compute pods' kernels: how long pacing alone leaves their GPU idle follows
 
 
 @dataclass
@@ -116,10 +116,11 @@ def read_share(node: Node, gpu: int, pod: Pod, t0: int, t1: int) -> CapShare:
     """A compute pod's shares of GPU ``gpu`` in [t0, t1) of simgpu's clock, by the pid its
     workload reported (the node's, as simgpu records its work)."""
     assert pod.admitted is not None
-    limit = pod.admitted.compute_limit()
-    step = cap_share.step_ns(limit, KERNEL_MS * 1_000_000)
-    steps = cap_share.timeline(node, gpu, int(pod.result["pid"]), t0, t1, step)
-    return cap_share.measure(steps, step, limit)
+    steps = cap_share.timeline(node, gpu, int(pod.result["pid"]), t0, t1)
+    kernel_ns = KERNEL_MS * 1_000_000
+    return cap_share.measure(
+        steps, cap_share.RESOLUTION_NS, pod.admitted.compute_limit(), kernel_ns
+    )
 
 
 def run_demo(

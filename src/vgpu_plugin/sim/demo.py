@@ -116,6 +116,8 @@ def read_share(node: Node, gpu: int, pod: Pod, t0: int, t1: int) -> CapShare:
     """A compute pod's shares of GPU ``gpu`` in [t0, t1) of simgpu's clock, by the pid its
     workload reported (the node's, as simgpu records its work)."""
     assert pod.admitted is not None
+    # A long run's start may have left simgpu's record (a ring): judge what it still holds.
+    t0 = max(t0, node.recorded_since(gpu))
     steps = cap_share.timeline(node, gpu, int(pod.result["pid"]), t0, t1)
     kernel_ns = KERNEL_MS * 1_000_000
     return cap_share.measure(

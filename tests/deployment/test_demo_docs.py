@@ -12,7 +12,7 @@ import pytest
 
 from deployment.generate_docs import DOCS, TABLES
 from deployment.test_docs import rows
-from vgpu_plugin.sim import demo
+from vgpu_plugin.sim import cap_share, demo
 
 QUICKSTART = DOCS / "quickstart.md"
 
@@ -56,5 +56,8 @@ def test_on_target_is_the_documented_five_points(share: float, judged: str) -> N
     doc = " ".join(QUICKSTART.read_text().split())
     assert "**on target** when within 5 percentage points" in doc
     admitted: Any = _Admitted(50)
-    pod = demo.Pod("batch", 1, [], "", admitted=admitted, result={"share_percent": share})
+    step = cap_share.RESOLUTION_NS
+    steps = [round(share / 100 * step)] * 400  # 2 s of simgpu's record at that share
+    record = cap_share.measure(steps, step, 50, 10 * cap_share.MS)
+    pod = demo.Pod("batch", 1, ["compute"], "", admitted=admitted, share=record)
     assert judged in demo.verdict(pod)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from vgpu_plugin.sim import cap_share
 from vgpu_plugin.sim.node import EmulatedNode
 from vgpu_plugin.sim.runc import runc_unavailable_reason
 
@@ -28,3 +30,14 @@ def one(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     found = results(proc)
     assert len(found) == 1, proc.stdout
     return found[0]
+
+
+def gpu_share(
+    node: EmulatedNode, result: dict[str, Any], t0: int, limit: int, gpu: int = 0
+) -> cap_share.CapShare:
+    """A ``compute`` workload's share of its GPU (10 ms kernels) since ``t0`` (simgpu's clock),
+    from simgpu's record of the pid it reported, as the demo judges it (sim/cap_share.py):
+    not its own wall-clock count, which a loaded host that does not run it lowers."""
+    t0 = max(t0, node.node.recorded_since(gpu))
+    steps = cap_share.timeline(node.node, gpu, int(result["pid"]), t0, time.monotonic_ns())
+    return cap_share.measure(steps, cap_share.RESOLUTION_NS, limit, 10 * cap_share.MS)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e.helpers import NodeFactory, needs_containers, one
+from e2e.helpers import NodeFactory, gpu_share, needs_containers, one
 
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
 from vgpu_plugin.core import dra
@@ -97,11 +98,13 @@ def test_a_6gi_30_percent_claim_is_held_to_6gi_and_30_percent(dra_node: DraOnNod
     assert seen["cuda_total"] == seen["nvml_total"] == 6144 * MIB
     got = one(dra_node.node.run_container(pod, [*WORKLOAD, "alloc", "--target-mib", "99999"]))
     assert got["out_of_memory"] and 6144 - 64 - 256 <= got["allocated_mib"] <= 6144 - 256
+    t0 = time.monotonic_ns()
     proc = dra_node.node.start_container(pod, [*WORKLOAD, "compute", "--seconds", "4"])
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    share = json.loads(out.strip().splitlines()[-1])["share_percent"]
-    assert abs(share - 30) <= 5, share
+    # Judged by simgpu's record while it launched (a loaded host delays the launcher).
+    share = gpu_share(dra_node.node, json.loads(out.strip().splitlines()[-1]), t0, 30)
+    assert share.held, share
 
 
 def test_two_containers_sharing_a_claim_share_its_memory(dra_node: DraOnNode) -> None:

@@ -10,7 +10,7 @@ import json
 import shlex
 import time
 
-from e2e.helpers import NodeFactory, needs_containers, one, results
+from e2e.helpers import NodeFactory, gpu_share, needs_containers, one, results
 
 from vgpu_plugin.sim.node import MIB, WORKLOAD
 
@@ -50,15 +50,18 @@ def test_two_containers_on_one_gpu_each_hit_their_own_limit(
 def test_compute_shares_on_one_gpu(make_emulated_node: NodeFactory) -> None:
     node = make_emulated_node()
     quarter, half = node.admit("quarter", 1), node.admit("half", 2)
+    t0 = time.monotonic_ns()
     procs = {pod.pod: node.start_container(pod, [*WORKLOAD, "compute", "--seconds", "4"])
              for pod in (quarter, half)}  # fmt: skip
-    shares = {}
+    outs = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
-        shares[name] = json.loads(out.strip().splitlines()[-1])["share_percent"]
-    assert abs(shares["quarter"] - 25) <= 5, shares
-    assert abs(shares["half"] - 50) <= 5, shares
+        outs[name] = json.loads(out.strip().splitlines()[-1])
+    # Judged by simgpu's record while each launched (a loaded host delays the launchers).
+    shares = {name: gpu_share(node, outs[name], t0, limit)
+              for name, limit in (("quarter", 25), ("half", 50))}  # fmt: skip
+    assert all(r.held for r in shares.values()), shares
 
 
 def test_a_container_on_two_gpus_sees_both_with_their_limits(

@@ -5,14 +5,16 @@ Each prints one JSON line that the demo reads back:
 - ``devices``: each visible device's UUID and the memory CUDA reports for it.
 - ``alloc --target-mib N --chunk-mib C --hold S``: allocate up to N MiB in chunks, report how
   far it got and whether the driver said out of memory; hold it for S seconds.
-- ``compute --seconds S --kernel-ms K``: launch K ms kernels back to back for S seconds and
-  report the share of wall time its kernels ran (its GPU time share).
+- ``compute --seconds S --kernel-ms K``: launch K ms kernels one after another for S seconds
+  and report how many, the share of its wall time they ran, and its pid as simgpu records its
+  work (the demo reads its GPU time from simgpu's record by that pid).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -82,6 +84,18 @@ def cupy_alloc(target_mib: int, chunk_mib: int, hold: float) -> dict[str, Any]:
     return result
 
 
+def node_pid() -> int:
+    """This process's pid as simgpu records its work: the node's, read through the node's
+    /proc where the container has it (SIMGPU_HOST_PROC, native/simgpu/NVML.md), else its own."""
+    proc = os.environ.get("SIMGPU_HOST_PROC")
+    if proc:
+        try:
+            return int(os.readlink(os.path.join(proc, "self")))
+        except (OSError, ValueError):
+            pass  # simgpu falls back the same way
+    return os.getpid()
+
+
 def compute(drv: Driver, seconds: float, kernel_ms: float) -> dict[str, Any]:
     func = drv.sleep_kernel()
     ns = int(kernel_ms * 1e6)
@@ -92,7 +106,12 @@ def compute(drv: Driver, seconds: float, kernel_ms: float) -> dict[str, Any]:
         drv.synchronize()
         done += 1
     wall = time.monotonic() - start
-    result = {"kernels": done, "wall_s": wall, "share_percent": 100.0 * done * ns / 1e9 / wall}
+    result = {
+        "kernels": done,
+        "wall_s": wall,
+        "share_percent": 100.0 * done * ns / 1e9 / wall,
+        "pid": node_pid(),
+    }
     print(json.dumps(result), flush=True)
     return result
 

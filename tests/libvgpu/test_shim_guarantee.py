@@ -26,7 +26,15 @@ import time
 from pathlib import Path
 
 import pytest
-from test_shim_compute import MS, all_running, busy_split, shares, shim_on, timeline
+from test_shim_compute import (
+    BUSY_STEP,
+    MS,
+    all_running,
+    busy_split,
+    shares,
+    shim_on,
+    timeline,
+)
 from test_shim_helpers import Shim, finish
 
 KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whole run
@@ -177,6 +185,54 @@ def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
     # (That A is back to its 50 % from then on is seen on an idle host, but not asserted: when
     # the host starves A's launcher, the time A does not ask for is rightly lent to B and C,
     # and simgpu's record cannot tell that from A being held back.)
+
+
+def newcomer_steps(shim: Shim, pids: list[int], c0: int, span: int) -> list[dict[int, int] | None]:
+    """Each pid's GPU time per 50 ms step of simgpu's clock from c0 on, None for a step in
+    which, or beside one in which, some pid's work did not run (busy_steps: a launcher the
+    host starved is idle, and the time it did not ask for rightly lent meanwhile)."""
+    steps = timeline(shim.node, pids, c0, c0 + span, BUSY_STEP)
+    idle = [any(s[p] == 0 for p in pids) for s in steps]
+    return [None if any(idle[max(0, i - 1) : i + 2]) else s for i, s in enumerate(steps)]
+
+
+def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once_time_sliced(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """A (50 %) and B (25 %) busy on a time-sliced GPU, C (25 %) idle; C turns busy. Its first
+    kernels run only stretched by A's and B's slices, and it holds its guarantee from its
+    first 100 ms on all the same: over its next 500 ms of steps in which all three were busy,
+    and in every 100 ms step of them after the first. Charged its kernels' least stretched
+    duration (their floor before it had seen one run alone) it got 15 - 18 % per 100 ms for
+    0.5 s to over 2 s (docs/compute.md, Status)."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [
+        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
+    t0 = time.monotonic_ns()
+    busy = [run(shim, e, 5) for e in envs[:2]]
+    time.sleep(2.0)
+    late = run(shim, envs[2], 2)
+    finish_all([late])
+    finish_all(busy)
+    pids = [p.pid for p in (*busy, late)]
+    fine = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
+    first = next(i for i, s in enumerate(fine) if s[late.pid] > 0)
+    c0 = t0 + first * 5 * MS
+    # 50 ms steps from c0 + 100 ms on, while all three were busy: the first ten of them
+    steps = newcomer_steps(shim, pids, c0 + 100 * MS, 1800 * MS)
+    kept = [s for s in steps if s is not None][:10]
+    assert len(kept) == 10, steps
+    c_share = [100.0 * s[late.pid] / BUSY_STEP for s in kept]
+    assert sum(c_share) / len(c_share) >= 23.0, c_share
+    # per 100 ms (two 50 ms steps, both busy) from c0 + 100 ms on, for its first second
+    pairs = [
+        100.0 * (a[late.pid] + b[late.pid]) / (2 * BUSY_STEP)
+        for a, b in zip(steps[0:18:2], steps[1:18:2], strict=True)
+        if a is not None and b is not None
+    ]
+    assert len(pairs) >= 4, steps
+    assert min(pairs) >= 20.0, pairs
 
 
 def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(

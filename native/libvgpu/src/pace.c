@@ -374,6 +374,7 @@ static int own_utilisation(const struct vgpu_dev *d, unsigned long long since_us
 
 /* g_peers.mu held; d's peers have work queued. */
 static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now) {
+    vgpu_launch_settle();
     unsigned long long now_us = realtime_us();
     if (d->cal_read_ns == 0 || now - d->cal_read_ns > CAL_MAX_NS || now_us <= d->cal_seen_us) {
         d->cal_read_ns = now; /* a period starts: what was charged before it stands */
@@ -381,7 +382,6 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
         __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
         return;
     }
-    vgpu_launch_settle();
     unsigned int pct;
     if (own_utilisation(d, d->cal_seen_us, &pct) == 0) return; /* the period goes on */
     int64_t span = (int64_t)(now_us - d->cal_seen_us) * 1000;

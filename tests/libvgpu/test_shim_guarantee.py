@@ -199,36 +199,40 @@ def newcomer_steps(shim: Shim, pids: list[int], c0: int, span: int) -> list[dict
 def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once_time_sliced(
     native_tree: Path, tmp_path: Path
 ) -> None:
-    """A (50 %) and B (25 %) busy on a time-sliced GPU, C (25 %) idle; C turns busy. Its first
+    """A (50 %) and B (25 %) busy on a time-sliced GPU, C (25 %) idle; C turns busy. Its
     kernels run only stretched by A's and B's slices, and it holds its guarantee from its
     first 100 ms on all the same: over its next 500 ms of steps in which all three were busy,
-    and in every 100 ms step of them after the first. Charged its kernels' least stretched
-    duration (their floor before it had seen one run alone) it got 15 - 18 % per 100 ms for
-    0.5 s to over 2 s (docs/compute.md, Status)."""
+    and in every 100 ms step in which they were, after the first. Charged its kernels' least
+    stretched duration (their floor before it had seen one run alone) it got 17.6 - 19.0 %
+    over those 500 ms and 12 - 16 % in its worst 100 ms step (issue 24: 15 - 18 % per 100 ms
+    for 0.5 s to over 2 s); settled against the driver's measure (pace.c, calibrate),
+    24 - 25 % and at least 22.6 %."""
     shim = shim_on(native_tree, tmp_path, 1)
     envs = [
         container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
     ]
     t0 = time.monotonic_ns()
-    busy = [run(shim, e, 5) for e in envs[:2]]
+    busy = [run(shim, e, 6) for e in envs[:2]]
     time.sleep(2.0)
-    late = run(shim, envs[2], 2)
+    late = run(shim, envs[2], 3)
     finish_all([late])
     finish_all(busy)
     pids = [p.pid for p in (*busy, late)]
     fine = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
     first = next(i for i, s in enumerate(fine) if s[late.pid] > 0)
     c0 = t0 + first * 5 * MS
-    # 50 ms steps from c0 + 100 ms on, while all three were busy: the first ten of them
-    steps = newcomer_steps(shim, pids, c0 + 100 * MS, 1800 * MS)
+    # 50 ms steps from c0 + 100 ms on, while all three were busy (a loaded host may starve a
+    # launcher for a while: those steps are left out), to 500 ms before C stops: the first
+    # ten of them, [c0 + 100 ms, c0 + 600 ms] where the host starved nobody
+    steps = newcomer_steps(shim, pids, c0 + 100 * MS, 2400 * MS)
     kept = [s for s in steps if s is not None][:10]
     assert len(kept) == 10, steps
     c_share = [100.0 * s[late.pid] / BUSY_STEP for s in kept]
     assert sum(c_share) / len(c_share) >= 23.0, c_share
-    # per 100 ms (two 50 ms steps, both busy) from c0 + 100 ms on, for its first second
+    # per 100 ms (two 50 ms steps, both busy) from c0 + 100 ms to its end
     pairs = [
         100.0 * (a[late.pid] + b[late.pid]) / (2 * BUSY_STEP)
-        for a, b in zip(steps[0:18:2], steps[1:18:2], strict=True)
+        for a, b in zip(steps[0::2], steps[1::2], strict=False)
         if a is not None and b is not None
     ]
     assert len(pairs) >= 4, steps

@@ -153,8 +153,9 @@ static void reap(int wait) {
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
             int64_t used = settle_charge(p->d, p->key, measured);
             vgpu_pace_add(p->d, p->charged - used);
-            /* What the driver's measure settles it against (pace.c, calibrate) */
-            if (p->d->req) __atomic_add_fetch(&p->d->cal_charged, used, __ATOMIC_RELAXED);
+            /* What the driver's measure settles it against (pace.c, calibrate; read only
+             * with a guarantee, added up without a test) */
+            __atomic_add_fetch(&p->d->cal_charged, used, __ATOMIC_RELAXED);
             vgpu_note_gpu_time(p->d, (uint64_t)used);
         }
         if (!held) event_put(p->start, p->ctx);

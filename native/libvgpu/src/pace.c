@@ -389,10 +389,9 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
     int64_t charged = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
     d->cal_read_ns = now;
     d->cal_seen_us = now_us;
-    /* Nobody runs longer than the period: a larger difference is in neither's power. */
-    int64_t fix = charged - used;
-    fix = fix > span ? span : fix < -span ? -span : fix;
-    vgpu_pace_add(d, fix);
+    /* Bounded both ways by what ran: `used` by the period, the charges by the (overlap-
+     * trimmed) brackets settled in it. */
+    vgpu_pace_add(d, charged - used);
 }
 
 /* --- the driver's measure of this container (node/observe/gputime.py) -----------------------

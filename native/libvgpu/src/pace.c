@@ -372,22 +372,22 @@ static int own_utilisation(const struct vgpu_dev *d, unsigned long long since_us
     return 1;
 }
 
-/* g_peers.mu held; d's peers have work queued. */
+/* g_peers.mu held; d's peers have work queued; tried every CAL_NS at most (cal_read_ns). The
+ * period began at cal_seen_us (CPU microseconds, as NVML's samples are stamped). */
 static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now) {
+    d->cal_read_ns = now;
     vgpu_launch_settle();
     unsigned long long now_us = realtime_us();
-    if (d->cal_read_ns == 0 || now - d->cal_read_ns > CAL_MAX_NS || now_us <= d->cal_seen_us) {
-        d->cal_read_ns = now; /* a period starts: what was charged before it stands */
-        d->cal_seen_us = now_us;
+    if (d->cal_seen_us == 0 || now_us <= d->cal_seen_us || now_us - d->cal_seen_us > CAL_MAX_NS / 1000) {
+        d->cal_seen_us = now_us; /* a period starts: what was charged before it stands */
         __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
         return;
     }
     unsigned int pct;
-    if (own_utilisation(d, d->cal_seen_us, &pct) == 0) return; /* the period goes on */
+    if (own_utilisation(d, d->cal_seen_us, &pct) == 0) return; /* no sample yet: it goes on */
     int64_t span = (int64_t)(now_us - d->cal_seen_us) * 1000;
     int64_t used = span * pct / 100;
     int64_t charged = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
-    d->cal_read_ns = now;
     d->cal_seen_us = now_us;
     /* Bounded both ways by what ran: `used` by the period, the charges by the (overlap-
      * trimmed) brackets settled in it. */
@@ -494,8 +494,7 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d, d->uuid, now);
-    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) &&
-        (d->cal_read_ns == 0 || now - d->cal_read_ns >= CAL_NS))
+    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= CAL_NS)
         calibrate(d, now);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;

@@ -154,7 +154,7 @@ struct vgpu_dev {
     int npeer_until;
     uint64_t peer_until[VGPU_PEER_UNTIL];
     /* guaranteed: the GPU time charged (settled) since the driver's measure of this process
-     * was last read (atomic), and that read's times (pace.c, calibrate; g_peers.mu) */
+     * was last read (atomic); when it was last tried and read (pace.c, calibrate; g_peers.mu) */
     int64_t cal_charged;
     uint64_t cal_read_ns;
     unsigned long long cal_seen_us;

@@ -243,6 +243,34 @@ def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once
     assert min(medians) >= 20.0, pairs
 
 
+def test_kernels_shorter_than_a_slice_are_not_charged_a_share_time_sliced(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """B's kernels (1 ms) fit in one 2 ms slice: nothing stretches most of them, so they must
+    be charged what they take, not their share of the GPU (1 / (1 + k) of it), beside A
+    (50 %) and C (25 %) with 4 ms kernels, all busy: 50 / 25 / 25 still, B no more than its
+    guarantee. Charged their share with no floor (and not settled against the driver's
+    measure) B took 30.9 % of the three's GPU time and A 43.7 %; the floor and the driver's
+    settle (pace.c) each hold it alone."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [
+        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
+    t0 = time.monotonic_ns()
+    kernel_us = (KERNEL_US, 1000, KERNEL_US)
+    procs = [
+        shim.start("shim_launch", "handle", 0, "kernel", us, 6, IN_FLIGHT, env=e)
+        for e, us in zip(envs, kernel_us, strict=True)
+    ]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    split, got = busy_split(shim.node, pids, a, b)
+    assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
+
+
 def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
     native_tree: Path, tmp_path: Path
 ) -> None:

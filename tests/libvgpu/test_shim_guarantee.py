@@ -271,6 +271,34 @@ def test_kernels_shorter_than_a_slice_are_not_charged_a_share_time_sliced(
     assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
 
 
+def test_a_kernel_whose_duration_varies_gets_no_more_than_its_guarantee_time_sliced(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """B's kernel (one function, grid and block) takes 1.5 ms or 0.2 ms by its argument: both
+    fit in a slice, so nothing stretches them, and charged their share of the GPU down to the
+    fastest run's 0.2 ms its 1.5 ms runs cost a third. Beside A (50 %) and C (25 %), all
+    busy, B still gets no more than its guarantee: its charges are settled against the
+    driver's measure of its GPU time (pace.c, calibrate). Without that (3dbd998) B took
+    45.3 % of the three's GPU time, 50 % of the GPU, and A 34 %."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [
+        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
+    t0 = time.monotonic_ns()
+    kernel_us = (str(KERNEL_US), "1500,200", str(KERNEL_US))
+    procs = [
+        shim.start("shim_launch", "handle", 0, "kernel", us, 6, IN_FLIGHT, env=e)
+        for e, us in zip(envs, kernel_us, strict=True)
+    ]
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    split, got = busy_split(shim.node, pids, a, b)
+    assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
+
+
 def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
     native_tree: Path, tmp_path: Path
 ) -> None:

@@ -5,7 +5,8 @@
 Runs, on a simulated node with ``SIMGPU_TIMESLICE`` (native/simgpu/README.md), the cases of
 tests/libvgpu/test_shim_guarantee.py and prints each container's share of the GPU in
 simgpu's clock (``Node.busy``), over the span all of them ran less a second of warm-up and the
-last 500 ms; ``--timeslice 0`` runs them one kernel at a time (simgpu's default). The native
+last 500 ms, and a container that turns busy beside busy ones: its share in each 100 ms of
+its first second; ``--timeslice 0`` runs them one kernel at a time (simgpu's default). The native
 tree is the tests' (``VGPU_NATIVE_DIR`` to measure another build, e.g. an older shim). It
 asserts nothing: it prints figures.
 """
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "libvgpu"))
 
 import native_build  # noqa: E402
-from test_shim_compute import MS, all_running, shares, shim_on  # noqa: E402
+from test_shim_compute import MS, all_running, shares, shim_on, timeline  # noqa: E402
 from test_shim_guarantee import container, finish_all, run  # noqa: E402
 
 
@@ -42,6 +43,24 @@ def measure(
     pids = [p.pid for p in procs]
     a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
     return shares(shim.node, pids, a + 1000 * MS, b - 500 * MS)
+
+
+def newcomer(tree: Path, tmp: Path, ts: str) -> list[float]:
+    """A 50 % and B 25 % busy, C 25 % turns busy 2 s later: C's share of the GPU in each
+    100 ms of simgpu's clock from its first kernel on, for a second."""
+    shim = shim_on(tree, tmp, 1)
+    envs = [container(shim, n, r, timeslice=ts) for n, r in (("a", 50), ("b", 25), ("c", 25))]
+    t0 = time.monotonic_ns()
+    busy = [run(shim, e, 5) for e in envs[:2]]
+    time.sleep(2.0)
+    late = run(shim, envs[2], 2)
+    finish_all([late, *busy])
+    fine = timeline(shim.node, [late.pid], t0, time.monotonic_ns(), 5 * MS)
+    c0 = t0 + next(i for i, s in enumerate(fine) if s[late.pid] > 0) * 5 * MS
+    return [
+        shares(shim.node, [late.pid], c0 + i * 100 * MS, c0 + (i + 1) * 100 * MS)[0]
+        for i in range(10)
+    ]
 
 
 def main() -> int:
@@ -67,6 +86,12 @@ def main() -> int:
             + " / ".join(f"{g:.1f}" for g in got)
             + f" (sum {total:.1f}; of it {split})"
         )
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = newcomer(tree, Path(tmp), ts)
+    print(
+        "C 25 % turns busy beside A 50 %, B 25 %: C per 100 ms from its first kernel: "
+        + " ".join(f"{s:.1f}" for s in steps)
+    )
     return 0
 
 

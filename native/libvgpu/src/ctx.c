@@ -329,8 +329,8 @@ static int g_listed[VGPU_MAX_ORDINALS];
 static void pid_check_fork(void) {
     pid_t self = getpid();
     if (g_pid.self == self) return;
-    g_pid.self = self;
-    g_pid.node_pid = 0;
+    __atomic_store_n(&g_pid.self, self, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_pid.node_pid, 0, __ATOMIC_RELAXED);
     memset(g_listed, 0, sizeof g_listed);
 }
 
@@ -370,6 +370,13 @@ static int proc_used(const struct vgpu_dev *d, uint64_t *out) {
     /* Our pid twice: processes of other pid namespaces (containers' pid 1s, say) listed by
      * theirs; which one is us cannot be told, so neither is used. */
     return used_of(infos, n, g_pid.node_pid ? g_pid.node_pid : (unsigned int)getpid(), out);
+}
+
+/* Read without measure_mu (pace.c): a forked child's inherited node pid is not its own. */
+unsigned int vgpu_nvml_pid(void) {
+    pid_t self = getpid();
+    unsigned int pid = __atomic_load_n(&g_pid.node_pid, __ATOMIC_RELAXED);
+    return pid && __atomic_load_n(&g_pid.self, __ATOMIC_RELAXED) == self ? pid : (unsigned int)self;
 }
 
 /* The one pid that grew by exactly p and fell back by exactly p across the probe, else 0. */
@@ -429,7 +436,7 @@ static int __attribute__((noinline)) probe_node_pid(const struct vgpu_dev *d, CU
         g_pid.told = 1;
         return -1;
     }
-    g_pid.node_pid = pid;
+    __atomic_store_n(&g_pid.node_pid, pid, __ATOMIC_RELAXED);
     /* In the slot too: NVML's process lists in the container (views.c) show it by this pid. */
     vgpu_region_set_node_pid(vgpu.region, (int32_t)pid);
     memset(g_listed, 0, sizeof g_listed); /* learned anew under the right pid */

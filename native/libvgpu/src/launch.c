@@ -153,6 +153,9 @@ static void reap(int wait) {
             int64_t measured = ms > 0 ? (int64_t)((double)ms * 1e6) : 0;
             int64_t used = settle_charge(p->d, p->key, measured);
             vgpu_pace_add(p->d, p->charged - used);
+            /* What the driver's measure settles it against (pace.c, calibrate; read only
+             * with a guarantee, added up without a test) */
+            __atomic_add_fetch(&p->d->cal_charged, used, __ATOMIC_RELAXED);
             vgpu_note_gpu_time(p->d, (uint64_t)used);
         }
         if (!held) event_put(p->start, p->ctx);
@@ -161,6 +164,15 @@ static void reap(int wait) {
         g.len--;
         wait = 0;
     }
+}
+
+/* Settle what has completed (pace.c, before it reads the driver's measure): a process that
+ * waits for its budget settles nothing until its next launch, and work the driver saw run
+ * must be in the charges it is compared with. */
+void vgpu_launch_settle(void) {
+    pthread_mutex_lock(&g.mu);
+    reap(0);
+    pthread_mutex_unlock(&g.mu);
 }
 
 void vgpu_launch_forget_ctx(CUcontext ctx, int destroy_events) {

@@ -62,6 +62,9 @@
 #define GPUTIME_VERSION 1u
 #define GPUTIME_READ_NS 40000000ull /* the node agent's record is read once per window at most */
 #define GPUTIME_STALE_NS 5000000000ull /* older than this: the agent is gone, today's pacing */
+#define CAL_NS 20000000ull         /* the driver's measure of this process: read every 20 ms at most */
+#define CAL_MAX_NS 1000000000ull   /* a longer period (NVML keeps a second) starts over */
+#define CAL_SAMPLES 64             /* NVML's per-process samples looked at */
 
 struct vgpu_pace_dev {
     char uuid[VGPU_UUID_SIZE];
@@ -330,6 +333,67 @@ int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo) {
     return share > solo ? share : solo;
 }
 
+/* --- the driver's measure of this process (time-slicing) ------------------------------------
+ * A kernel's charge above is a guess wherever it is stretched: a container that turned busy
+ * beside busy ones has only seen its kernels stretched, so their floor is the stretched
+ * duration, and it would be charged its neighbours' slices until it happened to see one run
+ * alone (0.5 s to over 2 s on simgpu). The driver knows how long this process's work ran:
+ * NVML's per-process utilisation, which the tenant cannot write. So while peers have work
+ * queued, every CAL_NS at most, the budget is settled against it: what the launches settled
+ * since the last read were charged, less the GPU time the driver measured the process
+ * running meanwhile, is credited back (or, when the charges fell short, taken). A kernel
+ * still running at a read is in the measure and not yet in the charges: it is in the next
+ * period's, and the periods add up to the driver's measure. Without a measure (no NVML, our
+ * pid not listed, no sample yet) nothing is settled and the charges stand. */
+
+static unsigned long long realtime_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull;
+}
+
+/* This process's mean smUtil (percent) in NVML's samples of d's GPU newer than `since_us`: 1,
+ * or 0 when there is none (or NVML cannot say). g_peers.mu held. */
+static int own_utilisation(const struct vgpu_dev *d, unsigned long long since_us, unsigned int *pct) {
+    static nvmlProcessUtilizationSample_t s[CAL_SAMPLES];
+    nvmlDevice_t h;
+    unsigned int n = CAL_SAMPLES, pid = vgpu_nvml_pid(), sum = 0, got = 0;
+    if (!vgpu.real.nvmlDeviceGetProcessUtilization || !vgpu_nvml_ready() ||
+        vgpu.real.nvmlDeviceGetHandleByUUID(d->uuid, &h) != NVML_SUCCESS ||
+        vgpu.real.nvmlDeviceGetProcessUtilization(h, s, &n, since_us) != NVML_SUCCESS)
+        return 0;
+    for (unsigned int i = 0; i < n && i < CAL_SAMPLES; i++) {
+        if (s[i].pid != pid || s[i].timeStamp <= since_us) continue;
+        sum += s[i].smUtil > 100 ? 100 : s[i].smUtil;
+        got++;
+    }
+    if (!got) return 0;
+    *pct = (sum + got / 2) / got;
+    return 1;
+}
+
+/* g_peers.mu held; d's peers have work queued; tried every CAL_NS at most (cal_read_ns). The
+ * period began at cal_seen_us (CPU microseconds, as NVML's samples are stamped). */
+static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now) {
+    d->cal_read_ns = now;
+    vgpu_launch_settle();
+    unsigned long long now_us = realtime_us();
+    if (d->cal_seen_us == 0 || now_us <= d->cal_seen_us || now_us - d->cal_seen_us > CAL_MAX_NS / 1000) {
+        d->cal_seen_us = now_us; /* a period starts: what was charged before it stands */
+        __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
+        return;
+    }
+    unsigned int pct;
+    if (own_utilisation(d, d->cal_seen_us, &pct) == 0) return; /* no sample yet: it goes on */
+    int64_t span = (int64_t)(now_us - d->cal_seen_us) * 1000;
+    int64_t used = span * pct / 100;
+    int64_t charged = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
+    d->cal_seen_us = now_us;
+    /* Bounded both ways by what ran: `used` by the period, the charges by the (overlap-
+     * trimmed) brackets settled in it. */
+    vgpu_pace_add(d, charged - used);
+}
+
 /* --- the driver's measure of this container (node/observe/gputime.py) -----------------------
  * One GPU of the record: the container's share of the GPU (per mille) in the window
  * [start_ns, end_ns] of CLOCK_MONOTONIC, as the driver's per-process utilisation gave it. */
@@ -430,6 +494,8 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d, d->uuid, now);
+    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= CAL_NS)
+        calibrate(d, now);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;
     rate = rate < cap ? rate : cap;

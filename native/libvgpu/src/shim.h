@@ -72,7 +72,8 @@
     H(nvmlDeviceGetComputeRunningProcesses) H(nvmlDeviceGetComputeRunningProcesses_v2)         \
     H(nvmlDeviceGetComputeRunningProcesses_v3)
 
-#define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)
+#define VGPU_NVML_USED(R) R(nvmlInit_v2) R(nvmlDeviceGetHandleByUUID) R(nvmlDeviceGetUUID)       \
+    R(nvmlDeviceGetProcessUtilization)
 
 #define VGPU_PTR_FIELD(n) __typeof__(n) *n;
 struct vgpu_real {
@@ -152,6 +153,11 @@ struct vgpu_dev {
     /* guaranteed: until when each busy peer's queued work runs, as last read (pace.c) */
     int npeer_until;
     uint64_t peer_until[VGPU_PEER_UNTIL];
+    /* guaranteed: the GPU time charged (settled) since the driver's measure of this process
+     * was last read (atomic); when it was last tried and read (pace.c, calibrate; g_peers.mu) */
+    int64_t cal_charged;
+    uint64_t cal_read_ns;
+    unsigned long long cal_seen_us;
 };
 
 /* --- the process ----------------------------------------------------------------------------- */
@@ -325,6 +331,8 @@ VGPU_HIDDEN CUresult vgpu_graph_launch(CUgraphExec x, CUstream s, int ptsz,
 VGPU_HIDDEN void vgpu_graphs_settle(void);
 
 /* ctx.c: contexts, their devices and the memory they take. */
+/* This process's pid in NVML's lists: the node pid a probe learned, else getpid(). */
+VGPU_HIDDEN unsigned int vgpu_nvml_pid(void);
 /* The device of context ctx (NULL: the current one); *ctx_out gets the context. */
 VGPU_HIDDEN struct vgpu_dev *vgpu_ctx_dev_slow(CUcontext ctx, int is_current, CUcontext *ctx_out);
 /* A thread's last answer, valid while vgpu_ctx_gen (bumped when a context goes) is unchanged.
@@ -373,6 +381,8 @@ VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 /* Credit (ns > 0) or charge (ns < 0) d's budget. */
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
+/* Settle the launches whose timing events have completed (launch.c). */
+VGPU_HIDDEN void vgpu_launch_settle(void);
 /* The GPU time a kernel measured at `ns` stands for when contexts are time-sliced (pace.c). */
 VGPU_HIDDEN int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo);
 /* The driver's entry points are loaded: unpaced kernel launches go straight to them. */

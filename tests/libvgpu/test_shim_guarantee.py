@@ -35,7 +35,7 @@ from test_shim_compute import (
     shim_on,
     timeline,
 )
-from test_shim_helpers import Shim, finish
+from test_shim_helpers import Shim, finish, start_together
 
 KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whole run
 IN_FLIGHT = 8
@@ -58,8 +58,24 @@ def container(
     return env
 
 
-def run(shim: Shim, env: dict[str, str], seconds: int) -> subprocess.Popen[str]:
-    return shim.start("shim_launch", "handle", 0, "kernel", KERNEL_US, seconds, IN_FLIGHT, env=env)
+def run(
+    shim: Shim, env: dict[str, str], seconds: int, kernel_us: int | str = KERNEL_US
+) -> subprocess.Popen[str]:
+    return shim.start("shim_launch", "handle", 0, "kernel", kernel_us, seconds, IN_FLIGHT, env=env)
+
+
+def run_together(
+    shim: Shim, envs: list[dict[str, str]], seconds: int, kernel_us: list[int | str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Launchers that start their clocks at once (shim_launch's SHIM_LAUNCH_GATE): started
+    one after another, a loaded host can bring the last up seconds after the first and leave
+    too short a span in which all ran."""
+    us = kernel_us or [KERNEL_US] * len(envs)
+    procs = [
+        run(shim, {**e, "SHIM_LAUNCH_GATE": "1"}, seconds, k) for e, k in zip(envs, us, strict=True)
+    ]
+    start_together(procs)
+    return procs
 
 
 def finish_all(procs: list[subprocess.Popen[str]]) -> None:
@@ -87,7 +103,7 @@ def test_all_busy_each_gets_its_guarantee(
     envs = [
         container(shim, n, r, timeslice=timeslice) for n, r in (("a", 50), ("b", 25), ("c", 25))
     ]
-    procs = [run(shim, e, 6) for e in envs]
+    procs = run_together(shim, envs, 6)
     finish_all(procs)
     pids = [p.pid for p in procs]
     a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
@@ -115,7 +131,7 @@ def test_a_launcher_the_host_stops_holds_its_guarantee_while_busy(
     envs = [
         container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
     ]
-    procs = [run(shim, e, 7) for e in envs]
+    procs = run_together(shim, envs, 7)
     try:
         time.sleep(2.0)
         for _ in range(6):
@@ -143,7 +159,7 @@ def test_idle_guarantees_are_lent_to_the_busy(
     envs = [container(shim, n, 25, timeslice=timeslice) for n in "abcd"]
     finish_all([run(shim, e, 1) for e in envs[2:]])
     t0 = time.monotonic_ns()
-    procs = [run(shim, e, 5) for e in envs[:2]]
+    procs = run_together(shim, envs[:2], 5)
     finish_all(procs)
     pids = [p.pid for p in procs]
     a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
@@ -243,6 +259,25 @@ def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once
     assert min(medians) >= 20.0, pairs
 
 
+def time_sliced_split(
+    native_tree: Path, tmp_path: Path, kernel_us: list[int | str]
+) -> tuple[list[float], list[float]]:
+    """A (50 %), B and C (25 %) busy for 6 s on a time-sliced GPU, each with its kernels
+    (``kernel_us``, shim_launch's durations): busy_split's split and shares while all ran."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    envs = [
+        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
+    t0 = time.monotonic_ns()
+    procs = run_together(shim, envs, 6, kernel_us)
+    finish_all(procs)
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 500 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    return busy_split(shim.node, pids, a, b)
+
+
 def test_kernels_shorter_than_a_slice_are_not_charged_a_share_time_sliced(
     native_tree: Path, tmp_path: Path
 ) -> None:
@@ -252,22 +287,7 @@ def test_kernels_shorter_than_a_slice_are_not_charged_a_share_time_sliced(
     guarantee. Charged their share with no floor (and not settled against the driver's
     measure) B took 30.9 % of the three's GPU time and A 43.7 %; the floor and the driver's
     settle (pace.c) each hold it alone."""
-    shim = shim_on(native_tree, tmp_path, 1)
-    envs = [
-        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
-    t0 = time.monotonic_ns()
-    kernel_us = (KERNEL_US, 1000, KERNEL_US)
-    procs = [
-        shim.start("shim_launch", "handle", 0, "kernel", us, 6, IN_FLIGHT, env=e)
-        for e, us in zip(envs, kernel_us, strict=True)
-    ]
-    finish_all(procs)
-    pids = [p.pid for p in procs]
-    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
-    a, b = a + 1000 * MS, b - 500 * MS
-    assert b - a >= 1500 * MS, (a, b)
-    split, got = busy_split(shim.node, pids, a, b)
+    split, got = time_sliced_split(native_tree, tmp_path, [KERNEL_US, 1000, KERNEL_US])
     assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
 
 
@@ -280,22 +300,7 @@ def test_a_kernel_whose_duration_varies_gets_no_more_than_its_guarantee_time_sli
     busy, B still gets no more than its guarantee: its charges are settled against the
     driver's measure of its GPU time (pace.c, calibrate). Without that (3dbd998) B took
     45.3 % of the three's GPU time, 50 % of the GPU, and A 34 %."""
-    shim = shim_on(native_tree, tmp_path, 1)
-    envs = [
-        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
-    t0 = time.monotonic_ns()
-    kernel_us = (str(KERNEL_US), "1500,200", str(KERNEL_US))
-    procs = [
-        shim.start("shim_launch", "handle", 0, "kernel", us, 6, IN_FLIGHT, env=e)
-        for e, us in zip(envs, kernel_us, strict=True)
-    ]
-    finish_all(procs)
-    pids = [p.pid for p in procs]
-    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
-    a, b = a + 1000 * MS, b - 500 * MS
-    assert b - a >= 1500 * MS, (a, b)
-    split, got = busy_split(shim.node, pids, a, b)
+    split, got = time_sliced_split(native_tree, tmp_path, [KERNEL_US, "1500,200", KERNEL_US])
     assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
 
 
@@ -312,7 +317,7 @@ def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
         container(shim, "b", 75, timeslice=TIMESLICE),
     ]
     t0 = time.monotonic_ns()
-    procs = [run(shim, e, 6) for e in envs]
+    procs = run_together(shim, envs, 6)
     finish_all(procs)
     pids = [p.pid for p in procs]
     a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
@@ -336,7 +341,7 @@ def test_a_tenant_filling_its_own_budget_gets_no_more_than_its_guarantee(
     shim = shim_on(native_tree, tmp_path, 1)
     envs = [container(shim, n, 25) for n in "abcd"]
     t0 = time.monotonic_ns()
-    procs = [run(shim, e, 6) for e in envs]
+    procs = run_together(shim, envs, 6)
     pace = tmp_path / "a" / "r.pace"
     stop = threading.Event()
 

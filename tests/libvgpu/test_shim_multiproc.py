@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 from test_shim_compute import MS, all_running, shares, shim_on
-from test_shim_helpers import Shim, finish
+from test_shim_helpers import Shim, finish, start_together
 
 from vgpu_plugin.node.observe import gputime
 
@@ -171,13 +171,7 @@ def run(
             procs[name] = [start_in_container(shim, root, name, envs[name]) for _ in range(n)]
         # all start launching at once: started one after another on a loaded host, the last
         # came up seconds after the first and left too short a time in which all ran
-        for p in (p for ps in procs.values() for p in ps):
-            assert p.stdout is not None and p.stderr is not None
-            assert p.stdout.readline() == "ready\n", p.stderr.read()
-        for p in (p for ps in procs.values() for p in ps):
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        start_together([p for ps in procs.values() for p in ps])
         if forging:
             writer.start()
         for p in (p for ps in procs.values() for p in ps):

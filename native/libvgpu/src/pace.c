@@ -64,7 +64,9 @@
 #define GPUTIME_STALE_NS 5000000000ull /* older than this: the agent is gone, today's pacing */
 #define CAL_NS 20000000ull         /* the driver's measure of this process: read every 20 ms at most */
 #define CAL_MAX_NS 1000000000ull   /* a longer period (NVML keeps a second) starts over */
-#define CAL_SAMPLES 64             /* NVML's per-process samples looked at */
+#define CAL_SAMPLES 512            /* NVML's per-process samples asked for: every process of the
+                                    * GPU, ~6 a second each, since the last read (with fewer
+                                    * room NVML answers INSUFFICIENT_SIZE and nothing is settled) */
 
 struct vgpu_pace_dev {
     char uuid[VGPU_UUID_SIZE];

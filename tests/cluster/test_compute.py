@@ -10,9 +10,12 @@ neighbour 73.1 %; with ``gputimeIntervalSeconds=0`` (nothing measured) 74.9 % an
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+import pace_forge
 import pytest
+from simgpu_shares import MS, busy_split
 
 from vgpu_plugin.node.observe.gputime import SUFFIX, GpuShare, decode_record
 from vgpu_plugin.sim.simgpu import Node
@@ -32,24 +35,14 @@ from .kube import Kube, pod, wait_for
 
 # Kernels back to back on its slice (the workload of the demo's batch pods).
 BUSY = "exec python3 -m vgpu_plugin.sim.workload compute --seconds 600 --kernel-ms 4"
-# What a tenant may do to the pacing file it can write (the region's path ending in .pace):
-# keep its first device record's bucket full and its guarantee at 100 % (native/libvgpu/src/
-# pace.c: the records start at 64, the guarantee at +84, the bucket at +128).
-FORGE = """
-import mmap, os, struct, time
-path = os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"].removesuffix(".cache") + ".pace"
-while not os.path.exists(path) or os.path.getsize(path) == 0:
-    time.sleep(0.01)
-with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-    while True:
-        struct.pack_into("<I", m, 64 + 84, 100)
-        struct.pack_into("<q", m, 64 + 128, 10**12)
-        time.sleep(0.001)
-"""
+# The tenant's forger (tests/pace_forge.py, as the other tiers run it), on its own pacing
+# file: the region's path ending in .pace.
+FORGE = Path(pace_forge.__file__).read_text() + (
+    '\nimport os\nforge_budget(Path(os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"]'
+    '.removesuffix(".cache") + ".pace"), threading.Event())\n'
+)
 WORKER = "python3 -m vgpu_plugin.sim.workload compute --seconds 600 --kernel-ms 4"
 TENANT = f'python3 -c "$FORGE" & for i in 1 2 3; do {WORKER} & done; wait'
-MS = 1_000_000
-STEP = 50 * MS
 
 
 def records(cluster: Cluster) -> dict[str, list[GpuShare]]:
@@ -68,18 +61,6 @@ def running_pids(node: Node, gpu: int, since: int) -> set[int]:
     """The pids whose kernels ran on ``gpu`` since ``since`` (node pids, simgpu's clock)."""
     now = time.monotonic_ns()
     return {p for p, ns in node.busy(gpu, max(since, now - 1000 * MS), now).items() if ns > 0}
-
-
-def busy_shares(node: Node, gpu: int, pids: set[int], a: int, b: int) -> dict[int, float]:
-    """Each pid's percent of the GPU over the 50 ms steps of [a, b) in which every pid's work
-    ran, less the steps next to one in which some pid's did not: a launcher the loaded host
-    does not schedule is idle, and its time rightly lent meanwhile (test_shim_compute.py's
-    busy_steps, in simgpu's clock)."""
-    steps = [node.busy(gpu, t, t + STEP) for t in range(a, b - STEP + 1, STEP)]
-    idle = [any(s.get(p, 0) == 0 for p in pids) for s in steps]
-    kept = [s for i, s in enumerate(steps) if not any(idle[max(0, i - 1) : i + 2])]
-    assert len(kept) >= 20, f"{len(kept)} steps of 50 ms in which all ran, of {len(steps)}"
-    return {p: 100 * sum(s.get(p, 0) for s in kept) / (STEP * len(kept)) for p in pids}
 
 
 def test_a_guaranteed_pods_gpu_time_is_measured_by_the_nodes_pids(
@@ -154,8 +135,12 @@ def test_a_guaranteed_pods_gpu_time_is_measured_by_the_nodes_pids(
         time.sleep(2)  # the pacing settled on the measure
         t0 = time.monotonic_ns()
         time.sleep(6)
-        got = busy_shares(node, gpu, pids, t0, time.monotonic_ns())
-        tenant_share = sum(v for p, v in got.items() if p != busy_pid)
+        # while all four were busy (busy_split: a launcher the loaded host starves is idle,
+        # and its time rightly lent meanwhile)
+        order = [busy_pid, *(pids - {busy_pid})]
+        _, shares = busy_split(node, order, t0, time.monotonic_ns(), gpu)
+        got = dict(zip(order, shares, strict=True))
+        tenant_share = sum(shares[1:])
         # Without the measure the tenant took 75 % and left its neighbour 25 % (e2e tier).
         assert tenant_share <= 30.0, (tenant_share, got)
         assert got[busy_pid] >= 65.0, (tenant_share, got)

@@ -13,13 +13,12 @@ measures nothing, the pacing as before) the tenant took 75.0 % and left its neig
 
 from __future__ import annotations
 
-import mmap
-import struct
 import threading
 import time
-from pathlib import Path
 
 from e2e.helpers import NodeFactory, needs_containers
+from pace_forge import forge_budget
+from simgpu_shares import MS, all_running, shares
 
 from vgpu_plugin.node.observe.gputime import decode_record, record_path
 from vgpu_plugin.sim.compute_demo import wait_running
@@ -28,19 +27,6 @@ from vgpu_plugin.sim.node import WORKLOAD
 pytestmark = needs_containers
 
 CONFIG = "version: v1\nsharing: {splitCount: 4, compute: guaranteed}\n"
-MS = 1_000_000
-PACE_RECORD = 64  # the first device record of a pacing file (native/libvgpu/src/pace.c)
-
-
-def forge(pace: Path, stop: threading.Event) -> None:
-    """What the tenant may do to the file it can write: a full bucket, a 100 % guarantee."""
-    while not pace.exists() or pace.stat().st_size == 0:
-        if stop.wait(0.01):
-            return
-    with pace.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        while not stop.wait(0.001):
-            struct.pack_into("<I", m, PACE_RECORD + 84, 100)
-            struct.pack_into("<q", m, PACE_RECORD + 128, 10**12)
 
 
 def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
@@ -60,7 +46,7 @@ def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
     stop = threading.Event()
     aid = tenant.allocation_id
     pace = node.host_root / "containers" / aid / f"{aid}.pace"
-    writer = threading.Thread(target=forge, args=(pace, stop))
+    writer = threading.Thread(target=forge_budget, args=(pace, stop))
     t0 = time.monotonic_ns()
     procs = [node.start_container(neighbour, [*kernels, "16"])]
     try:
@@ -79,16 +65,13 @@ def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
             writer.join()
     assert [g.uuid for g in record] == [uuid]  # serve published the tenant's record
     t1 = time.monotonic_ns()
-    step = 50 * MS
-    steps = [node.node.busy(0, t, t + step) for t in range(t0, t1, step)]
-    pids = {p for s in steps for p, ns in s.items() if ns > 0}
-    tenant_pids = pids - {nb_pid}
+    pids = [p for p, ns in node.node.busy(0, t0, t1).items() if ns > 0]
+    tenant_pids = [p for p in pids if p != nb_pid]
     assert len(tenant_pids) == 3, pids
-    both = [i for i, s in enumerate(steps) if all(s.get(p, 0) > 0 for p in pids)]
-    a, b = t0 + both[0] * step + 1500 * MS, t0 + (both[-1] + 1) * step - 500 * MS
+    a, b = all_running(node.node, pids, t0, t1)
+    a, b = a + 1500 * MS, b - 500 * MS
     assert b - a >= 2000 * MS, (a, b)
-    got = node.node.busy(0, a, b)
-    share = 100 * sum(got.get(p, 0) for p in tenant_pids) / (b - a)
-    nb = 100 * got.get(nb_pid, 0) / (b - a)
+    share = sum(shares(node.node, tenant_pids, a, b))
+    (nb,) = shares(node.node, [nb_pid], a, b)
     assert share <= 28.0, (share, nb)  # without the measure: ~75, the neighbour ~25
     assert nb >= 65.0, (share, nb)

@@ -16,25 +16,17 @@ gets 32 % of a 25 % share.
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
-import struct
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_shim_compute import (
-    BUSY_STEP,
-    MS,
-    all_running,
-    busy_split,
-    shares,
-    shim_on,
-    timeline,
-)
+from pace_forge import forge_budget
+from simgpu_shares import BUSY_STEP, MS, all_running, busy_split, shares, timeline
+from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
 KERNEL_US = 4000  # long kernels: the simulator's record of work covers the whole run
@@ -324,11 +316,6 @@ def test_a_guarantee_holds_beside_a_busy_neighbour_on_a_time_sliced_gpu(
     assert got[0] >= 23.0, got  # of the GPU; charged whole brackets: ~20
 
 
-PACE_HEADER = 64
-PACE_RECORD = 192
-TOKENS = 128  # offset of the bucket in a device record (native/libvgpu/src/pace.c)
-
-
 def test_a_tenant_filling_its_own_budget_gets_no_more_than_its_guarantee(
     native_tree: Path, tmp_path: Path
 ) -> None:
@@ -341,17 +328,7 @@ def test_a_tenant_filling_its_own_budget_gets_no_more_than_its_guarantee(
     pace = tmp_path / "a" / "r.pace"
     stop = threading.Event()
 
-    def tamper() -> None:
-        while not pace.exists() or pace.stat().st_size == 0:
-            if stop.wait(0.01):
-                return
-        with pace.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-            rec = PACE_HEADER
-            while not stop.wait(0.001):
-                struct.pack_into("<I", m, rec + 84, 100)  # request: 100 %
-                struct.pack_into("<q", m, rec + TOKENS, 10**12)  # tokens: a full bucket
-
-    writer = threading.Thread(target=tamper)
+    writer = threading.Thread(target=forge_budget, args=(pace, stop))
     writer.start()
     try:
         finish_all(procs)

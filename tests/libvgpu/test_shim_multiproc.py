@@ -21,11 +21,9 @@ own process, let the shared budget run over), the neighbour 61 %.
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -34,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_shim_compute import MS, all_running, shares, shim_on
+from pace_forge import forge_budget
+from simgpu_shares import MS, all_running, shares
+from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
 from vgpu_plugin.node.observe import gputime
@@ -42,9 +42,6 @@ from vgpu_plugin.node.observe import gputime
 KERNEL_US = 4000
 IN_FLIGHT = 8
 SECONDS = 6
-PACE_HEADER = 64
-TOKENS = 128  # offset of the bucket in a device record (native/libvgpu/src/pace.c)
-REQUEST = 84
 
 NO_NAMESPACES = os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount"))
 WHY = "needs root and unshare(1)/mount(8): containers are mount namespaces here"
@@ -130,18 +127,6 @@ def start_in_container(
     )
 
 
-def forge(pace: Path, stop: threading.Event) -> None:
-    """Keep a full bucket and a guarantee of 100 % in the container's shared pacing file,
-    which is the tenant's to write."""
-    while not pace.exists() or pace.stat().st_size == 0:
-        if stop.wait(0.01):
-            return
-    with pace.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
-        while not stop.wait(0.001):
-            struct.pack_into("<I", m, PACE_HEADER + REQUEST, 100)
-            struct.pack_into("<q", m, PACE_HEADER + TOKENS, 10**12)
-
-
 @dataclass(frozen=True)
 class Got:
     share: float  # percent of the time all ran
@@ -163,7 +148,7 @@ def run(
     pub = publisher(shim, root, uuid, list(envs))
     stop = threading.Event()
     pace = root / "containers" / forging / f"{forging}.pace"
-    writer = threading.Thread(target=forge, args=(pace, stop))
+    writer = threading.Thread(target=forge_budget, args=(pace, stop))
     procs: dict[str, list[subprocess.Popen[str]]] = {}
     try:
         t0 = time.monotonic_ns()

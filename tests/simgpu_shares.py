@@ -1,0 +1,71 @@
+"""Shares of a simulated GPU's time, read from simgpu's record of whose work ran when
+(`Node.busy`) in its own clock: what every tier's compute tests measure by, so a loaded host
+shifts when work runs, not how the GPU's time was split."""
+
+from __future__ import annotations
+
+from vgpu_plugin.sim.simgpu import Node
+
+MS = 1_000_000
+
+
+def timeline(
+    node: Node, pids: list[int], t0: int, t1: int, step: int, gpu: int = 0
+) -> list[dict[int, int]]:
+    """Per `step` ns of simgpu's clock in [t0, t1), each pid's GPU time there."""
+    out = []
+    for t in range(t0, t1, step):
+        got = node.busy(gpu, t, t + step)
+        out.append({p: got.get(p, 0) for p in pids})
+    return out
+
+
+def all_running(node: Node, pids: list[int], t0: int, t1: int, gpu: int = 0) -> tuple[int, int]:
+    """The span of simgpu time, in 50 ms steps, from the first step in which every pid's work
+    ran to the last: the part of the run in which all of them were launching."""
+    step = 50 * MS
+    t0 = max(t0, node.recorded_since(gpu))
+    steps = timeline(node, pids, t0, t1, step, gpu)
+    both = [i for i, s in enumerate(steps) if all(s[p] > 0 for p in pids)]
+    assert both, steps
+    return t0 + both[0] * step, t0 + (both[-1] + 1) * step
+
+
+def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[float]:
+    """Each pid's GPU time in [a, b] of simgpu's clock, in percent of that span."""
+    got = node.busy(gpu, a, b)
+    return [100.0 * got.get(p, 0) / (b - a) for p in pids]
+
+
+BUSY_STEP = 50 * MS
+
+
+def busy_steps(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[dict[int, int]]:
+    """Each pid's GPU time per 50 ms step of simgpu's clock in [a, b), in the steps in which
+    every pid's work ran, less the steps next to one in which some pid's did not.
+
+    A launcher the loaded host does not schedule for longer than its claim (its queued work,
+    plus one 40 ms window: docs/compute.md, Lending) is idle as the pacing sees it: its share
+    is rightly lent, and it catches up only its bucket (40 ms of credit) once it runs again.
+    Over the whole run that lowers its share by however long the host starved it, which is
+    the host's doing, not the pacing's. A paced launcher has work on the GPU every few ms
+    (4 ms kernels at 25 %: one every ~16 ms), so a step without its work is one it was not
+    launching in; the steps beside it hold the way into and out of that (its last queued
+    kernels, the others' lent time, its catch-up). What is left is the time in which all of
+    them were busy: what a share is promised over."""
+    steps = timeline(node, pids, a, b, BUSY_STEP, gpu)
+    idle = [any(s[p] == 0 for p in pids) for s in steps]
+    return [s for i, s in enumerate(steps) if not any(idle[max(0, i - 1) : i + 2])]
+
+
+def busy_split(
+    node: Node, pids: list[int], a: int, b: int, gpu: int = 0, least: int = 1000 * MS
+) -> tuple[list[float], list[float]]:
+    """Over busy_steps: each pid's part of their GPU time together, and each pid's share of
+    the GPU, in percent; at least `least` ns of such steps (else the host starved them so much
+    that nothing is measured)."""
+    steps = busy_steps(node, pids, a, b, gpu)
+    assert len(steps) * BUSY_STEP >= least, (len(steps), (b - a) // BUSY_STEP)
+    got = [sum(s[p] for s in steps) for p in pids]
+    span = len(steps) * BUSY_STEP
+    return [100.0 * g / sum(got) for g in got], [100.0 * g / span for g in got]

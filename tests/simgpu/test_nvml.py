@@ -7,6 +7,7 @@ stood in for by tests/native/nvml_gpu_process, which uses the node through libsi
 
 from __future__ import annotations
 
+import itertools
 import json
 import selectors
 import signal
@@ -432,6 +433,51 @@ def test_process_utilization_names_the_process_that_kept_the_gpu_busy(
         assert process_util(nvml, 0, since=int((time.time() + 60) * 1e6)) == "not found"
         sleep_until(end + SECOND)  # the one-second sample period has passed: nothing ran since
         assert process_util(nvml, 0) == "not found"
+
+
+SAMPLES = """
+h = N.nvmlDeviceGetHandleByIndex(0)
+try:
+    got = N.nvmlDeviceGetProcessUtilization(h, SINCE)
+    out = sorted([s.timeStamp, s.pid, s.smUtil] for s in got)
+except N.NVMLError_NotFound:
+    out = []
+"""
+
+
+def test_process_utilization_comes_in_the_drivers_sample_periods(
+    simgpu_node: Node, native_bin: Path
+) -> None:
+    """SIMGPU_UTIL_PERIOD_MS, as a real driver samples (every 1/6 s to 1 s by product): one
+    sample per process per period it ran in, stamped with the period's end, a second of them
+    kept; a caller between two periods' ends gets nothing new."""
+    period_us = 250_000
+
+    def samples(since: int) -> list[list[int]]:
+        got: list[list[int]] = nvml(SAMPLES.replace("SINCE", str(since)))
+        return got
+
+    with pynvml_on(env_with(simgpu_node, SIMGPU_UTIL_PERIOD_MS="250")) as nvml:
+        with gpu_process(native_bin, simgpu_node, "busy:0:4000") as busy:
+            start, end = busy_span(busy)
+            sleep_until(start + 1_300_000_000)  # the kept second: all of it busy
+            kept = samples(0)
+            answered_by(end, "nvmlDeviceGetProcessUtilization")
+            stamps = [t for t, _, _ in kept]
+            assert [(pid, sm) for _, pid, sm in kept] == [(busy.pid, 100)] * 4, kept
+            assert [b - a for a, b in itertools.pairwise(stamps)] == [period_us] * 3
+            # Between two periods' ends nothing is new; the next end brings one sample.
+            newer = samples(stamps[-1])
+            assert all(t - stamps[-1] == period_us for t, _, _ in newer), (stamps, newer)
+            last = newer[-1][0] if newer else stamps[-1]
+            sleep_until(time.monotonic_ns() + period_us * 1000)
+            one = samples(last)
+            answered_by(end, "nvmlDeviceGetProcessUtilization")
+            assert one and one[0] == [last + period_us, busy.pid, 100], one
+        sleep_until(end + 2 * period_us * 1000)  # the period the work ended in is over
+        tail = samples(one[-1][0])
+        assert tail and all(0 < sm <= 100 for _, _, sm in tail), tail
+        assert samples(tail[-1][0]) == []  # nothing ran since: nothing new
 
 
 NVLINK = """

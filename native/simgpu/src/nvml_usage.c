@@ -1,6 +1,8 @@
 /* Simulated NVML: what the GPUs are doing now — memory, utilization, running processes.
  * Everything is node-wide (all processes of the node, whatever container they run in), as the
  * real NVML reports the physical GPU; the shim narrows the memory view per container. */
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -118,8 +120,59 @@ static unsigned long long realtime_us(void) {
     return (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull;
 }
 
-/* One sample per process whose kernels ran during the sample period: the last second, or the
- * time since lastSeenTimeStamp (CPU microseconds, as the samples' timeStamp) if that is shorter.
+/* The driver's sample period for per-process utilisation, SIMGPU_UTIL_PERIOD_MS: a real
+ * driver samples every 1/6 s to 1 s depending on the product and keeps about a second of
+ * samples, one per process per period it ran in, stamped with the period's end, in whole
+ * percent; a caller between two samples gets nothing new. 0 or unset: one sample per process
+ * of the caller's own window (the last second, or since lastSeenTimeStamp), exact to the
+ * call. Set it alike for every process of a node: periods end at multiples of it on the
+ * shared monotonic clock. */
+static uint64_t util_period_ns(void) {
+    static uint64_t period = UINT64_MAX;
+    uint64_t p = __atomic_load_n(&period, __ATOMIC_RELAXED);
+    if (p == UINT64_MAX) {
+        const char *e = getenv("SIMGPU_UTIL_PERIOD_MS");
+        unsigned long ms = e ? strtoul(e, NULL, 10) : 0;
+        p = ms > 10000 ? 10000000000ull : (uint64_t)ms * 1000000ull;
+        __atomic_store_n(&period, p, __ATOMIC_RELAXED);
+    }
+    return p;
+}
+
+static unsigned int percent_of(uint64_t busy_ns, uint64_t window_ns) {
+    uint64_t pct = (busy_ns * 100 + window_ns / 2) / window_ns;
+    return pct > 100 ? 100 : (unsigned int)pct;
+}
+
+/* Adds the samples of the periods that ended in (lastSeen, now] within the kept second to
+ * `out` (up to `max`); returns how many there are. CPU time of a monotonic instant: the
+ * clocks' offset rounded to the millisecond, so one period reads with one stamp every call. */
+static unsigned int sampled(uint32_t phys, uint64_t period, unsigned long long now_us, uint64_t now,
+                            unsigned long long last_seen, nvmlProcessUtilizationSample_t *out,
+                            unsigned int max) {
+    long long offset_us = ((long long)now_us - (long long)(now / 1000) + 500) / 1000 * 1000;
+    uint64_t keep = period > UTIL_WINDOW_NS ? period : UTIL_WINDOW_NS;
+    uint64_t end = now - now % period;
+    uint64_t first = end > keep ? end - keep + period : period;
+    first -= first % period;
+    unsigned int n = 0;
+    for (uint64_t e = first; e <= end && e >= period; e += period) {
+        unsigned long long stamp = (unsigned long long)((long long)(e / 1000) + offset_us);
+        if (stamp <= last_seen) continue;
+        struct simgpu_proc_busy busy[SIMGPU_MAX_PROCS]; /* 8 KiB */
+        uint32_t k = simgpu_process_busy(phys, e - period, e, busy, SIMGPU_MAX_PROCS);
+        for (uint32_t i = 0; i < k; i++, n++)
+            if (out && n < max)
+                out[n] = (nvmlProcessUtilizationSample_t){
+                    .pid = (unsigned int)busy[i].pid,
+                    .timeStamp = stamp,
+                    .smUtil = percent_of(busy[i].busy_ns, period),
+                };
+    }
+    return n;
+}
+
+/* One sample per process whose kernels ran during the sample period (see util_period_ns).
  * smUtil is that process's share of the period; no memory/encoder/decoder traffic is modelled.
  * Buffer protocol as pynvml uses it: too small (or NULL) answers NVML_ERROR_INSUFFICIENT_SIZE
  * with the count needed; no process ran: NVML_ERROR_NOT_FOUND. */
@@ -131,8 +184,16 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUti
     if (!processSamplesCount) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned long long now_us = realtime_us();
     uint64_t now = simgpu_now_ns();
-    uint64_t window = UTIL_WINDOW_NS;
+    uint64_t period = util_period_ns();
     if (lastSeenTimeStamp >= now_us) return NVML_ERROR_NOT_FOUND;
+    if (period) {
+        unsigned int have = utilization ? *processSamplesCount : 0;
+        unsigned int n = sampled(device->phys, period, now_us, now, lastSeenTimeStamp, utilization, have);
+        if (n == 0) return NVML_ERROR_NOT_FOUND;
+        *processSamplesCount = n;
+        return n > have ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    uint64_t window = UTIL_WINDOW_NS;
     if ((now_us - lastSeenTimeStamp) * 1000ull < window) window = (now_us - lastSeenTimeStamp) * 1000ull;
     struct simgpu_proc_busy busy[SIMGPU_MAX_PROCS]; /* 8 KiB */
     uint32_t n = simgpu_process_busy(device->phys, now > window ? now - window : 0, now, busy,
@@ -142,14 +203,12 @@ nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUti
         *processSamplesCount = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    for (uint32_t i = 0; i < n; i++) {
-        uint64_t pct = (busy[i].busy_ns * 100 + window / 2) / window;
+    for (uint32_t i = 0; i < n; i++)
         utilization[i] = (nvmlProcessUtilizationSample_t){
             .pid = (unsigned int)busy[i].pid,
             .timeStamp = now_us,
-            .smUtil = pct > 100 ? 100 : (unsigned int)pct,
+            .smUtil = percent_of(busy[i].busy_ns, window),
         };
-    }
     *processSamplesCount = n;
     return NVML_SUCCESS;
 }

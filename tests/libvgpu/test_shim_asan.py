@@ -148,6 +148,15 @@ def test_guaranteed_launches_time_sliced(asan_tree: Path, tmp_path: Path) -> Non
     )
 
 
+# The settle against the driver's samples, a real driver's periods apart, and its scale.
+def test_guaranteed_launches_settled_by_the_drivers_samples(
+    asan_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guarantee.test_a_kernel_whose_duration_varies_gets_no_more_than_its_guarantee_time_sliced(
+        asan_tree, tmp_path, "167", monkeypatch
+    )
+
+
 # The driver's measure of the container read and the private rates scaled by it.
 def test_guaranteed_launches_of_several_processes(asan_tree: Path, tmp_path: Path) -> None:
     multiproc.test_a_container_of_three_processes_forging_its_budget_keeps_to_its_guarantee(

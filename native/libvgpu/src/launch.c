@@ -119,7 +119,7 @@ static int64_t settle_charge(struct vgpu_dev *d, uint64_t key, int64_t ns) {
              * slowly, so a kernel that really got slower is followed, and the charge is its
              * share of the GPU. */
             e->solo += (ns - e->solo) / 1024;
-            ns = vgpu_pace_gpu_time(d, ns, e->solo);
+            ns = vgpu_pace_scaled(d, vgpu_pace_gpu_time(d, ns, e->solo));
         }
         e->ns += (ns - e->ns) / 4;
     }

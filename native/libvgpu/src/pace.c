@@ -63,7 +63,11 @@
 #define GPUTIME_READ_NS 40000000ull /* the node agent's record is read once per window at most */
 #define GPUTIME_STALE_NS 5000000000ull /* older than this: the agent is gone, today's pacing */
 #define CAL_NS 20000000ull         /* the driver's measure of this process: read every 20 ms at most */
-#define CAL_MAX_NS 1000000000ull   /* a longer period (NVML keeps a second) starts over */
+#define CAL_MAX_NS 1500000000ull   /* a longer period starts over: NVML keeps about a second
+                                    * of samples, taken every 1/6 s to 1 s by product */
+#define CAL_STAMPS 32             /* the periods' ends one read looks at (1.5 s of 1/6 s) */
+#define CAL_SCALE_MIN 100          /* per mille: a stretched kernel charged 10x what ran at most */
+#define CAL_SCALE_MAX 4000         /* and a quarter of it at least */
 #define CAL_SAMPLES 512            /* NVML's per-process samples asked for: every process of the
                                     * GPU, ~6 a second each, since the last read (with fewer
                                     * room NVML answers INSUFFICIENT_SIZE and nothing is settled) */
@@ -354,46 +358,89 @@ static unsigned long long realtime_us(void) {
     return (unsigned long long)ts.tv_sec * 1000000ull + (unsigned long long)ts.tv_nsec / 1000ull;
 }
 
-/* This process's mean smUtil (percent) in NVML's samples of d's GPU newer than `since_us`: 1,
- * or 0 when there is none (or NVML cannot say). g_peers.mu held. */
-static int own_utilisation(const struct vgpu_dev *d, unsigned long long since_us, unsigned int *pct) {
+/* This process's GPU time (ns) in the driver's samples of d's GPU stamped after `*seen_us`,
+ * and the span (ns) they cover; `*seen_us` moves to the newest stamp. A sample is a process's
+ * share of the period that ended at its stamp: a real driver's periods are 1/6 s to 1 s long
+ * (the product's), and a process that did not run in one has no sample for it. The period
+ * began at the GPU's stamp before (peers are busy here, so their samples mark each period),
+ * or at `*seen_us` for the oldest. 0 when nothing is newer (or NVML cannot say); 1 else, our
+ * GPU time 0 when only peers ran. g_peers.mu held. */
+static int own_gpu_time(const struct vgpu_dev *d, unsigned long long *seen_us, int64_t *used_ns,
+                        int64_t *span_ns) {
     static nvmlProcessUtilizationSample_t s[CAL_SAMPLES];
+    unsigned long long stamps[CAL_STAMPS];
     nvmlDevice_t h;
-    unsigned int n = CAL_SAMPLES, pid = vgpu_nvml_pid(), sum = 0, got = 0;
+    unsigned int n = CAL_SAMPLES, pid = vgpu_nvml_pid(), m = 0;
     if (!vgpu.real.nvmlDeviceGetProcessUtilization || !vgpu_nvml_ready() ||
         vgpu.real.nvmlDeviceGetHandleByUUID(d->uuid, &h) != NVML_SUCCESS ||
-        vgpu.real.nvmlDeviceGetProcessUtilization(h, s, &n, since_us) != NVML_SUCCESS)
+        vgpu.real.nvmlDeviceGetProcessUtilization(h, s, &n, *seen_us) != NVML_SUCCESS)
         return 0;
-    for (unsigned int i = 0; i < n && i < CAL_SAMPLES; i++) {
-        if (s[i].pid != pid || s[i].timeStamp <= since_us) continue;
-        sum += s[i].smUtil > 100 ? 100 : s[i].smUtil;
-        got++;
+    for (unsigned int i = 0; i < n && i < CAL_SAMPLES; i++) { /* the periods' ends, in order */
+        unsigned long long t = s[i].timeStamp;
+        unsigned int j = 0;
+        if (t <= *seen_us) continue;
+        while (j < m && stamps[j] < t) j++;
+        if ((j < m && stamps[j] == t) || m == CAL_STAMPS) continue;
+        memmove(&stamps[j + 1], &stamps[j], (m - j) * sizeof stamps[0]);
+        stamps[j] = t;
+        m++;
     }
-    if (!got) return 0;
-    *pct = (sum + got / 2) / got;
+    if (m == 0) return 0;
+    int64_t used = 0;
+    for (unsigned int i = 0; i < n && i < CAL_SAMPLES; i++) {
+        if (s[i].pid != pid || s[i].timeStamp <= *seen_us) continue;
+        unsigned int j = 0;
+        while (j < m && stamps[j] < s[i].timeStamp) j++;
+        unsigned long long from = j ? stamps[j - 1] : *seen_us;
+        used += (int64_t)(s[i].timeStamp - from) * 1000 * (s[i].smUtil > 100 ? 100 : s[i].smUtil) / 100;
+    }
+    *span_ns = (int64_t)(stamps[m - 1] - *seen_us) * 1000;
+    *seen_us = stamps[m - 1];
+    *used_ns = used;
     return 1;
 }
 
-/* g_peers.mu held; d's peers have work queued; tried every CAL_NS at most (cal_read_ns). The
- * period began at cal_seen_us (CPU microseconds, as NVML's samples are stamped). */
+/* g_peers.mu held; d's peers have work queued; tried every CAL_NS at most (cal_read_ns). What
+ * was charged since the last settle is settled against the driver's samples since its newest
+ * stamp then (cal_seen_us, CPU microseconds). */
 static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now) {
     d->cal_read_ns = now;
     vgpu_launch_settle();
     unsigned long long now_us = realtime_us();
+    int64_t used, span;
     if (d->cal_seen_us == 0 || now_us <= d->cal_seen_us || now_us - d->cal_seen_us > CAL_MAX_NS / 1000) {
-        d->cal_seen_us = now_us; /* a period starts: what was charged before it stands */
+        /* Start over from the newest sample the driver has (what was charged before stands):
+         * settles then begin at a period's end, so the first covers whole periods. */
+        unsigned long long seen = now_us - CAL_MAX_NS / 1000;
+        if (own_gpu_time(d, &seen, &used, &span) == 0) return;
+        d->cal_seen_us = seen;
         __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
         return;
     }
-    unsigned int pct;
-    if (own_utilisation(d, d->cal_seen_us, &pct) == 0) return; /* no sample yet: it goes on */
-    int64_t span = (int64_t)(now_us - d->cal_seen_us) * 1000;
-    int64_t used = span * pct / 100;
+    if (own_gpu_time(d, &d->cal_seen_us, &used, &span) == 0) return; /* no new period yet */
     int64_t charged = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
-    d->cal_seen_us = now_us;
-    /* Bounded both ways by what ran: `used` by the period, the charges by the (overlap-
-     * trimmed) brackets settled in it. */
+    /* Bounded both ways by what ran: `used` by the periods, the charges by the (overlap-
+     * trimmed) brackets settled since the last settle. */
     vgpu_pace_add(d, charged - used);
+    /* A real driver's samples come every 1/6 s to 1 s: a settle that late is more than the
+     * bucket holds (its credit capped at CAP_NS's worth), so the stretched charges are
+     * scaled by what the settles found, and each settle is left only the residue. Learnt
+     * from periods in which the process ran a twentieth of the time at least, damped (the
+     * samples are whole percent, of periods a read's delay off the charges'). */
+    if (used > 0 && charged > span / 20) {
+        int64_t k = __atomic_load_n(&d->cal_scale, __ATOMIC_RELAXED);
+        k = k ? k : 1000;
+        k = (k + 3 * (k * used / charged)) / 4;
+        k = k < CAL_SCALE_MIN ? CAL_SCALE_MIN : k > CAL_SCALE_MAX ? CAL_SCALE_MAX : k;
+        __atomic_store_n(&d->cal_scale, (int)k, __ATOMIC_RELAXED);
+    }
+}
+
+/* A charge of a kernel stretched by busy peers (vgpu_pace_gpu_time), as the driver's measure
+ * found such charges to be (calibrate). */
+int64_t vgpu_pace_scaled(const struct vgpu_dev *d, int64_t ns) {
+    int s = __atomic_load_n(&d->cal_scale, __ATOMIC_RELAXED);
+    return s ? ns * s / 1000 : ns;
 }
 
 /* --- the driver's measure of this container (node/observe/gputime.py) -----------------------

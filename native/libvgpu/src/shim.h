@@ -158,6 +158,9 @@ struct vgpu_dev {
     int64_t cal_charged;
     uint64_t cal_read_ns;
     unsigned long long cal_seen_us;
+    /* guaranteed: per mille, what the charges of kernels stretched by busy peers are scaled
+     * by, learnt from the driver's measure at each settle (0: not learnt, 1000) */
+    int cal_scale;
 };
 
 /* --- the process ----------------------------------------------------------------------------- */
@@ -381,6 +384,7 @@ VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 /* Credit (ns > 0) or charge (ns < 0) d's budget. */
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
+VGPU_HIDDEN int64_t vgpu_pace_scaled(const struct vgpu_dev *d, int64_t ns);
 /* Settle the launches whose timing events have completed (launch.c). */
 VGPU_HIDDEN void vgpu_launch_settle(void);
 /* The GPU time a kernel measured at `ns` stands for when contexts are time-sliced (pace.c). */

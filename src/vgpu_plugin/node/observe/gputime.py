@@ -10,8 +10,8 @@ container whose limits file is bind-mounted in the pid's mount namespace (the ke
 ``/proc/<pid>/mountinfo``: that file's device and path, which a tenant cannot mount for
 another container, seeing no other's; a region's process slots are the tenant's to write
 and are not used), or, for a pid that hides the mount by changing its root, by the cgroup it
-cannot leave (``CgroupMemo``), sums each container's share of the window, and replaces
-``<root>/containers/<id>.gputime``. Containers see that directory
+cannot leave (``CgroupMemo``), sums each container's share of the window the new samples
+cover, and replaces ``<root>/containers/<id>.gputime``. Containers see that directory
 only through the read-only peers mount (``/etc/vgpu/peers/<id>.gputime``), beside, not in,
 their own writable directory; the shim finds it by the allocation its read-only limits file
 names, and scales its processes' private rate so the container together keeps to its rate
@@ -24,7 +24,15 @@ window's start and end at 88 and 96 (``uint64`` ns of CLOCK_MONOTONIC, the shim'
 
 The driver's samples: NVML gives per process the share of its sample period its kernels ran
 (smUtil, percent); a process with several samples in the window counts their mean. Percent
-steps make a container of n processes off by up to n/2 points in one window.
+steps make a container of n processes off by up to n/2 points in one window. A driver
+samples every 1/6 s to 1 s (by product), stamps each sample with its period's end (CPU
+realtime) and answers nothing new between two ends, as when nobody ran. So the window is the
+samples', not the reader's: per GPU, from the newest stamp seen to the newest now (mapped to
+CLOCK_MONOTONIC by the clocks' offset at the read). A read that finds no new sample
+publishes nothing (the record stays: "used nothing" would let the shim grow the rate); only
+when none has come for longer than the longest period (``SILENT_US``) did nobody run, and the
+time since is published as share 0, so an idle container's record still moves. A driver
+exact per call (simgpu by default) stamps each call's samples with the call's time.
 """
 
 from __future__ import annotations
@@ -276,10 +284,11 @@ def _nobody(_pid: int) -> str | None:
 
 
 class GpuTimePublisher:
-    """Publishes each guaranteed container's measured share per GPU every call of
-    ``publish``. ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside
-    a session); ``owner_of`` makes a pid attribution for a set of allocation ids (default:
-    ``proc_owner`` with the cgroups it learns kept from one publication to the next)."""
+    """Publishes each guaranteed container's measured share per GPU at each call of
+    ``publish`` that finds new samples of its GPUs (or a GPU silent long enough).
+    ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside a session);
+    ``owner_of`` makes a pid attribution for a set of allocation ids (default: ``proc_owner``
+    with the cgroups it learns kept from one publication to the next)."""
 
     def __init__(
         self,

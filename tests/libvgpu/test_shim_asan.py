@@ -158,9 +158,11 @@ def test_guaranteed_launches_settled_by_the_drivers_samples(
 
 
 # The driver's measure of the container read and the private rates scaled by it.
-def test_guaranteed_launches_of_several_processes(asan_tree: Path, tmp_path: Path) -> None:
+def test_guaranteed_launches_of_several_processes(
+    asan_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     multiproc.test_a_container_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
-        asan_tree, tmp_path
+        asan_tree, tmp_path, monkeypatch, "1000"
     )
 
 

@@ -88,13 +88,35 @@ def test_the_record_has_the_layout_the_shim_reads() -> None:
 
 
 class FakeDriver:
-    def __init__(self) -> None:
-        self.samples: dict[str, list[tuple[int, int]]] = {}
-        self.asked: list[tuple[str, int]] = []
+    """NVML's per-process samples (pid, smUtil, stamp): a read answers those newer than its
+    lastSeenTimeStamp and, given the clock, of periods that have ended, as the driver does."""
 
-    def read(self, uuid: str, since_us: int) -> list[tuple[int, int]]:
+    def __init__(self, clocks: Clocks | None = None) -> None:
+        self.samples: dict[str, list[tuple[int, int, int]]] = {}
+        self.asked: list[tuple[str, int]] = []
+        self.clocks = clocks
+
+    def read(self, uuid: str, since_us: int) -> list[tuple[int, int, int]]:
         self.asked.append((uuid, since_us))
-        return self.samples.get(uuid, [])
+        now = self.clocks.wall_us if self.clocks else 2**63
+        return [s for s in self.samples.get(uuid, []) if since_us < s[2] <= now]
+
+
+class Clocks:
+    """The node's clocks: CPU realtime (us) and monotonic (ns), a known offset apart."""
+
+    def __init__(self, wall_us: int) -> None:
+        self.wall_us = wall_us
+
+    def wall(self) -> int:
+        return self.wall_us
+
+    def mono(self) -> int:
+        return mono(self.wall_us)
+
+
+def mono(wall_us: int) -> int:
+    return (wall_us - 1_000_000) * 1000
 
 
 def owners(table: dict[int, str]) -> Callable[[Path, Collection[str]], PidOwner]:
@@ -104,38 +126,158 @@ def owners(table: dict[int, str]) -> Callable[[Path, Collection[str]], PidOwner]
     return owner_of
 
 
+def record(root: Path, alloc: str) -> list[GpuShare]:
+    path = root / "containers" / f"{alloc}.gputime"
+    return decode_record(path.read_bytes()) if path.exists() else []
+
+
 def test_the_publisher_writes_each_containers_window_and_removes_what_it_made(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "containers").mkdir()
     driver = FakeDriver()
-    clock = iter([1_000, 200_000_000, 2_000_000_000]).__next__
-    wall = iter([5_000, 205_000, 2_005_000]).__next__
+    clocks = Clocks(5_000_000)
     pub = GpuTimePublisher(
-        tmp_path,
-        driver.read,
-        owners({7: "a", 8: "a", 9: "b"}),
-        clock,
-        wall,
+        tmp_path, driver.read, owners({7: "a", 8: "a", 9: "b"}), clocks.mono, clocks.wall
     )
     allocs = {"a": {"GPU-1"}, "b": {"GPU-1"}}
     pub.publish(allocs)  # starts the window
     assert driver.asked == []
     assert not (tmp_path / "containers" / "a.gputime").exists()
-    driver.samples["GPU-1"] = [(7, 10), (8, 15), (9, 70)]
+    driver.samples["GPU-1"] = [(7, 10, 5_150_000), (8, 15, 5_150_000), (9, 70, 5_150_000)]
+    clocks.wall_us = 5_200_000
     pub.publish(allocs)
-    assert driver.asked == [("GPU-1", 5_000)]
+    assert driver.asked == [("GPU-1", 5_000_000)]
     a = tmp_path / "containers" / "a.gputime"
-    assert decode_record(a.read_bytes()) == [GpuShare("GPU-1", 250, 1_000, 200_000_000)]
-    assert decode_record((tmp_path / "containers" / "b.gputime").read_bytes())[0].share == 700
+    assert record(tmp_path, "a") == [GpuShare("GPU-1", 250, mono(5_000_000), mono(5_150_000))]
+    assert record(tmp_path, "b")[0].share == 700
     assert a.stat().st_mode & 0o777 == 0o444
     # B is gone; a long gap is measured as the driver's last second
+    driver.samples["GPU-1"] = [(7, 10, 9_000_000)]
+    clocks.wall_us = 9_100_000
     pub.publish({"a": {"GPU-1"}})
-    assert decode_record(a.read_bytes())[0].start_ns == 1_000_000_000
+    assert record(tmp_path, "a")[0].start_ns == mono(8_000_000)
     assert not (tmp_path / "containers" / "b.gputime").exists()
     (tmp_path / "containers" / "other").write_text("not ours")
     pub.close()
     assert sorted(os.listdir(tmp_path / "containers")) == ["other"]
+
+
+def run_periods(
+    tmp_path: Path, driver: FakeDriver, clocks: Clocks, until_us: int, every_us: int = 200_000
+) -> list[list[GpuShare]]:
+    """Publishes for container "a" (pid 7) every ``every_us`` until ``until_us``: each
+    record that came new."""
+    (tmp_path / "containers").mkdir(exist_ok=True)
+    pub = GpuTimePublisher(tmp_path, driver.read, owners({7: "a"}), clocks.mono, clocks.wall)
+    out: list[list[GpuShare]] = []
+    while clocks.wall_us <= until_us:
+        pub.publish({"a": {"GPU-1"}})
+        got = record(tmp_path, "a")
+        if got and (not out or got != out[-1]):
+            out.append(got)
+        clocks.wall_us += every_us
+    return out
+
+
+def test_sample_periods_sparser_than_the_publications_leave_the_record_as_it_is(
+    tmp_path: Path,
+) -> None:
+    """A driver of 1 s periods, read every 0.2 s: four reads of five find no new sample. That
+    is not "nobody ran": the record of the last period stays until the next one ends."""
+    clocks = Clocks(5_100_000)
+    driver = FakeDriver(clocks)
+    # pid 7 ran 30 % of each period; the periods end at whole seconds
+    driver.samples["GPU-1"] = [(7, 30, t) for t in (5_000_000, 6_000_000, 7_000_000, 8_000_000)]
+    got = run_periods(tmp_path, driver, clocks, 8_100_000)
+    assert [g.share for [g] in got] == [300, 300, 300], got  # never a share of 0
+    assert [(g.start_ns, g.end_ns) for [g] in got] == [
+        (mono(5_100_000), mono(6_000_000)),  # the first read only started the window
+        (mono(6_000_000), mono(7_000_000)),
+        (mono(7_000_000), mono(8_000_000)),
+    ]
+
+
+def test_the_window_is_the_one_the_samples_cover_by_their_stamps(tmp_path: Path) -> None:
+    """Periods of 1/6 s read every 0.25 s: a read brings the periods that ended since the last
+    sample seen, each covering the period before its stamp, not the publisher's own times."""
+    clocks = Clocks(5_010_000)
+    driver = FakeDriver(clocks)
+    ends = [5_000_000 + 166_667 * i for i in range(1, 7)]
+    driver.samples["GPU-1"] = [(7, 10 * i, t) for i, t in enumerate(ends, 1)]
+    got = run_periods(tmp_path, driver, clocks, 6_010_000, every_us=250_000)
+    assert [(g.start_ns, g.end_ns) for [g] in got] == [
+        (mono(5_010_000), mono(ends[0])),
+        (mono(ends[0]), mono(ends[2])),  # two periods ended since: their mean
+        (mono(ends[2]), mono(ends[3])),
+        (mono(ends[3]), mono(ends[5])),
+    ]
+    assert [g.share for [g] in got] == [100, 250, 400, 550]
+    assert ("GPU-1", ends[2]) in driver.asked  # read from the newest stamp seen
+
+
+def test_a_driver_silent_for_longer_than_its_longest_period_means_nobody_ran(
+    tmp_path: Path,
+) -> None:
+    """An idle container's record still moves (so its shim can grow its rate), over the time
+    since the last sample, once no period can still be running."""
+    clocks = Clocks(5_100_000)
+    driver = FakeDriver(clocks)
+    driver.samples["GPU-1"] = [(7, 40, 6_000_000)]
+    got = run_periods(tmp_path, driver, clocks, 9_300_000)
+    assert [g.share for [g] in got] == [400, 0, 0], got
+    # 1.5 s after the sample of 6.0 s, and after that record's end: the time since, capped
+    # at a second as every window
+    assert gputime.SILENT_US == 1_500_000
+    assert [(g.start_ns, g.end_ns) for [g] in got[1:]] == [
+        (mono(6_700_000), mono(7_700_000)),
+        (mono(8_300_000), mono(9_300_000)),
+    ]
+
+
+def test_the_exact_answer_per_call_is_measured_as_before(tmp_path: Path) -> None:
+    """SIMGPU_UTIL_PERIOD_MS unset: each read answers one sample per process of the caller's
+    own window, stamped at the call (here 1 ms before the publisher's clocks)."""
+    (tmp_path / "containers").mkdir()
+    clocks = Clocks(5_000_000)
+
+    def exact(uuid: str, since_us: int) -> list[tuple[int, int, int]]:
+        return [(7, 20, clocks.wall_us - 1000), (9, 50, clocks.wall_us - 1000)]
+
+    pub = GpuTimePublisher(tmp_path, exact, owners({7: "a", 9: "b"}), clocks.mono, clocks.wall)
+    allocs = {"a": {"GPU-1"}, "b": {"GPU-1"}}
+    windows = []
+    for _ in range(4):
+        pub.publish(allocs)
+        windows.append([record(tmp_path, n) for n in ("a", "b")])
+        clocks.wall_us += 200_000
+    assert windows[0] == [[], []]
+    for i, (a, b) in enumerate(windows[1:], 1):
+        assert [a[0].share, b[0].share] == [200, 500]
+        end = mono(5_000_000 + 200_000 * i - 1000)
+        assert a[0].end_ns == b[0].end_ns == end
+        assert a[0].start_ns == (mono(5_000_000) if i == 1 else end - 200_000_000)
+
+
+def test_a_gpu_without_a_new_window_keeps_its_last_one_in_the_record(tmp_path: Path) -> None:
+    """A container of two GPUs whose driver periods end at different times: the record
+    rewritten for one keeps the other's (left out, the shim would take it as unmeasured)."""
+    clocks = Clocks(5_900_000)
+    driver = FakeDriver(clocks)
+    driver.samples["GPU-1"] = [(7, 30, 6_000_000), (7, 30, 7_000_000)]
+    driver.samples["GPU-2"] = [(8, 60, 6_500_000)]
+    (tmp_path / "containers").mkdir()
+    pub = GpuTimePublisher(
+        tmp_path, driver.read, owners({7: "a", 8: "a"}), clocks.mono, clocks.wall
+    )
+    pub.publish({"a": {"GPU-1", "GPU-2"}})
+    for wall in (6_100_000, 7_100_000):
+        clocks.wall_us = wall
+        pub.publish({"a": {"GPU-1", "GPU-2"}})
+    assert record(tmp_path, "a") == [
+        GpuShare("GPU-1", 300, mono(6_000_000), mono(7_000_000)),
+        GpuShare("GPU-2", 600, mono(5_900_000), mono(6_500_000)),
+    ]
 
 
 def test_records_an_earlier_run_left_are_removed_and_nothing_else(tmp_path: Path) -> None:
@@ -154,7 +296,8 @@ def test_a_plugin_that_cannot_see_the_nodes_pids_says_so_once(
 ) -> None:
     (tmp_path / "containers").mkdir()
     driver = FakeDriver()
-    driver.samples["GPU-1"] = [(4242, 50)]
+    # stamped ahead of the publisher's clock: every read finds it new
+    driver.samples["GPU-1"] = [(4242, 50, 2**62)]
     pub = GpuTimePublisher(tmp_path, driver.read, owners({}), pid_visible=lambda pid: False)
     for _ in range(3):
         pub.publish({"a": {"GPU-1"}})

@@ -8,6 +8,7 @@ their containers run under runc with exactly the response's envs and mounts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -227,6 +228,10 @@ class EmulatedNode:
         # The simulated driver stands where the NVIDIA runtime would put the real one.
         all_envs["LD_LIBRARY_PATH"] = str(native.simgpu_dir())
         all_envs["SIMGPU_STATE"] = str(self.node.state_dir)
+        # The driver's sample period is the node's (a real driver's, its product's): every
+        # process of the node, serve and the containers' shims, reads NVML alike.
+        if period := os.environ.get("SIMGPU_UTIL_PERIOD_MS"):
+            all_envs["SIMGPU_UTIL_PERIOD_MS"] = period
         all_envs["PYTHONPATH"] = ":".join(p for p in sys.path if p)
         all_envs["PYTHONDONTWRITEBYTECODE"] = "1"
         mounts = [] if admitted is None else [

@@ -251,16 +251,17 @@ def nvml_utilization() -> dict[str, float]:
     return out
 
 
-def process_utilization(uuid: str, since_us: int) -> list[tuple[int, int]]:
-    """(pid, smUtil percent) of each sample NVML holds for GPU ``uuid`` newer than
-    ``since_us`` (CPU microseconds, as the samples' timestamps): the processes whose kernels
-    ran since then, node pids. Call inside ``nvml_session()``; no process ran: empty."""
+def process_utilization(uuid: str, since_us: int) -> list[tuple[int, int, int]]:
+    """(pid, smUtil percent, timeStamp) of each sample NVML holds for GPU ``uuid`` newer than
+    ``since_us`` (CPU microseconds, as the timestamps): the processes whose kernels ran since
+    then, node pids. A real driver stamps each sample with the end of the period it covers,
+    which is why the stamps are kept. Call inside ``nvml_session()``; no process ran: empty."""
     handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
     try:
         samples = pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
     except pynvml.NVMLError_NotFound:
         return []
-    return [(int(s.pid), int(s.smUtil)) for s in samples]
+    return [(int(s.pid), int(s.smUtil), int(s.timeStamp)) for s in samples]
 
 
 def memory_info(index: int = 0) -> tuple[int, int]:

@@ -10,8 +10,8 @@ container whose limits file is bind-mounted in the pid's mount namespace (the ke
 ``/proc/<pid>/mountinfo``: that file's device and path, which a tenant cannot mount for
 another container, seeing no other's; a region's process slots are the tenant's to write
 and are not used), or, for a pid that hides the mount by changing its root, by the cgroup it
-cannot leave (``CgroupMemo``), sums each container's share of the window, and replaces
-``<root>/containers/<id>.gputime``. Containers see that directory
+cannot leave (``CgroupMemo``), sums each container's share of the window the new samples
+cover, and replaces ``<root>/containers/<id>.gputime``. Containers see that directory
 only through the read-only peers mount (``/etc/vgpu/peers/<id>.gputime``), beside, not in,
 their own writable directory; the shim finds it by the allocation its read-only limits file
 names, and scales its processes' private rate so the container together keeps to its rate
@@ -24,7 +24,15 @@ window's start and end at 88 and 96 (``uint64`` ns of CLOCK_MONOTONIC, the shim'
 
 The driver's samples: NVML gives per process the share of its sample period its kernels ran
 (smUtil, percent); a process with several samples in the window counts their mean. Percent
-steps make a container of n processes off by up to n/2 points in one window.
+steps make a container of n processes off by up to n/2 points in one window. A driver
+samples every 1/6 s to 1 s (by product), stamps each sample with its period's end (CPU
+realtime) and answers nothing new between two ends, as when nobody ran. So the window is the
+samples', not the reader's: per GPU, from the newest stamp seen to the newest now (mapped to
+CLOCK_MONOTONIC by the clocks' offset at the read). A read that finds no new sample
+publishes nothing (the record stays: "used nothing" would let the shim grow the rate); only
+when none has come for longer than the longest period (``SILENT_US``) did nobody run, and the
+time since is published as share 0, so an idle container's record still moves. A driver
+exact per call (simgpu by default) stamps each call's samples with the call's time.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ SUFFIX = ".gputime"
 # The driver keeps a second of samples (NVML's longest period): a longer gap is measured
 # as its last second.
 MAX_WINDOW_NS = 1_000_000_000
+# No sample newer than the newest for longer than the driver's longest period (1 s), with a
+# margin for a driver late with its sample: nobody ran. Shorter: the period is not over yet.
+SILENT_US = 1_500_000
 DEFAULT_INTERVAL = 0.2  # seconds; NVML's own per-process samples are about 1/6 s
 # How often /proc may be searched for the other pids of an unattributed pid's cgroup.
 SCAN_EVERY_NS = 5_000_000_000
@@ -62,8 +73,9 @@ SCAN_EVERY_NS = 5_000_000_000
 _HEADER = struct.Struct("<8sIIQQ")
 _RECORD = struct.Struct(f"<{UUID_SIZE}sIIQQ")
 
-# (pid, smUtil percent) samples of one GPU newer than a CPU time in microseconds.
-ReadSamples = Callable[[str, int], list[tuple[int, int]]]
+# (pid, smUtil percent, timeStamp) samples of one GPU newer than a CPU time; times in CPU
+# (realtime) microseconds, each sample's the end of the period it covers.
+ReadSamples = Callable[[str, int], list[tuple[int, int, int]]]
 # The allocation whose limits file a pid's mount namespace shows, or None.
 PidOwner = Callable[[int], str | None]
 
@@ -272,10 +284,11 @@ def _nobody(_pid: int) -> str | None:
 
 
 class GpuTimePublisher:
-    """Publishes each guaranteed container's measured share per GPU every call of
-    ``publish``. ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside
-    a session); ``owner_of`` makes a pid attribution for a set of allocation ids (default:
-    ``proc_owner`` with the cgroups it learns kept from one publication to the next)."""
+    """Publishes each guaranteed container's measured share per GPU at each call of
+    ``publish`` that finds new samples of its GPUs (or a GPU silent long enough).
+    ``read_samples`` is the driver (``node.gpu.nvml.process_utilization`` inside a session);
+    ``owner_of`` makes a pid attribution for a set of allocation ids (default: ``proc_owner``
+    with the cgroups it learns kept from one publication to the next)."""
 
     def __init__(
         self,
@@ -292,8 +305,9 @@ class GpuTimePublisher:
         self._owner_of = owner_of or (lambda d, ids: proc_owner(d, ids, memo=memo))
         self._clock = clock
         self._wall_us = wall_us
-        self._since: dict[str, tuple[int, int]] = {}  # per GPU: wall us, monotonic ns
+        self._newest: dict[str, int] = {}  # per GPU: the newest sample's stamp (wall us)
         self._published: set[str] = set()
+        self._shares: dict[str, dict[str, GpuShare]] = {}  # per allocation, per GPU: the last
         self._swept = False
         self._pid_visible = pid_visible
         self._warned = False
@@ -305,21 +319,18 @@ class GpuTimePublisher:
         owner: PidOwner = _nobody
         if gpus:  # the node's mounts are read only where there is something to attribute
             owner = self._owner_of(self._root / "limits", list(allocations))
-        per_alloc: dict[str, list[GpuShare]] = {a: [] for a in allocations}
+        changed: set[str] = set()
         for uuid in gpus:
-            wall, now = self._wall_us(), self._clock()
-            last = self._since.get(uuid)
-            self._since[uuid] = (wall, now)
-            if last is None:
+            newest = self._newest.get(uuid)
+            if newest is None:
+                self._newest[uuid] = self._wall_us()
                 continue
             try:
-                samples = self._read(uuid, last[0])
+                samples = [s for s in self._read(uuid, newest) if s[2] > newest]
             except Exception as exc:  # a GPU NVML fails on stays unmeasured this round
                 log.debug("per-process utilisation of %s: %s", uuid, exc)
                 continue
-            start = max(last[1], now - MAX_WINDOW_NS)
-            shares = container_shares(samples, owner)
-            if samples and not self._warned and not any(self._pid_visible(p) for p, _ in samples):
+            if samples and not self._warned and not any(self._pid_visible(p) for p, *_ in samples):
                 self._warned = True
                 log.warning(
                     "no process NVML lists on GPU %s is in this process's pid namespace: the "
@@ -328,18 +339,53 @@ class GpuTimePublisher:
                     "pids: hostPID; docs/security.md#compute-guarantees)",
                     uuid,
                 )
+            # Taken after the read: every stamp it returned is before them.
+            wall, now = self._wall_us(), self._clock()
+            window = self._window(uuid, newest, samples, wall, now)
+            if window is None:
+                continue
+            start, end = window
+            shares = container_shares(((p, u) for p, u, _ in samples), owner)
             for alloc, uuids in allocations.items():
                 if uuid in uuids:
-                    per_alloc[alloc].append(GpuShare(uuid, shares.get(alloc, 0), start, now))
-        for alloc, items in per_alloc.items():
-            if items:
-                self._write(alloc, items[:MAX_DEVICES])
+                    share = GpuShare(uuid, shares.get(alloc, 0), start, end)
+                    self._shares.setdefault(alloc, {})[uuid] = share
+                    changed.add(alloc)
+        for alloc in changed:
+            # A GPU without a new window keeps its last one: left out, the shim would take
+            # it for unmeasured.
+            last = self._shares[alloc]
+            items = [last[u] for u in sorted(allocations[alloc]) if u in last]
+            self._write(alloc, items[:MAX_DEVICES])
+        for gone in set(self._shares) - set(allocations):
+            del self._shares[gone]
         if not self._swept:
             self._sweep(set(allocations))
         for gone in self._published - set(allocations):
             self._remove(gone)
-        for uuid in set(self._since) - set(gpus):
-            del self._since[uuid]
+        for uuid in set(self._newest) - set(gpus):
+            del self._newest[uuid]
+
+    def _window(
+        self, uuid: str, newest: int, samples: list[tuple[int, int, int]], wall: int, now: int
+    ) -> tuple[int, int] | None:
+        """The monotonic window ``samples`` cover: from the newest stamp before them to theirs
+        (each covers the period up to its stamp), the stamps mapped by the clocks' offset now;
+        None where there is nothing new to publish. Advances the GPU's newest stamp."""
+        if samples:
+            stamp = max(t for _, _, t in samples)
+        elif newest > wall:  # the wall clock stepped back: start again from now
+            self._newest[uuid] = wall
+            return None
+        elif wall - newest > SILENT_US:
+            stamp = wall  # nobody ran since the newest sample
+        else:
+            return None  # a sample period is not over: the record published stays
+        self._newest[uuid] = stamp
+        offset = now - wall * 1000
+        end = min(stamp * 1000 + offset, now)  # the shim ignores a window ending after its now
+        start = max(newest * 1000 + offset, end - MAX_WINDOW_NS)
+        return (start, end) if start < end else None
 
     def _write(self, alloc: str, items: list[GpuShare]) -> None:
         path = record_path(self._root, alloc)

@@ -1,6 +1,8 @@
 """DRA driver figures: NodePrepareResources and NodeUnprepareResources p50/p99 with
 ``--records`` allocations already in the ledger (docs/contracts.md#performance-targets: one
-caller p99 <= 5 ms at 2,000 records, the same target as Allocate).
+caller p99 <= 5 ms at 2,000 records, the same target as Allocate), beside the floor: a call
+with no claim on the same channel before each prepare, so that a slow minute on a shared
+machine shows as such.
 
 Runs the real `vgpu-plugin serve` process with `dra.enabled` on a simulated node of 8 GPUs,
 its API server the in-process fake reached over HTTP through a kubeconfig (as the real
@@ -107,8 +109,15 @@ def main() -> int:
 
             prepare: list[float] = []
             unprepare: list[float] = []
+            floor: list[float] = []
             errors = 0
             for c in claims:
+                # The floor: the same server, channel and caller, a call with no claim (the
+                # gRPC round trip and the server's threads, no work): what this machine gives
+                # any call in these minutes, beside the prepare it precedes.
+                t = time.perf_counter()
+                stub.NodeUnprepareResources(v1.NodeUnprepareResourcesRequest(), timeout=600)
+                floor.append((time.perf_counter() - t) * 1e3)
                 t = time.perf_counter()
                 got = stub.NodePrepareResources(
                     v1.NodePrepareResourcesRequest(claims=[ref(c)]), timeout=600
@@ -123,10 +132,11 @@ def main() -> int:
         cpu = cpu_seconds(proc.pid) - cpu0
         report("NodePrepareResources, one claim", prepare)
         report("NodeUnprepareResources, one claim", unprepare)
+        report("the floor: NodeUnprepareResources of no claim", floor, "")
         print(f"prepare p90 {pct(prepare, 90):.2f} ms, p99.9 {pct(prepare, 99.9):.2f} ms, "
               f"max {max(prepare):.2f} ms; {errors} prepare errors")  # fmt: skip
-        print(f"plugin CPU: {cpu / len(claims) * 1e3:.2f} ms per prepare and unprepare "
-              "(all its threads; the figure load changes least)")  # fmt: skip
+        print(f"plugin CPU: {cpu / len(claims) * 1e3:.2f} ms per prepare, unprepare and floor "
+              "call (all its threads; the figure load changes least)")  # fmt: skip
         print(f"plugin RSS: {rss_start:.0f} MiB at start, {rss_mib(proc.pid):.0f} MiB at the end")
     finally:
         if proc is not None and proc.poll() is None:

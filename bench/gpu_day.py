@@ -10,10 +10,12 @@ gpu tests/gpu``, then measurements through ctypes on ``libcuda.so.1`` with and w
 and cuLaunchKernel wall-clock (medians of blocks; ctypes' own call cost is in both sides), the
 memory limit's accuracy (64 MiB chunks to the refusal, PyTorch's OOM point, NVML's used memory
 of the process), compute share at 25 % and 50 % (kernel throughput vs alone), noisy-neighbour
-slowdown (a 25 % container's kernel latency beside a saturating container vs alone), the NVML
-process list's cost (the shim's node-pid probe) and whether a late process of a full container,
-started through the CUDA runtime (its primary context comes through the driver's private
-table), leaves the container's GPU memory at or under its limit by NVML.
+slowdown (a 25 % container's kernel latency beside a saturating container vs alone), how the
+driver samples per-process utilisation (its period; whether a time-sliced-out context counts
+as running), the NVML process list's cost (the shim's node-pid probe) and whether a late
+process of a full container, started through the CUDA runtime (its primary context comes
+through the driver's private table), leaves the container's GPU memory at or under its limit
+by NVML.
 
 Prints one markdown table; with ``$OUT`` set also writes ``$OUT/gpu_day.md`` and the full log
 ``$OUT/gpu_day.log``. Under --simgpu the figures mean nothing: it proves the paths run.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import queue
@@ -297,6 +300,61 @@ def w_nvml_probe() -> None:
     _emit("RESULT", {"us": statistics.median(times) / 1e3, "init_us": init_ns / 1e3, "procs": seen})
 
 
+def w_nvml_samples(n: str, seconds: str) -> None:
+    """How the driver samples per-process utilisation (the shim's settle and the node agent's
+    measure read it): spins for ``seconds`` and asks every 20 ms for the samples newer than
+    the newest seen. The period is the step between distinct stamps; beside a busy neighbour
+    the two processes' smUtil per stamp add up to ~100 if a time-sliced-out context does not
+    count as running, ~200 if it does."""
+    import pynvml
+
+    cu = Cuda()
+    cu.make_context()
+    s = Spinner(cu, int(n))
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    me = os.getpid()
+    newest, polls, empty = 0, 0, 0
+    cost: list[float] = []
+    per_stamp: dict[int, dict[int, int]] = {}
+    start = last = time.monotonic()
+    while time.monotonic() - start < float(seconds):
+        s.launch()
+        cu.sync()
+        if time.monotonic() - last < 0.02:
+            continue
+        last = time.monotonic()
+        t = time.perf_counter_ns()
+        try:
+            got = pynvml.nvmlDeviceGetProcessUtilization(h, newest)
+        except pynvml.NVMLError_NotFound:
+            got = []
+        cost.append((time.perf_counter_ns() - t) / 1e3)
+        polls += 1
+        fresh = [x for x in got if x.timeStamp > newest]
+        empty += not fresh
+        for x in fresh:
+            per_stamp.setdefault(int(x.timeStamp), {})[int(x.pid)] = int(x.smUtil)
+        newest = max([newest, *(int(x.timeStamp) for x in fresh)])
+    stamps = sorted(per_stamp)
+    steps = [b - a for a, b in itertools.pairwise(stamps)]
+    own = [v.get(me, 0) for v in per_stamp.values()]
+    total = [sum(v.values()) for v in per_stamp.values()]
+    _emit(
+        "RESULT",
+        {
+            "period_ms": statistics.median(steps) / 1e3 if steps else 0.0,
+            "stamps": len(stamps),
+            "polls": polls,
+            "empty": empty,
+            "own": statistics.median(own) if own else 0,
+            "total": statistics.median(total) if total else 0,
+            "pids": statistics.median([len(v) for v in per_stamp.values()]) if stamps else 0,
+            "cost_us": statistics.median(cost) if cost else 0.0,
+        },
+    )
+
+
 def w_nvml_used(*pids: str) -> None:
     """NVML's used GPU memory of the given pids (and of the whole device)."""
     import pynvml
@@ -359,6 +417,7 @@ WORKERS: dict[str, Callable[..., None]] = {
     "spin": w_spin,
     "nvml_probe": w_nvml_probe,
     "nvml_used": w_nvml_used,
+    "nvml_samples": w_nvml_samples,
 }
 
 
@@ -523,6 +582,10 @@ def build(day: Day) -> str:
         node = Node.create(day.tmp / "node", [GpuSpec(memory=80 << 30)], seed="gpu-day")
         day.base = node.env(day.clean)
         day.base["VGPU_NATIVE_DIR"] = str(day.tree)
+        # The dry run's driver as close to a real one as simgpu goes: contexts time-sliced,
+        # per-process utilisation sampled in the H200's periods (native/simgpu/README.md).
+        day.base["SIMGPU_TIMESLICE"] = "2ms"
+        day.base["SIMGPU_UTIL_PERIOD_MS"] = "167"
     else:
         day.base = dict(day.clean)
     return f"built: {day.tree}"
@@ -654,6 +717,20 @@ def noisy_neighbour_guaranteed(day: Day) -> str:
     )
 
 
+def nvml_samples(day: Day) -> str:
+    def line(r: Any) -> str:
+        return (
+            f"period {r['period_ms']:.0f} ms ({r['stamps']} stamps, {r['empty']} of "
+            f"{r['polls']} reads nothing new), own smUtil {r['own']}, all pids {r['total']} "
+            f"({r['pids']} listed); a read {r['cost_us']:.0f} us"
+        )
+
+    alone = day.worker(day.base, "nvml_samples", Spin.n, "3", timeout=90)
+    day.start(day.container("sampled"), day.worker_args("spin", Spin.n, "30", "1"))
+    beside = day.worker(day.base, "nvml_samples", Spin.n, "3", timeout=90)
+    return f"alone: {line(alone)}; beside a spinning context: {line(beside)}"
+
+
 def nvml_probe(day: Day) -> str:
     r = day.worker(day.base, "nvml_probe", timeout=60)
     return (
@@ -775,6 +852,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "25 % guaranteed and capped, alone vs beside a busy 75 %-guaranteed container; "
                     "and a 25 % guarantee without cap alone (idle time lent)",
                     lambda: noisy_neighbour_guaranteed(day),
+                ),
+                (
+                    "NVML per-process samples",
+                    "nvmlDeviceGetProcessUtilization every 20 ms while spinning, alone and "
+                    "beside a spinning context: the driver's period, smUtil of the two",
+                    lambda: nvml_samples(day),
                 ),
                 (
                     "node-pid probe (NVML process list)",

@@ -257,6 +257,33 @@ def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once
     assert min(medians) >= 20.0, pairs
 
 
+@pytest.mark.parametrize(
+    "util_period_ms", ["0", "167", "1000"], ids=["exact", "periods-167ms", "periods-1s"]
+)
+def test_a_lender_keeps_its_guarantee_when_its_neighbour_turns_busy_time_sliced(
+    native_tree: Path, tmp_path: Path, util_period_ms: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A (25 %, no cap) busy alone, lent the whole GPU; B (75 %) turns busy. A's settles
+    against the driver start then, in the middle of a sample period in which A ran at 100 %:
+    settled as if all of it came after, A was held at 0 % for 200 - 300 ms (1/6 s periods)
+    or 700 ms (1 s) within its first second of sharing. Its settles now begin at that
+    period's end: A keeps its 25 % from B's first kernel on (the mean of its 100 ms steps
+    over the next 1.9 s; 0 % steps counted, so a hole shows)."""
+    monkeypatch.setenv("SIMGPU_UTIL_PERIOD_MS", util_period_ms)
+    shim = shim_on(native_tree, tmp_path, 1)
+    lender = run(shim, container(shim, "a", 25, timeslice=TIMESLICE), 5)
+    t0 = time.monotonic_ns()
+    time.sleep(2.0)
+    busy = run(shim, container(shim, "b", 75, timeslice=TIMESLICE), 2)
+    finish_all([busy, lender])
+    pids = [lender.pid, busy.pid]
+    fine = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
+    b0 = t0 + next(i for i, s in enumerate(fine) if s[busy.pid] > 0) * 5 * MS
+    steps = timeline(shim.node, pids, b0 + 100 * MS, b0 + 2000 * MS, 100 * MS)
+    a_share = [100.0 * s[lender.pid] / (100 * MS) for s in steps]
+    assert sum(a_share) / len(a_share) >= 22.0, a_share
+
+
 def time_sliced_split(
     native_tree: Path, tmp_path: Path, kernel_us: list[int | str]
 ) -> tuple[list[float], list[float]]:

@@ -414,10 +414,18 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
         unsigned long long seen = now_us - CAL_MAX_NS / 1000;
         if (own_gpu_time(d, &seen, &used, &span) == 0) return;
         d->cal_seen_us = seen;
-        __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
+        /* A process that ran before (a lender whose peers turned busy) ran in the period
+         * under way too, at another pace and charged before now: its settles begin at the
+         * end of that period. A newcomer's GPU time in it is all from now on. */
+        d->cal_busy_before = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED) > 0;
         return;
     }
     if (own_gpu_time(d, &d->cal_seen_us, &used, &span) == 0) return; /* no new period yet */
+    if (d->cal_busy_before) {
+        d->cal_busy_before = 0;
+        __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
+        return;
+    }
     int64_t charged = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
     /* Bounded both ways by what ran: `used` by the periods, the charges by the (overlap-
      * trimmed) brackets settled since the last settle. */

@@ -4,6 +4,8 @@ shifts when work runs, not how the GPU's time was split."""
 
 from __future__ import annotations
 
+import os
+
 from vgpu_plugin.sim.simgpu import Node
 
 MS = 1_000_000
@@ -18,6 +20,21 @@ def timeline(
         got = node.busy(gpu, t, t + step)
         out.append({p: got.get(p, 0) for p in pids})
     return out
+
+
+def first_ran(node: Node, pid: int, t0: int, t1: int, gpu: int = 0) -> int:
+    """When (simgpu's clock, to 5 ms) `pid`'s work first ran in [t0, t1)."""
+    step = 5 * MS
+    fine = timeline(node, [pid], t0, t1, step, gpu)
+    return t0 + next(i for i, s in enumerate(fine) if s[pid] > 0) * step
+
+
+def settle_ns() -> int:
+    """How long after all started a guaranteed container's pacing is taken to have settled:
+    1.5 s; with a driver that samples (SIMGPU_UTIL_PERIOD_MS, as the test's processes get it)
+    up to three periods more (the first period the processes started in is measured only
+    partly, and the shim uses a window only if it began after its last change)."""
+    return 1500 * MS + 3 * int(os.environ.get("SIMGPU_UTIL_PERIOD_MS") or 0) * MS
 
 
 def all_running(node: Node, pids: list[int], t0: int, t1: int, gpu: int = 0) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from e2e.helpers import NodeFactory, needs_containers
 from pace_forge import forge_budget
-from simgpu_shares import MS, all_running, shares
+from simgpu_shares import MS, all_running, settle_ns, shares
 
 from vgpu_plugin.node.observe.gputime import decode_record, record_path
 from vgpu_plugin.sim.compute_demo import wait_running
@@ -85,8 +85,7 @@ def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
     tenant_pids = [p for p in pids if p != nb_pid]
     assert len(tenant_pids) == 3, pids
     a, b = all_running(node.node, pids, t0, t1)
-    # settled: with a driver that samples, up to three periods more (test_shim_multiproc.py)
-    a, b = a + 1500 * MS + 3 * int(period_ms) * MS, b - 500 * MS
+    a, b = a + settle_ns(), b - 500 * MS
     assert b - a >= 2000 * MS, (a, b)
     share = sum(shares(node.node, tenant_pids, a, b))
     (nb,) = shares(node.node, [nb_pid], a, b)

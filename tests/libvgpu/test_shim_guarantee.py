@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from pace_forge import forge_budget
-from simgpu_shares import BUSY_STEP, MS, all_running, busy_split, shares, timeline
+from simgpu_shares import BUSY_STEP, MS, all_running, busy_split, first_ran, shares, timeline
 from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
@@ -178,9 +178,7 @@ def newcomer(
     finish_all([late])
     finish_all(busy)
     pids = [p.pid for p in (*busy, late)]
-    fine = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
-    first = next(i for i, s in enumerate(fine) if s[late.pid] > 0)
-    return shim, pids, t0 + first * 5 * MS
+    return shim, pids, first_ran(shim.node, late.pid, t0, time.monotonic_ns())
 
 
 def test_an_idle_container_that_turns_busy_gets_its_guarantee_at_once(
@@ -277,8 +275,7 @@ def test_a_lender_keeps_its_guarantee_when_its_neighbour_turns_busy_time_sliced(
     busy = run(shim, container(shim, "b", 75, timeslice=TIMESLICE), 2)
     finish_all([busy, lender])
     pids = [lender.pid, busy.pid]
-    fine = timeline(shim.node, pids, t0, time.monotonic_ns(), 5 * MS)
-    b0 = t0 + next(i for i, s in enumerate(fine) if s[busy.pid] > 0) * 5 * MS
+    b0 = first_ran(shim.node, busy.pid, t0, time.monotonic_ns())
     steps = timeline(shim.node, pids, b0 + 100 * MS, b0 + 2000 * MS, 100 * MS)
     a_share = [100.0 * s[lender.pid] / (100 * MS) for s in steps]
     assert sum(a_share) / len(a_share) >= 22.0, a_share

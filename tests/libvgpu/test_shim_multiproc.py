@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 from pace_forge import forge_budget
-from simgpu_shares import MS, all_running, shares
+from simgpu_shares import MS, all_running, settle_ns, shares
 from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
@@ -49,14 +49,6 @@ SECONDS = 6
 
 NO_NAMESPACES = os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount"))
 WHY = "needs root and unshare(1)/mount(8): containers are mount namespaces here"
-
-
-def settle_ns() -> int:
-    """How long after all started the controller is taken to have settled. A driver that
-    samples (SIMGPU_UTIL_PERIOD_MS) measures once a period, the first period the processes
-    started in only partly, and the shim uses a window only if it began after its last
-    change: up to three periods more before a second step lands."""
-    return 1500 * MS + 3 * int(os.environ.get("SIMGPU_UTIL_PERIOD_MS") or 0) * MS
 
 
 # The publisher as serve runs it, in a process of its own: NVML (pynvml) must load simgpu's

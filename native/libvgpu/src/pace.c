@@ -345,12 +345,13 @@ int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo) {
  * duration, and it would be charged its neighbours' slices until it happened to see one run
  * alone (0.5 s to over 2 s on simgpu). The driver knows how long this process's work ran:
  * NVML's per-process utilisation, which the tenant cannot write. So while peers have work
- * queued, every CAL_NS at most, the budget is settled against it: what the launches settled
- * since the last read were charged, less the GPU time the driver measured the process
- * running meanwhile, is credited back (or, when the charges fell short, taken). A kernel
- * still running at a read is in the measure and not yet in the charges: it is in the next
- * period's, and the periods add up to the driver's measure. Without a measure (no NVML, our
- * pid not listed, no sample yet) nothing is settled and the charges stand. */
+ * queued, as often as the driver has a new sample period (looked for every CAL_NS at most),
+ * the budget is settled against it: what the launches settled since the last settle were
+ * charged, less the GPU time the driver measured the process running in the periods since,
+ * is credited back (or, when the charges fell short, taken). A kernel still running at a
+ * read is in the measure and not yet in the charges: it is in the next settle's, and the
+ * settles add up to the driver's measure. Without a measure (no NVML, our pid not listed, no
+ * sample yet) nothing is settled and the charges stand. */
 
 static unsigned long long realtime_us(void) {
     struct timespec ts;

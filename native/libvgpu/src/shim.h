@@ -385,6 +385,7 @@ VGPU_HIDDEN struct vgpu_pace_dev *vgpu_pace_private(void);
 VGPU_HIDDEN void vgpu_pace_wait(struct vgpu_dev *d, uint64_t queued_ns);
 /* Credit (ns > 0) or charge (ns < 0) d's budget. */
 VGPU_HIDDEN void vgpu_pace_add(struct vgpu_dev *d, int64_t ns);
+/* A stretched kernel's charge `ns` scaled as d's settles against the driver found (pace.c). */
 VGPU_HIDDEN int64_t vgpu_pace_scaled(const struct vgpu_dev *d, int64_t ns);
 /* Settle the launches whose timing events have completed (launch.c). */
 VGPU_HIDDEN void vgpu_launch_settle(void);

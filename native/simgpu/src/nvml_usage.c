@@ -156,7 +156,7 @@ static unsigned int sampled(uint32_t phys, uint64_t period, unsigned long long n
     uint64_t first = end > keep ? end - keep + period : period;
     first -= first % period;
     unsigned int n = 0;
-    for (uint64_t e = first; e <= end && e >= period; e += period) {
+    for (uint64_t e = first; e <= end; e += period) {
         unsigned long long stamp = (unsigned long long)((long long)(e / 1000) + offset_us);
         if (stamp <= last_seen) continue;
         struct simgpu_proc_busy busy[SIMGPU_MAX_PROCS]; /* 8 KiB */

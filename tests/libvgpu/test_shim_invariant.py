@@ -9,6 +9,7 @@ The node has 2 x 16 GiB GPUs whose contexts take 300 MiB each (conftest).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from test_shim_helpers import (
     start_together,
 )
 
+from vgpu_plugin.node.host import native
 from vgpu_plugin.node.observe.region import read_region
 from vgpu_plugin.sim.simgpu import Node
 
@@ -201,14 +203,33 @@ def test_root_made_lock_files_do_not_lock_out_non_root_processes(
     for f in (tmp_path / "simgpu").rglob("*"):
         f.chmod(0o777 if f.is_dir() else 0o666)
     (tmp_path / "simgpu").chmod(0o777)
-    other = Shim(shim.tree, shim.node, tmp_path / "other")
+    # The build tree may sit in a private checkout (mode 0700): the user gets its own copy.
+    tree, libs = _readable_copy(shim.tree, tmp_path / "built")
+    other = Shim(tree, shim.node, tmp_path / "other")
     other.tmp.mkdir()
     other.tmp.chmod(0o777)
     env2 = other.env({"CUDA_DEVICE_MEMORY_LIMIT": "2g", "VGPU_LOCK_DIR": str(lock_dir)})
+    env2["LD_LIBRARY_PATH"] = str(libs)
     r2 = _run_as(other, 65534, env2)
     assert r2.rc == 0, r2.stderr
     assert "cannot open the GPU lock" not in r2.stderr
     assert r2.int("start_free") == 2 * GIB - CONTEXT
+
+
+def _readable_copy(tree: Path, dest: Path) -> tuple[Path, Path]:
+    """The shim, ``shim_views`` and simgpu's libraries of ``tree``, copied under ``dest`` where
+    any user can read them; the copy keeps the tree's name (the ASan tree is told by it).
+    Returns (the copied tree, simgpu's library dir)."""
+    copy = dest / tree.name
+    (copy / "lib").mkdir(parents=True)
+    (copy / "tests").mkdir()
+    shutil.copy2(tree / "lib" / "libvgpu.so", copy / "lib")
+    shutil.copy2(tree / "tests" / "shim_views", copy / "tests")
+    libs = shutil.copytree(native.simgpu_dir(), dest / "simgpu-lib", symlinks=True)
+    for p in [dest, *dest.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod(0o755)  # copied with the checkout's modes, which may be private
+    return copy, libs
 
 
 def _run_as(shim: Shim, uid: int, env: dict[str, str]) -> Result:

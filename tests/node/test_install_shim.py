@@ -302,3 +302,13 @@ def test_an_unknown_tools_preload_is_named_by_its_library(tmp_path: Path) -> Non
     with pytest.raises(install.ForeignPreload) as info:
         install.install_shim(tmp_path, Path("/nonexistent"))
     assert "an unknown tool's libsomething.so" in str(info.value)
+
+
+def test_a_relative_native_dir_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its paths go into containers whose working dir is another (preload's is the pod's)."""
+    (tmp_path / "built" / "simgpu").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(native.NATIVE_DIR_ENV, "built")
+    assert native.simgpu_dir() == tmp_path / "built" / "simgpu"

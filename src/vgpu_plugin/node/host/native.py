@@ -22,7 +22,9 @@ def native_dir() -> Path:
     """The root of the native tree: ``lib/``, ``simgpu/``, ``include/``."""
     override = os.environ.get(NATIVE_DIR_ENV)
     if override:
-        return Path(override)
+        # Absolute: the paths built from it go into containers and processes whose working
+        # directory is another (a relative LD_LIBRARY_PATH found no driver there).
+        return Path(override).absolute()
     # An editable install spreads the package over two dirs (sources, built files): look in each.
     import vgpu_plugin
 

@@ -343,7 +343,9 @@ def test_an_unpaced_launcher_reads_above_its_limit(native_tree: Path, tmp_path: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pid, t1 = json.loads(proc.stdout.splitlines()[-1])["pid"], time.monotonic_ns()
     r = cap_share.measure(cap_share.timeline(node, 0, pid, t0, t1), RES, 50, KERNEL)
-    assert r.launching > 90 and r.run_s > 1 and not r.held, r
+    # Well above its 50 % (the verdict's "above"), not ~100 %: on a loaded host the launcher
+    # waits for a CPU between its kernels (84 % at load 15 on 2 CPUs).
+    assert r.above and r.launching > 75 and r.run_s > 1 and not r.held, r
     assert "not enforced" in cap_share.describe(r)
     assert not any(cap_share.timeline(node, 0, pid + 1, t0, t1))  # only its own pid's
 

@@ -15,8 +15,11 @@
 
 ``--cache-mib M`` asks for a fixed cache instead (the pod that wants more than its slice):
 an out-of-memory error is then the result (``"out_of_memory": true`` and the time, ``at``),
-not a crash. With ``--hold S`` it keeps serving for S seconds after its first line, then
-prints a second line with the totals and ``finished_at``, when each of those requests ended.
+not a crash. With ``--hold S`` it prints its first line, keeps serving until its stdin ends
+and S seconds more (stdin at ``/dev/null``: S seconds after that line), then prints a second
+line with the totals and ``finished_at``, when each of those requests ended: the demo closes
+the servers' stdin once the greedy pod has been refused, so that they serve past it on a host
+however loaded.
 
 On simgpu kernels compute nothing, so no value read back means anything: the control flow here
 never depends on one. What is real is every allocation, copy, launch, stream and byte.
@@ -28,6 +31,7 @@ import argparse
 import importlib
 import json
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -189,8 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result.update(served=served, gpu_ms=gpu_ms, cuda_total=total, cuda_used=total - free)
     if args.hold > 0:
         print(json.dumps(result), flush=True)
-        end, finished = time.monotonic() + args.hold, []
-        while time.monotonic() < end:
+        ended: list[float] = []  # when stdin ended (monotonic)
+        threading.Thread(target=_until_eof, args=(ended,), daemon=True).start()
+        finished: list[float] = []
+        while not ended or time.monotonic() < ended[0] + args.hold:
             gpu_ms += server.serve(served)
             served += 1
             finished.append(time.time())  # wall clock: the demo compares it across pods
@@ -198,12 +204,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _until_eof(ended: list[float]) -> None:
+    """Reads stdin to its end, then notes when (``--hold``)."""
+    if sys.stdin is not None:
+        sys.stdin.read()
+    ended.append(time.monotonic())
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vgpu_plugin.sim.inference")
     ap.add_argument("--utilization", type=float, default=0.9, help="share of the GPU to use")
     ap.add_argument("--cache-mib", type=int, help="a fixed KV cache instead of sizing one")
     ap.add_argument("--requests", type=int, default=4, help="requests served before reporting")
-    ap.add_argument("--hold", type=float, default=0.0, help="keep serving this many seconds")
+    ap.add_argument(
+        "--hold", type=float, default=0.0, help="after its first line: until stdin ends, +S s"
+    )
     ap.add_argument("--tiny", action="store_true", help="a small model (the client tier's)")
     return ap
 

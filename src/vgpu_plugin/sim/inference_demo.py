@@ -169,14 +169,20 @@ def run_inference_demo(
             a = p.admitted = node.admit(p.name, 1)
             say(f"      {p.name:<7} {a.memory_limit_mib()} MiB, {a.compute_limit()}% compute")
         say(f"[3/4] each loads its model, sizes its KV cache to "
-            f"{UTILIZATION:.0%} of what CUDA shows it, serves for {seconds:g}s")  # fmt: skip
+            f"{UTILIZATION:.0%} of what CUDA shows it, serves until the greedy pod is refused "
+            f"and {seconds:g}s more")  # fmt: skip
         for p in pods:
             assert p.admitted is not None
-            p.proc = node.start_container(p.admitted, p.args)
+            p.proc = node.start_container(p.admitted, p.args, stdin=not p.greedy)
         for p in pods:
             assert p.proc is not None
             p.first = first_json(p.proc, seconds + 300)
         used = node.node.gpu(0).used_memory
+        # The servers serve until told, then `seconds` more: told once the greedy pod was
+        # refused (a pod that starts slowly on a loaded host is still refused while they serve).
+        for p in pods:
+            if p.proc is not None and p.proc.stdin is not None:
+                p.proc.stdin.close()
         say(f"      GPU memory in use while they serve: {mib(used)} of {GPU_MEMORY_MIB} MiB")
         for p in pods:
             assert p.proc is not None

@@ -260,11 +260,13 @@ class EmulatedNode:
         return self.runtime.run(self.container_config(None, name, args, envs), timeout=timeout)
 
     def start_container(
-        self, admitted: Admitted, args: Sequence[str], suffix: str = ""
+        self, admitted: Admitted, args: Sequence[str], suffix: str = "", stdin: bool = False
     ) -> subprocess.Popen[str]:
+        """``stdin``: the container reads a pipe (the Popen's stdin) rather than /dev/null."""
         name = f"{admitted.pod}{suffix}-{len(admitted.containers)}"
         admitted.containers.append(name)
-        return self.runtime.start(self.container_config(admitted, name, args))
+        config = self.container_config(admitted, name, args)
+        return self.runtime.start(dataclasses.replace(config, stdin=stdin))
 
     def run_container(
         self, admitted: Admitted, args: Sequence[str], timeout: float = 60

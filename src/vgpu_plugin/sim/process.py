@@ -150,7 +150,7 @@ class ProcessRuntime(Runtime):
             cwd=config.cwd if self.kind == "preload" else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if config.stdin else subprocess.DEVNULL,
             text=True,
             start_new_session=True,  # one signal reaches the whole container
         )

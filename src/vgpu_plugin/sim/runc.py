@@ -33,6 +33,9 @@ class ContainerConfig:
     envs: Mapping[str, str] = field(default_factory=dict)
     mounts: Sequence[Mount] = ()
     cwd: str = "/"
+    # Whether the container's stdin is a pipe the caller writes to and closes (the Popen's
+    # stdin); otherwise /dev/null.
+    stdin: bool = False
 
 
 def runc_unavailable_reason() -> str | None:
@@ -190,7 +193,7 @@ class RuncRuntime(Runtime):
             ["runc", "--root", str(self.state_root), "run", "--bundle", str(bundle), config.name],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if config.stdin else subprocess.DEVNULL,
             text=True,
         )
 

@@ -14,6 +14,7 @@ The records on file are device-plugin records seeded as ``bench_plugin.py`` seed
 ledger is one journal for both front ends.
 
     VGPU_NATIVE_DIR=build/native-release python bench/bench_dra.py [--calls 500] [--records 2000]
+        [--serve-src <another checkout>/src]
 
 It asserts nothing: it prints figures.
 """
@@ -45,6 +46,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--records", type=int, default=2000, help="records in the ledger at start")
+    ap.add_argument(
+        "--serve-src", type=Path, help="run serve from this tree's src/ (to compare versions)"
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-dra-"))
     node = Node.create(work / "simgpu", [GpuSpec(numa_node=i // 4) for i in range(8)])
@@ -59,6 +63,8 @@ def main() -> int:
     api = FakeApiServer()
     http = FakeApiHttp(api).start()
     env = node.env()
+    if args.serve_src:  # only the plugin differs: the bench, its API server and client stay
+        env["PYTHONPATH"] = str(args.serve_src.resolve())
     env["KUBECONFIG"] = str(http.write_kubeconfig(work / "kubeconfig"))
     env["VGPU_DRA_REGISTRY_DIR"] = str(sockets / "registry")
     env["VGPU_DRA_PLUGINS_DIR"] = str(sockets / "plugins")

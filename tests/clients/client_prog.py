@@ -259,7 +259,9 @@ def matmul_cupy(cp: Any) -> None:
 
 def pace_cupy(cp: Any, np: Any, module_path: str, seconds: float) -> None:
     """1 ms kernels (simgpu's built-in simgpu_sleep, loaded through CuPy's RawModule) launched
-    as fast as allowed; the share of wall-clock time they filled after a warm-up second."""
+    as fast as allowed for a warm-up second and ``seconds`` more; the share of wall-clock time
+    they filled after the warm-up, and the pid whose work simgpu's record holds."""
+    out("pid", os.getpid())
     kernel = cp.RawModule(path=module_path).get_function("simgpu_sleep")
     ns = np.uint64(1_000_000)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from client_helpers import cudart_path, require_cublas, require_cupy, require_to
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "libvgpu"))
 from test_shim_helpers import CONTEXT, GIB, MIB, Result, Shim, parse, read_until
 
+from vgpu_plugin.sim import cap_share
 from vgpu_plugin.sim.simgpu import Node
 
 PROG = Path(__file__).resolve().parent / "client_prog.py"
@@ -220,9 +222,9 @@ def test_cupy_matmul_runs_through_cublas_within_the_limit(shim: Shim, with_shim:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("with_shim", "target"), [(False, 100.0), (True, 35.0)])
+@pytest.mark.parametrize("with_shim", MODES)
 def test_cupy_launches_are_paced_to_the_sm_limit(
-    shim: Shim, tmp_path: Path, with_shim: bool, target: float
+    shim: Shim, tmp_path: Path, with_shim: bool
 ) -> None:
     require_cupy()
     module = tmp_path / "sleep.simgpu"
@@ -232,10 +234,16 @@ def test_cupy_launches_are_paced_to_the_sm_limit(
         if with_shim
         else client_env(shim, False)
     )
-    share = run(["cupy", "pace", str(module), "3"], env).float("share")
-    # Unpaced, the launches fill far more than the limit would allow (launch overhead between
-    # bursts costs some points, more on a loaded host): the shim is what holds them to 35 %.
-    assert abs(share - target) <= 5.0 if with_shim else share >= 60.0, share
+    t0 = time.monotonic_ns()
+    r = run(["cupy", "pace", str(module), "3"], env)
+    steps = cap_share.timeline(shim.node, 0, r.int("pid"), t0, time.monotonic_ns())
+    # Judged in simgpu's record, not by the client's wall-clock count: a loaded host that
+    # keeps the launcher off the CPU leaves the GPU idle, which no limiter did (59.8 % by
+    # the count for CuPy without the shim at load 15 on 2 CPUs). The shim holds the
+    # launches to 35 % while they are made; unpaced, they fill well above it.
+    got = cap_share.measure(steps, cap_share.RESOLUTION_NS, 35, 1_000_000)
+    assert got.enough, got
+    assert got.held if with_shim else got.above, (got, r.float("share"))
 
 
 # --- PyTorch ------------------------------------------------------------------------------------

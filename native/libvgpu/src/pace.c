@@ -367,7 +367,7 @@ static unsigned long long realtime_us(void) {
  * or at `*seen_us` for the oldest. 0 when nothing is newer (or NVML cannot say); 1 else, our
  * GPU time 0 when only peers ran. g_peers.mu held. */
 static int own_gpu_time(const struct vgpu_dev *d, unsigned long long *seen_us, int64_t *used_ns,
-                        int64_t *span_ns) {
+                        int64_t *span_ns, unsigned long long *period_us) {
     static nvmlProcessUtilizationSample_t s[CAL_SAMPLES];
     unsigned long long stamps[CAL_STAMPS];
     nvmlDevice_t h;
@@ -397,6 +397,7 @@ static int own_gpu_time(const struct vgpu_dev *d, unsigned long long *seen_us, i
     }
     *span_ns = (int64_t)(stamps[m - 1] - *seen_us) * 1000;
     *seen_us = stamps[m - 1];
+    *period_us = m > 1 ? stamps[m - 1] - stamps[m - 2] : (unsigned long long)*span_ns / 1000;
     *used_ns = used;
     return 1;
 }
@@ -413,7 +414,8 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
         /* Start over from the newest sample the driver has (what was charged before stands):
          * settles then begin at a period's end, so the first covers whole periods. */
         unsigned long long seen = now_us - CAL_MAX_NS / 1000;
-        if (own_gpu_time(d, &seen, &used, &span) == 0) return;
+        unsigned long long period;
+        if (own_gpu_time(d, &seen, &used, &span, &period) == 0) return;
         d->cal_seen_us = seen;
         /* A process that ran before (a lender whose peers turned busy) ran in the period
          * under way too, at another pace and charged before now: its settles begin at the
@@ -421,7 +423,9 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
         d->cal_busy_before = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED) > 0;
         return;
     }
-    if (own_gpu_time(d, &d->cal_seen_us, &used, &span) == 0) return; /* no new period yet */
+    unsigned long long period;
+    if (own_gpu_time(d, &d->cal_seen_us, &used, &span, &period) == 0) return; /* no new period yet */
+    d->cal_next_us = d->cal_seen_us + period;
     if (d->cal_busy_before) {
         d->cal_busy_before = 0;
         __atomic_store_n(&d->cal_charged, 0, __ATOMIC_RELAXED);
@@ -552,7 +556,16 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d, d->uuid, now);
-    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= CAL_NS)
+    /* Read every CAL_NS, and every RATE_NS for CAL_NS from when the driver's next period is
+     * due to end: the launches settled between its end and the read are charges of the next
+     * period's GPU time, and up to 20 ms of them made B's and C's settles swing period by
+     * period (tests/libvgpu/test_shim_guarantee.py, 167 ms samples). */
+    uint64_t every = CAL_NS;
+    if (d->cal_next_us) {
+        unsigned long long t = realtime_us();
+        if (t >= d->cal_next_us && t < d->cal_next_us + CAL_NS / 1000) every = RATE_NS;
+    }
+    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= every)
         calibrate(d, now);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;

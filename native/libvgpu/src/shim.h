@@ -158,6 +158,7 @@ struct vgpu_dev {
     int64_t cal_charged;
     uint64_t cal_read_ns;
     unsigned long long cal_seen_us;
+    unsigned long long cal_next_us; /* when the driver's next period is due to end */
     int cal_busy_before;      /* the settles started again with the process busy before */
     /* guaranteed: per mille, what the charges of kernels stretched by busy peers are scaled
      * by, learnt from the driver's measure at each settle (0: not learnt, 1000) */

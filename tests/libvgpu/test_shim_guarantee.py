@@ -258,7 +258,7 @@ def test_a_container_that_turns_busy_beside_busy_ones_gets_its_guarantee_at_once
         # period to the next, and a settle corrects it only after the period. Its worst three
         # 100 ms in a row sank below 20 % in 5 of 34 runs on an idle host while the settles
         # read the driver every 20 ms (C's 100 ms shares: 6.7 points standard deviation, 10 %
-        # of them below 20 %); reading every 2 ms once a period is due, in 1 of 30 idle and
+        # of them below 20 %); reading every 2 ms once a period is due, in 1 of 45 idle and
         # 2 of 29 at load 15 (5 points, 5 % below 20 %). The 500 ms mean above held in all;
         # exact samples: 24 % or more in every 100 ms.
         pytest.xfail(f"per-100 ms share with 1/6 s driver samples (issue 24): {pairs}")

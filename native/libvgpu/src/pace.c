@@ -539,6 +539,17 @@ static void gputime_scale(struct vgpu_dev *d, uint64_t now, int rate) {
     }
 }
 
+/* How long after the last read the driver's measure is read again (g_peers.mu held, peers
+ * busy): CAL_NS, and RATE_NS for CAL_NS from when its next period is due to end: launches
+ * settled between that end and the read are charges of the next period's GPU time, and up
+ * to 20 ms of them made B's and C's settles swing period by period
+ * (tests/libvgpu/test_shim_guarantee.py, 167 ms samples). */
+static uint64_t cal_every(const struct vgpu_dev *d) {
+    if (!d->cal_next_us) return CAL_NS;
+    unsigned long long t = realtime_us();
+    return t >= d->cal_next_us && t < d->cal_next_us + CAL_NS / 1000 ? RATE_NS : CAL_NS;
+}
+
 /* A guaranteed container's rate now: what its busy peers' guarantees leave, within
  * [guarantee, cap]; worked out again at most every RATE_NS (by one thread at a time). */
 static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns) {
@@ -556,16 +567,7 @@ static int guaranteed_rate(struct vgpu_dev *d, uint64_t now, uint64_t queued_ns)
     if (pthread_mutex_trylock(&g_peers.mu) != 0) return rate;
     if (g_peers.scanned_ns == 0 || now - g_peers.scanned_ns >= RESCAN_NS) rescan(now);
     int left = 100 - busy_peers_percent(d, d->uuid, now);
-    /* Read every CAL_NS, and every RATE_NS for CAL_NS from when the driver's next period is
-     * due to end: the launches settled between its end and the read are charges of the next
-     * period's GPU time, and up to 20 ms of them made B's and C's settles swing period by
-     * period (tests/libvgpu/test_shim_guarantee.py, 167 ms samples). */
-    uint64_t every = CAL_NS;
-    if (d->cal_next_us) {
-        unsigned long long t = realtime_us();
-        if (t >= d->cal_next_us && t < d->cal_next_us + CAL_NS / 1000) every = RATE_NS;
-    }
-    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= every)
+    if (__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) && now - d->cal_read_ns >= cal_every(d))
         calibrate(d, now);
     int cap = d->sm ? d->sm : 100;
     rate = left > d->req ? left : d->req;

@@ -324,10 +324,11 @@ static int __attribute__((noinline)) busy_peers_percent(struct vgpu_dev *d, cons
  * milliseconds, and a kernel's measured duration stretches by what they ran meanwhile. The
  * GPU time a kernel of `ns` measured (settled now) stands for: as measured when no peer
  * had work queued during it; else what its share of the GPU gives (ns / (1 + such peers)),
- * never less than `solo`, the least this kernel was ever measured at. A peer's record can
- * make our kernels cheaper only down to that floor, the time they take when nobody runs
- * beside them (security.md); a GPU that runs kernels of contexts one after another (so
- * nothing stretched them) is never taken for time-slicing (the measure is the floor). */
+ * never less than `solo`, the least this kernel was measured at (or more: launch.c holds it
+ * while its charges are scaled, calibrate). A peer's record can make our kernels cheaper
+ * only down to that floor, the time they take when nobody runs beside them (security.md); a
+ * GPU that runs kernels of contexts one after another (so nothing stretched them) is never
+ * taken for time-slicing (the measure is the floor). */
 int64_t vgpu_pace_gpu_time(struct vgpu_dev *d, int64_t ns, int64_t solo) {
     int n = __atomic_load_n(&d->npeer_until, __ATOMIC_ACQUIRE);
     if (LIKELY(n == 0) || ns <= solo) return ns;

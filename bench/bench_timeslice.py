@@ -5,7 +5,9 @@
 Runs, on a simulated node with ``SIMGPU_TIMESLICE`` (native/simgpu/README.md), the cases of
 tests/libvgpu/test_shim_guarantee.py and prints each container's share of the GPU in
 simgpu's clock (``Node.busy``), over the span all of them ran less a second of warm-up and the
-last 500 ms, and a container that turns busy beside busy ones: its share in each 100 ms of
+last 500 ms; the 25 % container's slowdown beside a busy 75 % one (its share alone over its
+share beside, as kernel latency: GPU-Virt-Bench's noisy neighbour); and a container that turns
+busy beside busy ones: its share in each 100 ms of
 its first second; ``--timeslice 0`` runs them one kernel at a time (simgpu's default). The native
 tree is the tests' (``VGPU_NATIVE_DIR`` to measure another build, e.g. an older shim). It
 asserts nothing: it prints figures.
@@ -76,9 +78,14 @@ def main() -> int:
         ("two of four idle: A, B 25 % busy", [("a", 25, 100), ("b", 25, 100)], 2),
     ]
     print(f"SIMGPU_TIMESLICE={ts or '0'}; shares of the GPU in simgpu's clock, percent")
+    with tempfile.TemporaryDirectory() as tmp:
+        (alone,) = measure(tree, Path(tmp), [("a", 25, 25)], 0, args.seconds, ts)
+    print(f"A 25 % (cap 25) alone: {alone:.1f}")
+    firsts = []  # each row's first container's share: A's beside busy B, the first row
     for title, cases, idle in rows:
         with tempfile.TemporaryDirectory() as tmp:
             got = measure(tree, Path(tmp), cases, idle, args.seconds, ts)
+        firsts.append(got[0])
         total = sum(got)
         split = " / ".join(f"{100 * g / total:.1f}" for g in got)
         print(
@@ -86,6 +93,13 @@ def main() -> int:
             + " / ".join(f"{g:.1f}" for g in got)
             + f" (sum {total:.1f}; of it {split})"
         )
+    # GPU-Virt-Bench's noisy neighbour as bench/gpu_day.py takes it: its 25 % container
+    # launches and syncs each kernel, so its time per kernel is the inverse of its kernel
+    # rate; here that rate is its share over the kernels' fixed duration.
+    print(
+        "noisy neighbour: A's time per kernel beside busy B over alone: "
+        f"{100 * (alone / firsts[0] - 1):+.1f} %"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         steps = newcomer(tree, Path(tmp), ts)
     print(

@@ -112,16 +112,15 @@ static int64_t settle_charge(struct vgpu_dev *d, uint64_t key, int64_t ns) {
         e->key = key;
         e->ns = e->solo = ns; /* its first measure: its floor, and charged whole */
     } else {
-        int peers = UNLIKELY(__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED) != 0);
         /* Once the driver's measure has scaled the charges (pace.c, calibrate), the floor
-         * stays put while peers stay busy: the scale was learnt for the floors as they stand,
-         * and a kernel now and then seen shorter (it ran beside fewer slices) would be charged
-         * that much less until later settles learnt the scale again. A newcomer's floor fell
-         * 8 -> 6 -> 4 ms in its first second and it ran 70 ms of a 167 ms period on 39 ms of
-         * charges (tests/libvgpu/test_shim_guarantee.py). */
-        if (ns < e->solo && !(peers && __atomic_load_n(&d->cal_scale, __ATOMIC_RELAXED))) {
+         * stays put: the scale is learnt for the floors as they stand, and a kernel now and
+         * then seen shorter (beside fewer slices, or alone) would be charged that much less
+         * until later settles learnt the scale again. A newcomer's floor fell 8 -> 6 -> 4 ms
+         * in its first second and it ran 70 ms of a 167 ms period on 39 ms of charges
+         * (tests/libvgpu/test_shim_guarantee.py). */
+        if (ns < e->solo && !__atomic_load_n(&d->cal_scale, __ATOMIC_RELAXED)) {
             e->solo = ns;
-        } else if (peers) {
+        } else if (UNLIKELY(__atomic_load_n(&d->npeer_until, __ATOMIC_RELAXED))) {
             /* Peers with work queued (guaranteed devices only know them): the floor drifts up
              * slowly, so a kernel that really got slower is followed, and the charge is its
              * share of the GPU, never under the floor. */

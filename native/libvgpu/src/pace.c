@@ -65,6 +65,8 @@
 #define CAL_NS 20000000ull         /* the driver's measure of this process: read every 20 ms at most */
 #define CAL_MAX_NS 1500000000ull   /* a longer period starts over: NVML keeps about a second
                                     * of samples, taken every 1/6 s to 1 s by product */
+#define CAL_GAP_NS 80000000ull     /* no read for this long (peers busy: every 20 ms at most):
+                                    * the settles start over (calibrate) */
 #define CAL_STAMPS 32             /* the periods' ends one read looks at (1.5 s of 1/6 s) */
 #define CAL_SCALE_MIN 100          /* per mille: a stretched kernel charged 10x what ran at most */
 #define CAL_SCALE_MAX 4000         /* and a quarter of it at least */
@@ -407,6 +409,12 @@ static int own_gpu_time(const struct vgpu_dev *d, unsigned long long *seen_us, i
  * was charged since the last settle is settled against the driver's samples since its newest
  * stamp then (cal_seen_us, CPU microseconds). */
 static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now) {
+    /* Reads that paused (the peers were idle a while, or this process was) start over: the
+     * process ran at another pace meanwhile, charged as measured, and one settle over all
+     * of it took the charges made since the driver's last period too: a container whose
+     * peers came back after a second was credited up to 86 ms beyond its bucket, ran 122 ms
+     * of the next 167 and then paid it back at 0 % for 400 ms (test_shim_guarantee.py). */
+    if (now - d->cal_read_ns > CAL_GAP_NS) d->cal_seen_us = 0;
     d->cal_read_ns = now;
     vgpu_launch_settle();
     unsigned long long now_us = realtime_us();
@@ -418,9 +426,9 @@ static void __attribute__((noinline)) calibrate(struct vgpu_dev *d, uint64_t now
         unsigned long long period;
         if (own_gpu_time(d, &seen, &used, &span, &period) == 0) return;
         d->cal_seen_us = seen;
-        /* A process that ran before (a lender whose peers turned busy) ran in the period
-         * under way too, at another pace and charged before now: its settles begin at the
-         * end of that period. A newcomer's GPU time in it is all from now on. */
+        /* A process that ran before (a lender whose peers turned busy, or came back) ran in
+         * the period under way too, at another pace and charged before now: its settles
+         * begin at the end of that period. A newcomer's GPU time in it is all from now on. */
         d->cal_busy_before = __atomic_exchange_n(&d->cal_charged, 0, __ATOMIC_RELAXED) > 0;
         return;
     }

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests" / "libvgpu"))
 
 import native_build  # noqa: E402
 from test_shim_compute import MS, all_running, shares, shim_on, timeline  # noqa: E402
-from test_shim_guarantee import container, finish_all, run  # noqa: E402
+from test_shim_guarantee import a50_b25_c25, container, finish_all, run  # noqa: E402
 
 
 def measure(
@@ -51,7 +51,7 @@ def newcomer(tree: Path, tmp: Path, ts: str) -> list[float]:
     """A 50 % and B 25 % busy, C 25 % turns busy 2 s later: C's share of the GPU in each
     100 ms of simgpu's clock from its first kernel on, for a second."""
     shim = shim_on(tree, tmp, 1)
-    envs = [container(shim, n, r, timeslice=ts) for n, r in (("a", 50), ("b", 25), ("c", 25))]
+    envs = a50_b25_c25(shim, ts)
     t0 = time.monotonic_ns()
     busy = [run(shim, e, 5) for e in envs[:2]]
     time.sleep(2.0)

@@ -54,6 +54,13 @@ def container(
     return env
 
 
+def a50_b25_c25(shim: Shim, timeslice: str = "") -> list[dict[str, str]]:
+    """The three containers most tests here share a GPU between: A 50 %, B and C 25 %."""
+    return [
+        container(shim, n, r, timeslice=timeslice) for n, r in (("a", 50), ("b", 25), ("c", 25))
+    ]
+
+
 def run(
     shim: Shim, env: dict[str, str], seconds: int, kernel_us: int | str = KERNEL_US
 ) -> subprocess.Popen[str]:
@@ -96,9 +103,7 @@ def test_all_busy_each_gets_its_guarantee(
     """A 4-way split: A holds 2 slices (50 %), B and C one each (25 %); all busy."""
     shim = shim_on(native_tree, tmp_path, 1)
     t0 = time.monotonic_ns()
-    envs = [
-        container(shim, n, r, timeslice=timeslice) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
+    envs = a50_b25_c25(shim, timeslice)
     procs = run_together(shim, envs, 6)
     finish_all(procs)
     pids = [p.pid for p in procs]
@@ -124,9 +129,7 @@ def test_a_launcher_the_host_stops_holds_its_guarantee_while_busy(
     host's doing, which this test's measure (busy_split) leaves out."""
     shim = shim_on(native_tree, tmp_path, 1)
     t0 = time.monotonic_ns()
-    envs = [
-        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
+    envs = a50_b25_c25(shim, TIMESLICE)
     procs = run_together(shim, envs, 7)
     try:
         time.sleep(2.0)
@@ -172,9 +175,7 @@ def newcomer(
     ``after`` s on: the shim, the pids (A, B, C), when C's first kernel ran (simgpu's
     clock, to 5 ms) and when C's launches waited in its bucket (held_spans)."""
     shim = shim_on(native_tree, tmp_path, 1)
-    envs = [
-        container(shim, n, r, timeslice=timeslice) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
+    envs = a50_b25_c25(shim, timeslice)
     t0 = time.monotonic_ns()
     busy = run_together(shim, envs[:2], 6)
     time.sleep(after)
@@ -330,9 +331,7 @@ def test_a_container_whose_peers_pause_keeps_its_guarantee_when_they_return_time
     a pause of the reads (80 ms) now starts over, as a newcomer's does (pace.c, calibrate)."""
     monkeypatch.setenv("SIMGPU_UTIL_PERIOD_MS", util_period_ms)
     shim = shim_on(native_tree, tmp_path, 1)
-    envs = [
-        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
+    envs = a50_b25_c25(shim, TIMESLICE)
     first = run_together(shim, envs[:2], 3)
     time.sleep(1.0)
     late = run(shim, envs[2], 8)
@@ -386,9 +385,7 @@ def time_sliced_split(
     """A (50 %), B and C (25 %) busy for 6 s on a time-sliced GPU, each with its kernels
     (``kernel_us``, shim_launch's durations): busy_split's split and shares while all ran."""
     shim = shim_on(native_tree, tmp_path, 1)
-    envs = [
-        container(shim, n, r, timeslice=TIMESLICE) for n, r in (("a", 50), ("b", 25), ("c", 25))
-    ]
+    envs = a50_b25_c25(shim, TIMESLICE)
     t0 = time.monotonic_ns()
     procs = run_together(shim, envs, 6, kernel_us)
     finish_all(procs)

@@ -195,6 +195,36 @@ def test_the_processes_of_a_container_share_one_budget(native_tree: Path, tmp_pa
     assert_share(gpu_windows(shim, procs, t0), 50)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect (docs/compute.md, Several processes in a container): each process's"
+    " measure of a kernel holds its siblings' time-sliced time too, and is charged whole",
+)
+def test_processes_of_a_container_are_charged_once_for_kernels_that_ran_beside_each_other(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    """Four processes of one container capped at 90 % on a time-sliced GPU, each launching
+    one function whose kernels take 1 or 15 ms in turn. The GPU runs one process's kernels
+    beside the others', so each process's measure of a kernel also holds the others' slices
+    run meanwhile, and the container pays again for time that ran once: 59 - 83 % in its
+    seconds (8 runs). The contract is the cap within 5 points in every second.
+
+    Settling each process's charges against the driver's measure of it while the container
+    has several processes launching (as a guaranteed container does beside busy peers) held
+    it at 89 - 92 % with exact samples, but at 1/6 s sample periods the four settles ran the
+    container over its cap (95 - 108 % in some seconds): not shipped. Guaranteed containers
+    keep their processes together with the node agent's measure of the container
+    (test_shim_multiproc.py); caps do not have it yet."""
+    shim = shim_on(native_tree, tmp_path, 1)
+    env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="90")
+    env["SIMGPU_TIMESLICE"] = "2ms"
+    t0 = time.monotonic_ns()
+    procs = [launch(shim, env, 0, "kernel", 7, (1000, 15000)) for _ in range(4)]
+    got = gpu_windows(shim, procs, t0)
+    assert_share(got, 90)
+    assert abs(sum(got) / len(got) - 90) <= 2.0, got
+
+
 @pytest.mark.parametrize("value", ["0", "100"])
 def test_0_and_100_percent_do_not_pace(native_tree: Path, tmp_path: Path, value: str) -> None:
     """Measured in simgpu's clock, with 160 ms of work queued: a loaded host that delays the

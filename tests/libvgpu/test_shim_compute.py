@@ -187,9 +187,15 @@ def test_every_launch_api_is_paced(native_tree: Path, tmp_path: Path) -> None:
 
 
 def test_the_processes_of_a_container_share_one_budget(native_tree: Path, tmp_path: Path) -> None:
+    """Two processes under one 50 % cap get 50 % together, not 50 % each. On a time-sliced
+    GPU, as real GPUs run contexts: on simgpu's one-at-a-time model a process the loaded host
+    descheduled between its start event and its launch can have its sibling's kernels in its
+    bracket (44.9 - 46.5 % once in CI at load 11 - 17; docs/compute.md, Several processes in a
+    container), which time-slicing with kernels shorter than a slice does not do."""
     shim = shim_on(native_tree, tmp_path, 1)
     seconds = 6
     env = container(shim, "c", CUDA_DEVICE_SM_LIMIT="50")
+    env["SIMGPU_TIMESLICE"] = "2ms"
     t0 = time.monotonic_ns()
     procs = [launch(shim, env, 0, "kernel", seconds) for _ in range(2)]
     assert_share(gpu_windows(shim, procs, t0), 50)

@@ -670,6 +670,34 @@ def compute_share(day: Day) -> str:
     return "; ".join(parts)
 
 
+def several_processes(day: Day) -> str:
+    """Two processes of one container capped at 50 % spinning at once: their rate together
+    over one unlimited process's alone is the container's share of the GPU. Each process's
+    measure of a kernel also holds the other's time slices (docs/compute.md, Several processes
+    in a container: four processes of a 90 % cap got 59 - 83 % on simgpu time-sliced)."""
+    alone = day.worker(day.container("multi0"), "spin", Spin.n, "4", "0", timeout=90)
+    env = day.container("multi50", CUDA_DEVICE_SM_LIMIT="50")
+    got: list[Any] = [None, None]
+
+    def one(i: int) -> None:
+        got[i] = day.worker(env, "spin", Spin.n, "4", "0", timeout=90)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any(r is None for r in got):
+        raise StepError("a process of the container failed (see the log)")
+    both = sum(r["rate"] for r in got)
+    share = both / alone["rate"] if alone["rate"] else 0.0
+    return (
+        f"two processes of a 50 % container together {both:.1f} kernels/s = {share * 100:.1f} % "
+        f"of one unlimited process alone ({alone['rate']:.1f}/s; each "
+        f"{got[0]['rate']:.1f} and {got[1]['rate']:.1f}/s, their 4 s windows overlapping)"
+    )
+
+
 def noisy_neighbour(day: Day) -> str:
     victim = day.container("victim", CUDA_DEVICE_SM_LIMIT="25")
     alone = day.worker(victim, "spin", Spin.n, "4", "0", timeout=90)
@@ -839,6 +867,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "compute share 25 % / 50 %",
                     "spin kernels for 4 s, launch+sync each, CUDA_DEVICE_SM_LIMIT vs alone",
                     lambda: compute_share(day),
+                ),
+                (
+                    "several processes, one 50 % cap",
+                    "two spinning processes of one container at once (launch+sync each, 4 s), "
+                    "their rate together vs one unlimited process alone",
+                    lambda: several_processes(day),
                 ),
                 (
                     "noisy neighbour",

@@ -26,6 +26,8 @@ class Dev:
 class Proc:
     alive: bool
     used: tuple[int, ...]  # bytes per device, in the order of Snap.devices
+    pid: int = 0  # in the container's pid namespace
+    start_time: int = 0  # clock ticks since boot
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import signal
@@ -453,3 +454,49 @@ def test_serve_caps_malloc_arenas_where_the_c_library_is_glibc() -> None:
     code = "from vgpu_plugin.commands.serve import limit_malloc_arenas as f; assert f()"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
     assert callable(limit_malloc_arenas)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    reason="needs root and unshare(1)/mount(8): the container is a mount namespace here",
+)
+def test_serve_exports_and_logs_a_containers_process_that_runs_without_the_shim(
+    served: Served, native_tree: Path, tmp_path: Path
+) -> None:
+    """The wiring of node/observe/escapes.py in serve: a process in the allocation's mount
+    namespace (its limits file mounted, as the runtime mounts it) that holds memory on the
+    GPU with no shim in it is counted in the allocation's series and named in the log."""
+    a, _ = served.uuids()
+    resp = served.kubelet.allocate(RES, [f"{a}-0"]).container_responses[0]
+    aid = resp.envs["VGPU_ALLOCATION_ID"]
+    point = tmp_path / "etc-vgpu-limits"
+    point.touch()
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    hold = [str(native_tree / "tests" / "shim_mem"), "handle", "0", "alloc", str(64 << 20), "1"]
+    bare = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+         str(served.host_root / "limits" / aid), str(point), *hold, "hold"],
+        env=served.node.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert bare.stdout is not None
+        while bare.stdout.readline().strip() != "holding":
+            assert bare.poll() is None, "shim_mem ended before holding its memory"
+        deadline = time.monotonic() + 30  # the body is rebuilt at most every few seconds
+        while True:
+            text = scrape(served)
+            n = sample(text, "vgpu_container_unshimmed_processes", allocation_id=aid, gpu_uuid=a)
+            if n == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert n == 1, text
+        held = sample(text, "vgpu_container_unshimmed_memory_bytes", allocation_id=aid)
+        assert held >= 64 << 20
+        served.wait_log(f"process {bare.pid} (the node's pid) uses GPU {a}")
+    finally:
+        bare.communicate("", timeout=60)
+    # gone from the GPU: the next build counts nothing
+    deadline = time.monotonic() + 30
+    while sample(scrape(served), "vgpu_container_unshimmed_processes", allocation_id=aid):
+        assert time.monotonic() < deadline
+        time.sleep(0.5)

@@ -222,6 +222,8 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
                 "memory_used": 1024 * MIB,
                 "processes": 2,
                 "refused": 3,
+                "unshimmed_memory": 0,
+                "unshimmed_processes": 0,
                 "uuid": GPU_A,
             },
             {
@@ -237,6 +239,8 @@ def test_json_has_stable_keys_and_exact_values(node: SyntheticNode, tmp_path: Pa
                 "memory_used": 300 * MIB,
                 "processes": 1,
                 "refused": 0,
+                "unshimmed_memory": 0,
+                "unshimmed_processes": 0,
                 "uuid": GPU_B,
             },
         ],

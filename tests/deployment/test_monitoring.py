@@ -79,7 +79,8 @@ def test_promtool_checks_the_rules_file() -> None:
 
 def test_the_issues_alerts_are_there() -> None:
     # The alerts docs/metrics.md promises: near the memory limit, refusals rising, GPU
-    # unhealthy, plugin not registered, driver limit not applied (and the node view down).
+    # unhealthy, plugin not registered, driver limit not applied, a process without the shim
+    # (and the node view down).
     names = {r["alert"] for r in rules()}
     assert names == {
         "VgpuContainerNearMemoryLimit",
@@ -87,6 +88,7 @@ def test_the_issues_alerts_are_there() -> None:
         "VgpuGpuUnhealthy",
         "VgpuPluginNotRegistered",
         "VgpuDriverMemoryLimitNotApplied",
+        "VgpuUnshimmedProcess",
         "VgpuNodeViewDown",
     }
     doc = (CHART.parents[2] / "docs" / "metrics.md").read_text()

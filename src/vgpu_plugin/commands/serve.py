@@ -47,6 +47,7 @@ from vgpu_plugin.node.gpu.nvml import (
     nvml_memory_used,
     nvml_session,
     process_utilization,
+    running_processes,
 )
 from vgpu_plugin.node.host.atomicfile import DeferredSync, write_atomically
 from vgpu_plugin.node.host.cleanup import (
@@ -60,6 +61,7 @@ from vgpu_plugin.node.host.install import ShimNotInstalled, installed_shim_versi
 from vgpu_plugin.node.ledger.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.ledger.state import AllocationStore, NotRegularFile
 from vgpu_plugin.node.observe import region
+from vgpu_plugin.node.observe.escapes import EscapeWatch
 from vgpu_plugin.node.observe.gputime import GpuTimePublisher, run_publisher
 from vgpu_plugin.node.observe.lending import LendingMeter
 from vgpu_plugin.node.observe.metrics import (
@@ -74,6 +76,7 @@ from vgpu_plugin.node.observe.nodeview import (
     gpu_facts_from_plan,
     guaranteed_gpus,
     live_processes,
+    region_slots,
     staged_view_provider,
 )
 from vgpu_plugin.node.serving.config_watch import ConfigWatcher, NodeLabelsError, read_node_labels
@@ -378,12 +381,14 @@ class Plugin:
 
         # The store's own records (one copy in memory, shared with Allocate): it catches up
         # with other plugin processes' appends as a reader would.
+        host_root = Path(backend.config.host_root)
         prepare = staged_view_provider(
-            Path(backend.config.host_root),
+            host_root,
             store.all,
             gpus,
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
             meter=LendingMeter(),
+            escapes=EscapeWatch(host_root, running_processes, region_slots(host_root)),
         )
         self._metrics = new_registry(
             lambda: prepare()(),

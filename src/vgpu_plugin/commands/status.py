@@ -26,6 +26,12 @@ from vgpu_plugin.kubelet.podresources import allocatable_devices, list_assignmen
 from vgpu_plugin.node.host.cleanup import holders
 from vgpu_plugin.node.ledger.dra_claims import read_prepared_claims
 from vgpu_plugin.node.ledger.state import read_records
+from vgpu_plugin.node.observe.escapes import (
+    Escape,
+    find_escapes,
+    mount_attribution,
+    proc_identity,
+)
 from vgpu_plugin.node.observe.nodeview import (
     REGION_OK,
     AllocationView,
@@ -33,9 +39,11 @@ from vgpu_plugin.node.observe.nodeview import (
     GpuView,
     NodeView,
     ReadRegion,
+    allocation_gpus,
     build_view,
     read_paces,
     read_regions,
+    region_slots,
 )
 
 log = logging.getLogger(__name__)
@@ -112,25 +120,37 @@ def collect_view(
         except PodResourcesUnavailable as exc:
             notes.append(f"slices per GPU unknown: {exc}")
 
-    facts: list[GpuFacts] = []
-    if not nvml:
-        notes.append("NVML not queried: NVML figures unknown")
-    else:
-        from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, nvml_facts
-
-        try:
-            facts = nvml_facts()
-        except NvmlUnavailable as exc:
-            notes.append(f"{exc}: NVML figures unknown")
     claims, claims_problem = read_prepared_claims(state_dir)
     if claims_problem:
         notes.append(f"{claims_problem} (DRA allocations not shown)")
+    facts: list[GpuFacts] = []
+    escapes: list[Escape] = []
+    if not nvml:
+        notes.append("NVML not queried: NVML figures unknown")
+    else:
+        from vgpu_plugin.node.gpu.nvml import NvmlUnavailable, nvml_facts, running_processes
+
+        try:
+            facts = nvml_facts()
+            # Listed before the regions are read: a shimmed process listed is in its slot.
+            listed = running_processes()
+        except NvmlUnavailable as exc:
+            notes.append(f"{exc}: NVML figures unknown")
+        else:
+            allocations = allocation_gpus(records, claims)
+            escapes = find_escapes(
+                listed,
+                allocations,
+                mount_attribution(host_root / "limits", list(allocations)),
+                proc_identity(),
+                region_slots(host_root, read_region),
+            )
     ids = [r.allocation_id for r in records] + [c.allocation_id for c in claims]
     regions = read_regions(host_root, ids, read_region)
     paces = read_paces(host_root, ids)
     return build_view(
         records, regions, _merge_slices(facts, slices), pods, notes, claims,
-        paces=paces, now=time.time(),
+        paces=paces, now=time.time(), escapes=escapes,
     )  # fmt: skip
 
 
@@ -271,6 +291,15 @@ def render_status(view: NodeView) -> str:
     for a in view.allocations:
         if a.pace_state not in (REGION_OK, "missing"):
             out.append(f"warning: allocation {a.id}: pacing file {a.pace_state}")
+    for a in view.allocations:
+        for ag in a.gpus:
+            if ag.unshimmed_processes:
+                out.append(
+                    f"warning: allocation {a.id}: {ag.unshimmed_processes} process(es) on GPU"
+                    f" {_gpu_label(view, ag.uuid)} without the shim, holding"
+                    f" {format_mib(ag.unshimmed_memory)}: not held to the container's limits"
+                    " (the plugin's log names them; docs/security.md)"
+                )
     out += [f"note: {n}" for n in view.notes]
     return "\n".join(out) + "\n"
 

@@ -264,6 +264,23 @@ def process_utilization(uuid: str, since_us: int) -> list[tuple[int, int, int]]:
     return [(int(s.pid), int(s.smUtil), int(s.timeStamp)) for s in samples]
 
 
+def running_processes() -> dict[str, list[tuple[int, int]]]:
+    """Each GPU's running compute processes, by UUID: (node pid, bytes it holds there; 0 where
+    the driver does not say), in a session of its own. A GPU that does not answer is left
+    out; raises NvmlUnavailable when NVML cannot be had."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    with nvml_session():
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except pynvml.NVMLError:
+                continue
+            out[uuid] = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
+    return out
+
+
 def memory_info(index: int = 0) -> tuple[int, int]:
     """(total, used) bytes of the GPU NVML numbers ``index``, in a session of its own."""
     with nvml_session():

@@ -142,7 +142,7 @@ def _unescape(field: str) -> str:
 MountKey = tuple[str, str]  # (major:minor, the mount's root within that filesystem)
 
 
-def _mounts(mountinfo: str) -> Iterable[tuple[str, str, str]]:
+def mounts(mountinfo: str) -> Iterable[tuple[str, str, str]]:
     """(major:minor, root, mount point) of each line of a mountinfo (proc(5))."""
     for line in mountinfo.splitlines():
         fields = line.split(" ")
@@ -155,7 +155,7 @@ def file_key(mountinfo: str, path: str) -> MountKey | None:
     namespace's mountinfo: its filesystem's device and its path within that filesystem, from
     the mount of ``mountinfo`` (the caller's own) that holds ``path``."""
     best: tuple[str, str, str] | None = None
-    for dev, root, point in _mounts(mountinfo):
+    for dev, root, point in mounts(mountinfo):
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and (best is None or len(point) >= len(best[2])):
             best = (dev, root, point)
@@ -171,7 +171,7 @@ def mount_owner(mountinfo: str, keys: Mapping[MountKey, str]) -> str | None:
     the mount namespace ``mountinfo`` shows; None for none, or for more than one (no
     container of ours has two). The key is exact, device and path: a tenant can mount only
     files it sees, and it sees no other container's limits file."""
-    found = {keys[(dev, root)] for dev, root, _ in _mounts(mountinfo) if (dev, root) in keys}
+    found = {keys[(dev, root)] for dev, root, _ in mounts(mountinfo) if (dev, root) in keys}
     return found.pop() if len(found) == 1 else None
 
 

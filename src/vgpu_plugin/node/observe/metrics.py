@@ -178,6 +178,20 @@ ALLOCATION_FAMILIES: tuple[tuple[str, str, str, AllocationValue], ...] = (
         "gauge",
         lambda a, g: 1 if g.driver_limit.startswith(DRIVER_LIMIT_NOT_APPLIED) else 0,
     ),
+    (
+        "vgpu_container_unshimmed_processes",
+        "processes of the container on this GPU that the shim does not account (NVML lists"
+        " them, the container's region has no slot for them): nothing holds their memory or"
+        " compute to the limits. Needs the node's pids (hostPID)",
+        "gauge",
+        lambda a, g: g.unshimmed_processes,
+    ),
+    (
+        "vgpu_container_unshimmed_memory_bytes",
+        "GPU memory NVML says the container's unshimmed processes hold on this GPU",
+        "gauge",
+        lambda a, g: g.unshimmed_memory,
+    ),
 )
 GpuValue = Callable[[GpuView], "float | int | None"]
 GPU_FAMILIES: tuple[tuple[str, str, str, GpuValue], ...] = (

@@ -25,6 +25,7 @@ from vgpu_plugin.core.pods import PodRef
 from vgpu_plugin.node.gpu.facts import GpuFacts as GpuFacts  # the view is built of it
 from vgpu_plugin.node.ledger.dra_claims import PreparedClaim, prepared_claims
 from vgpu_plugin.node.ledger.state import DEVICE_PLUGIN, DRA, AllocationRecord
+from vgpu_plugin.node.observe.escapes import Escape, SlotLike, Slots
 from vgpu_plugin.node.observe.lending import LendingMeter, LendingSample
 from vgpu_plugin.node.observe.pace import (
     PaceProblem,
@@ -83,6 +84,10 @@ class RegionDevice(Protocol):
 
 class RegionProcess(Protocol):
     @property
+    def pid(self) -> int: ...  # in the container's pid namespace
+    @property
+    def start_time(self) -> int: ...  # clock ticks since boot (field 22 of /proc/<pid>/stat)
+    @property
     def alive(self) -> bool: ...
     @property
     def used(self) -> Sequence[int]: ...  # per device, in the order of the snapshot's devices
@@ -104,6 +109,8 @@ class RegionProblem:
 
 RegionRead = RegionSnapshotLike | RegionProblem
 ReadRegion = Callable[[Path], RegionSnapshotLike]
+# escapes.EscapeWatch: (each allocation's GPUs, how to name it) -> the unshimmed processes
+FindEscapes = Callable[[Mapping[str, Collection[str]], Mapping[str, str]], Sequence[Escape]]
 
 
 # --- inputs and outputs ---------------------------------------------------------------------
@@ -148,6 +155,10 @@ class AllocationGpuView:
     # Reported from inside the container: the tenant can forge it (docs/security.md).
     driver_limit: str = DRIVER_LIMIT_UNKNOWN
     driver_limit_confirmed: int = 0  # bytes: the hard limit found, where 'confirmed'
+    # Processes of the container on this GPU that the shim does not account (escapes.py:
+    # NVML lists them, their region has no slot for them) and the memory NVML says they hold.
+    unshimmed_processes: int = 0
+    unshimmed_memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -421,6 +432,21 @@ def _mark_handed_on(
     return out
 
 
+def _with_escapes(view: AllocationView, escapes: Sequence[Escape]) -> AllocationView:
+    mine = [e for e in escapes if e.allocation_id == view.id]
+    if not mine:
+        return view
+    gpus = tuple(
+        replace(
+            g,
+            unshimmed_processes=sum(1 for e in mine if e.uuid == g.uuid),
+            unshimmed_memory=sum(e.memory for e in mine if e.uuid == g.uuid),
+        )
+        for g in view.gpus
+    )
+    return replace(view, gpus=gpus)
+
+
 def build_view(
     records: Sequence[AllocationRecord],
     regions: Mapping[str, RegionRead],
@@ -431,10 +457,12 @@ def build_view(
     paces: Mapping[str, PaceRead | None] | None = None,
     now: float | None = None,
     lent: Mapping[str, float] | None = None,
+    escapes: Sequence[Escape] = (),
 ) -> NodeView:
     """The node as one value. ``paces``: each allocation's pacing file (absent: none);
     ``now``: the time its held-back figures are bounded at (``allocation_view``); ``lent``:
-    each GPU's lent seconds (``lending.LendingMeter``). ``pods``: each allocation's
+    each GPU's lent seconds (``lending.LendingMeter``); ``escapes``: the processes found on
+    the allocations' GPUs without the shim (``escapes.py``). ``pods``: each allocation's
     container (default: what the records were labelled with); an allocation absent from
     ``regions`` reads as region 'missing'.
     DRA records among ``records`` (and ``claims``: those of a claims file not migrated into the
@@ -464,7 +492,9 @@ def build_view(
         claim_view(c, regions.get(c.allocation_id, missing), paces.get(c.allocation_id), now)
         for c in claims
     ]
-    allocations = tuple(sorted(plugin + dra, key=lambda a: (a.created, a.id)))
+    allocations = tuple(
+        sorted((_with_escapes(a, escapes) for a in plugin + dra), key=lambda a: (a.created, a.id))
+    )
     ended = {a.id for a in allocations if a.ended}
     slices: dict[str, set[str]] = {}
     for r in records:
@@ -568,6 +598,7 @@ def staged_view_provider(
     claims: Callable[[], Sequence[PreparedClaim]] | None = None,
     meter: LendingMeter | None = None,
     clock: Callable[[], float] = time.monotonic,
+    escapes: FindEscapes | None = None,
 ) -> Callable[[], Callable[[], NodeView]]:
     """``view_provider`` in two stages: ``prepare()`` gathers what comes from the plugin's
     own state (records, claims, GPU facts, pods: the parts that take its locks or NVML) and
@@ -576,7 +607,10 @@ def staged_view_provider(
 
     ``meter``: each GPU's idle time lent is measured at each ``prepare()``, here, since the
     meter's memory must outlive a forked child (it reads the regions of the allocations with
-    a guarantee only)."""
+    a guarantee only).
+
+    ``escapes``: the processes on the allocations' GPUs without the shim, looked for at each
+    ``prepare()`` too (``escapes.EscapeWatch``: NVML, and the memory of what it logged)."""
     reader = read_region
 
     def prepare() -> Callable[[], NodeView]:
@@ -588,14 +622,18 @@ def staged_view_provider(
         if meter is not None:
             samples = lending_samples(host_root, rs, cs, reader or default_read_region())
             lent = meter.observe(clock(), samples)
+        found: Sequence[Escape] = ()
+        if escapes is not None:
+            found = escapes(allocation_gpus(rs, cs), allocation_names(rs, cs))
 
         def build() -> NodeView:
             ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]
             regions = read_regions(host_root, ids, reader)
             paces = read_paces(host_root, ids)
             return build_view(
-                rs, regions, facts, holders, claims=cs, paces=paces, now=time.time(), lent=lent
-            )
+                rs, regions, facts, holders, claims=cs, paces=paces, now=time.time(), lent=lent,
+                escapes=found,
+            )  # fmt: skip
 
         return build
 
@@ -614,6 +652,45 @@ def _requests(
     for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
         guaranteed[c.allocation_id] = {g.uuid: g.compute_request for g in c.limits}
     return guaranteed
+
+
+def allocation_gpus(
+    records: Sequence[AllocationRecord], claims: Sequence[PreparedClaim]
+) -> dict[str, set[str]]:
+    """Each live allocation's GPUs (UUIDs): the device plugin's live records, DRA's prepared
+    claims (the ledger's and ``claims``)."""
+    return {a: set(requests) for a, requests in _requests(records, claims).items()}
+
+
+def allocation_names(
+    records: Sequence[AllocationRecord], claims: Sequence[PreparedClaim]
+) -> dict[str, str]:
+    """How a log line names each allocation: its pod's container, or its DRA claim."""
+    out = {}
+    for r in records:
+        pod = _record_pod(r)
+        if r.front_end == DEVICE_PLUGIN and pod is not None:
+            out[r.allocation_id] = (
+                f"pod {pod.namespace}/{pod.pod} container {pod.container}"
+                f" (allocation {r.allocation_id})"
+            )
+    for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
+        out[c.allocation_id] = f"claim {c.namespace}/{c.name} (allocation {c.allocation_id})"
+    return out
+
+
+def region_slots(host_root: Path, read_region: ReadRegion | None = None) -> Slots:
+    """An allocation's region's process slots, for ``escapes.find_escapes``: () where the
+    region does not exist, None where it cannot be read or trusted."""
+    reader = read_region or default_read_region()
+
+    def slots(allocation_id: str) -> Sequence[SlotLike] | None:
+        read = read_one_region(host_root, allocation_id, reader)
+        if isinstance(read, RegionProblem):
+            return () if read.state == REGION_MISSING else None
+        return read.processes
+
+    return slots
 
 
 def guaranteed_gpus(

@@ -1,4 +1,5 @@
-"""Node scan and metrics scrape time on a full node: 64 allocations x 8 live processes.
+"""Node scan and metrics scrape time on a full node: 64 allocations x 8 live processes; and
+the check for processes without the shim that each metrics build adds (``escapes.py``).
 
     python bench/bench_nodeview.py [--allocations 64] [--processes 8] [--rounds 200]
 
@@ -6,6 +7,12 @@ Real region files, each mapped by 8 real processes holding their slots (as a con
 processes do), read through the shim's own snapshot code, when the native build is there
 (``VGPU_NATIVE_DIR``, else ``build/native-release``, else the installed package); synthetic
 snapshots otherwise. The output says which. Target: both <= 50 ms.
+
+The escape check is timed as serve runs it at each build, less NVML's list (given here: each
+live holder process listed on its own allocation's GPU): every listed pid's mountinfo read
+and parsed against the limits files' keys (attributed as its allocation, since the holders
+are in no container), its identity read from /proc, and each such allocation's region read
+for its slots (each holder is found in its slot: nothing is reported).
 """
 
 from __future__ import annotations
@@ -67,12 +74,20 @@ def _pick_native() -> None:
 class Dev:
     uuid: str
     used: int
+    refused: int = 0
+    fallbacks: int = 0
+    peak: int = 0
+    gpu_ns: int = 0
+    driver_limit: int = 0
+    driver_limit_state: int = 0
 
 
 @dataclass(frozen=True)
 class Proc:
     alive: bool
     used: tuple[int, ...]
+    pid: int = 0
+    start_time: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,39 @@ def _line(what: str, ms: list[float]) -> str:
     )
 
 
+def _escape_check(
+    root: Path,
+    specs: list[tuple[Path, str]],
+    holders: list[subprocess.Popen[str]],
+    read_region: object,
+    rounds: int,
+) -> list[float]:
+    from vgpu_plugin.node.observe.escapes import EscapeWatch, mount_attribution
+    from vgpu_plugin.node.observe.nodeview import ReadRegion, region_slots
+
+    ids = [path.parent.name for path, _ in specs]
+    allocations = {a: {uuid} for a, (_, uuid) in zip(ids, specs, strict=True)}
+    of_pid = {h.pid: ids[k] for k, h in enumerate(holders)}
+    listed = {uuid: [(h.pid, MIB) for k, h in enumerate(holders) if specs[k][1] == uuid]
+              for uuid in GPUS}  # fmt: skip
+
+    def owner_of(limits: Path, allocs: object) -> Callable[[int], str | None]:
+        real = mount_attribution(limits, ids)
+
+        def owner(pid: int) -> str | None:
+            real(pid)  # the read and parse a container's pid costs; none of ours is in one
+            return of_pid.get(pid)
+
+        return owner
+
+    reader: ReadRegion = read_region  # type: ignore[assignment]
+    watch = EscapeWatch(root, lambda: listed, region_slots(root, reader), owner_of=owner_of)
+    names = {a: a for a in ids}
+    if watch(allocations, names):
+        raise RuntimeError("a holder was taken for a process without the shim")
+    return _times(lambda: watch(allocations, names), rounds)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--allocations", type=int, default=64)
@@ -127,7 +175,7 @@ def main() -> int:
                 (f"{uuid}-{i // len(GPUS)}",),
                 "nvidia.com/gpu",
                 float(i),
-                (GpuLimit(uuid, 8192, 12),),
+                (GpuLimit(uuid, 8192 * MIB, 12),),
                 namespace="bench",
                 pod=f"pod-{i}",
                 container="main",
@@ -144,7 +192,7 @@ def main() -> int:
 
         region.read_region  # noqa: B018 - fails here when the module is not there
         for path, uuid in specs:
-            region.create_region(path, [region.DeviceLimit(uuid, 8192 * MIB, 12)])
+            region.create_region(path, [GpuLimit(uuid, 8192 * MIB, 12)])
         argv = [f"{p},{u},{8192 * MIB},{(k + 1) * MIB}" for k, (p, u) in enumerate(specs)]
         for _ in range(procs):
             h = subprocess.Popen(
@@ -199,6 +247,9 @@ def main() -> int:
         print(f"region states {sorted(states)}")
         print(_line("node scan (records+regions+view)", _times(provider, args.rounds)))
         print(_line(f"metrics scrape over HTTP ({size} B)", _times(scrape, args.rounds)))
+        if holders:
+            check = _escape_check(root, specs, holders, read_region, args.rounds)
+            print(_line(f"escape check ({len(holders)} listed)", check))
         server.shutdown()
     finally:
         for h in holders:

@@ -1,5 +1,5 @@
 """Node scan and metrics scrape time on a full node: 64 allocations x 8 live processes; and
-the check for processes without the shim that each metrics build adds (``escapes.py``).
+the look for processes without the shim that serve takes every 10 s (``escapes.py``).
 
     python bench/bench_nodeview.py [--allocations 64] [--processes 8] [--rounds 200]
 
@@ -8,7 +8,7 @@ processes do), read through the shim's own snapshot code, when the native build 
 (``VGPU_NATIVE_DIR``, else ``build/native-release``, else the installed package); synthetic
 snapshots otherwise. The output says which. Target: both <= 50 ms.
 
-The escape check is timed as serve runs it at each build, less NVML's list (given here: each
+The escape check is timed as serve's watch runs it, less NVML's list (given here: each
 live holder process listed on its own allocation's GPU): every listed pid's mountinfo read
 and parsed against the limits files' keys (attributed as its allocation, since the holders
 are in no container), its identity read from /proc, and each such allocation's region read

@@ -28,6 +28,12 @@ STATE_IN_CONTAINER = "/run/simgpu"
 # A real driver's NVML lists processes by their pids on the node: simgpu reports those when it
 # can read the node's /proc (SIMGPU_HOST_PROC, simgpu's NVML.md), bound here read-only.
 NODE_PROC_IN_CONTAINER = "/run/simgpu-node-proc"
+# What the stand-in spec sets in a GPU container: simgpu's libraries, state and node pids.
+SIMGPU_ENV = (
+    f"LD_LIBRARY_PATH={SIMGPU_IN_CONTAINER}",
+    f"SIMGPU_STATE={STATE_IN_CONTAINER}",
+    f"SIMGPU_HOST_PROC={NODE_PROC_IN_CONTAINER}",
+)
 BRING_UP_TIMEOUT = 300.0
 
 
@@ -46,11 +52,7 @@ def toolkit_spec(uuids: list[str], libdir: Path, state: Path) -> dict[str, objec
         "kind": "nvidia.com/gpu",
         "devices": devices,
         "containerEdits": {
-            "env": [
-                f"LD_LIBRARY_PATH={SIMGPU_IN_CONTAINER}",
-                f"SIMGPU_STATE={STATE_IN_CONTAINER}",
-                f"SIMGPU_HOST_PROC={NODE_PROC_IN_CONTAINER}",
-            ],
+            "env": list(SIMGPU_ENV),
             "mounts": [
                 {
                     "hostPath": str(libdir),

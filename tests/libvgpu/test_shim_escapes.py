@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(NO_NAMESPACES, reason=WHY)
 
 MIB = 1 << 20
 
-# The watch as serve runs it at each metrics build, in a process of its own (pynvml must load
+# The watch as serve runs it every 10 s, in a process of its own (pynvml must load
 # simgpu's libnvidia-ml, which the node's env points the loader at); prints what it found.
 WATCH = """
 import json, sys

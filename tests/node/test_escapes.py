@@ -144,6 +144,8 @@ def test_the_watch_logs_each_unshimmed_process_once_naming_its_container(
     with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.observe.escapes"):
         for _ in range(3):
             assert watch({"alloc-a": {GPU_A}}, names) == [Escape("alloc-a", GPU_A, 1002, 300 * MIB)]
+    assert watch.latest == [Escape("alloc-a", GPU_A, 1002, 300 * MIB)]
+    assert watch({}, names) == [] and watch.latest == []
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     assert lines[0].startswith("pod ml/infer container server (allocation alloc-a): process 1002")

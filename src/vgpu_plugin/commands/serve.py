@@ -61,7 +61,7 @@ from vgpu_plugin.node.host.install import ShimNotInstalled, installed_shim_versi
 from vgpu_plugin.node.ledger.dra_claims import migrate_claims_file, read_prepared_claims
 from vgpu_plugin.node.ledger.state import AllocationStore, NotRegularFile
 from vgpu_plugin.node.observe import region
-from vgpu_plugin.node.observe.escapes import EscapeWatch
+from vgpu_plugin.node.observe.escapes import EscapeWatch, run_watch
 from vgpu_plugin.node.observe.gputime import GpuTimePublisher, run_publisher
 from vgpu_plugin.node.observe.lending import LendingMeter
 from vgpu_plugin.node.observe.metrics import (
@@ -72,6 +72,8 @@ from vgpu_plugin.node.observe.metrics import (
 )
 from vgpu_plugin.node.observe.nodeview import (
     GpuFacts,
+    allocation_gpus,
+    allocation_names,
     dra_gpu_facts,
     gpu_facts_from_plan,
     guaranteed_gpus,
@@ -204,6 +206,9 @@ class Plugin:
         self._syncer: DeferredSync | None = None
         self._gputime: threading.Thread | None = None
         self._gputime_stop = threading.Event()
+        self._escapes: EscapeWatch | None = None
+        self._escapes_thread: threading.Thread | None = None
+        self._escapes_stop = threading.Event()
 
     def start(self) -> None:
         s = self.settings
@@ -269,6 +274,7 @@ class Plugin:
             ignored_xids=frozenset(config.health.ignored_xids),
             recovery_seconds=config.health.recovery_seconds,
         )
+        self._start_escapes(store)
         self._start_metrics(store)
         self._start_gputime(store)
         watched = [g.uuid for g in gpus] + [g.uuid for g in dra_gpus]
@@ -367,6 +373,25 @@ class Plugin:
         self._gputime = threading.Thread(target=loop, name="vgpu-gputime", daemon=True)
         self._gputime.start()
 
+    def _start_escapes(self, store: AllocationStore) -> None:
+        """Every escapes.INTERVAL, the containers' processes on their GPUs without the shim:
+        logged, and shown by the metrics (node/observe/escapes.py; docs/security.md)."""
+        host_root = Path(self._host_root())
+        state_dir = self.settings.state_dir
+        watch = self._escapes = EscapeWatch(host_root, running_processes, region_slots(host_root))
+
+        def allocations() -> tuple[dict[str, set[str]], dict[str, str]]:
+            records, claims = store.all(), read_prepared_claims(state_dir)[0]
+            return allocation_gpus(records, claims), allocation_names(records, claims)
+
+        self._escapes_thread = threading.Thread(
+            target=run_watch,
+            args=(watch, allocations, self._escapes_stop),
+            name="vgpu-escapes",
+            daemon=True,
+        )
+        self._escapes_thread.start()
+
     def _start_metrics(self, store: AllocationStore) -> None:
         backend = self.backend
         assert backend is not None
@@ -388,7 +413,7 @@ class Plugin:
             gpus,
             claims=lambda: read_prepared_claims(self.settings.state_dir)[0],
             meter=LendingMeter(),
-            escapes=EscapeWatch(host_root, running_processes, region_slots(host_root)),
+            escapes=lambda: self._escapes.latest if self._escapes is not None else [],
         )
         self._metrics = new_registry(
             lambda: prepare()(),
@@ -530,6 +555,9 @@ class Plugin:
         self._gputime_stop.set()
         if self._gputime is not None:
             self._gputime.join(timeout=10)  # its records removed: the shims pace as before
+        self._escapes_stop.set()
+        if self._escapes_thread is not None:
+            self._escapes_thread.join(timeout=10)
         if self._syncer is not None:
             self._syncer.stop()  # the last Allocates' writes, durable before we exit
         log.info("stopped")

@@ -4,7 +4,7 @@ them: their memory and compute are held by nothing (docs/security.md, what a ten
 The shim fails open where the container's loader cannot preload it (a musl image, a glibc
 older than 2.28: the loader prints one line and goes on), in a static binary, or where a
 process bypasses the loader. Such a process is on the GPU all the same, so the driver lists
-it: at each metrics build the node agent takes NVML's running compute processes of each GPU
+it: every ``INTERVAL`` seconds the node agent takes NVML's running compute processes of each GPU
 (node pids, with the memory each holds), attributes each to the container whose limits file
 its mount namespace mounts (as ``gputime.proc_owner`` does, without its search by cgroup:
 a process that changes its root to hide the mount is no accident), and looks
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from typing import Protocol
 from vgpu_plugin.node.observe.gputime import MountKey, PidOwner, file_key, mount_owner, mounts
 
 log = logging.getLogger(__name__)
+
+INTERVAL = 10.0  # seconds between two looks (serve; the metrics show the latest)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ class EscapeWatch:
         self._identity = identity or proc_identity()
         self._told: dict[tuple[str, str, int], Identity | None] = {}
         self._said_no_nvml = False
+        self.latest: list[Escape] = []  # what the last call found (replaced whole)
 
     def __call__(
         self, allocations: Mapping[str, Collection[str]], names: Mapping[str, str]
@@ -195,6 +199,7 @@ class EscapeWatch:
         """``names``: how the log names each allocation's container (its pod, or claim)."""
         if not allocations:
             self._told.clear()
+            self.latest = []
             return []
         try:
             listed = self._list()
@@ -214,6 +219,7 @@ class EscapeWatch:
         owner = self._owner_of(self._limits_dir, list(allocations))
         found = find_escapes(listed, allocations, owner, identity, self._slots)
         self._tell(found, names, seen)
+        self.latest = found
         return found
 
     def _tell(
@@ -237,3 +243,19 @@ class EscapeWatch:
                 extra={"allocation_id": e.allocation_id, "gpu_uuid": e.uuid, "pid": e.pid},
             )
         self._told = now
+
+
+def run_watch(
+    watch: EscapeWatch,
+    allocations: Callable[[], tuple[Mapping[str, Collection[str]], Mapping[str, str]]],
+    stop: threading.Event,
+    interval: float = INTERVAL,
+) -> None:
+    """Look every ``interval`` seconds until ``stop`` is set (``allocations``: each live
+    allocation's GPUs, and how to name it); a failed look is logged and the next one tried."""
+    while not stop.is_set():
+        try:
+            watch(*allocations())
+        except Exception:  # one bad look must not end the watch
+            log.exception("looking for processes without the shim failed")
+        stop.wait(interval)

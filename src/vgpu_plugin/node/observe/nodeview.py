@@ -109,8 +109,8 @@ class RegionProblem:
 
 RegionRead = RegionSnapshotLike | RegionProblem
 ReadRegion = Callable[[Path], RegionSnapshotLike]
-# escapes.EscapeWatch: (each allocation's GPUs, how to name it) -> the unshimmed processes
-FindEscapes = Callable[[Mapping[str, Collection[str]], Mapping[str, str]], Sequence[Escape]]
+# The unshimmed processes as last found (escapes.EscapeWatch.latest)
+FindEscapes = Callable[[], Sequence[Escape]]
 
 
 # --- inputs and outputs ---------------------------------------------------------------------
@@ -609,8 +609,8 @@ def staged_view_provider(
     meter's memory must outlive a forked child (it reads the regions of the allocations with
     a guarantee only).
 
-    ``escapes``: the processes on the allocations' GPUs without the shim, looked for at each
-    ``prepare()`` too (``escapes.EscapeWatch``: NVML, and the memory of what it logged)."""
+    ``escapes``: the processes on the allocations' GPUs without the shim, as last found
+    (``escapes.EscapeWatch.latest``, which serve's watch thread replaces)."""
     reader = read_region
 
     def prepare() -> Callable[[], NodeView]:
@@ -622,9 +622,7 @@ def staged_view_provider(
         if meter is not None:
             samples = lending_samples(host_root, rs, cs, reader or default_read_region())
             lent = meter.observe(clock(), samples)
-        found: Sequence[Escape] = ()
-        if escapes is not None:
-            found = escapes(allocation_gpus(rs, cs), allocation_names(rs, cs))
+        found = escapes() if escapes is not None else ()
 
         def build() -> NodeView:
             ids = [r.allocation_id for r in rs] + [c.allocation_id for c in cs]

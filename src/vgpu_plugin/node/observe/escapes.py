@@ -4,15 +4,15 @@ them: their memory and compute are held by nothing (docs/security.md, what a ten
 The shim fails open where the container's loader cannot preload it (a musl image, a glibc
 older than 2.28: the loader prints one line and goes on), in a static binary, or where a
 process bypasses the loader. Such a process is on the GPU all the same, so the driver lists
-it: every ``INTERVAL`` seconds the node agent takes NVML's running compute processes of each GPU
-(node pids, with the memory each holds), attributes each to the container whose limits file
-its mount namespace mounts (as ``gputime.proc_owner`` does, without its search by cgroup:
-a process that changes its root to hide the mount is no accident), and looks
-for it among the process slots of that container's region, where each shimmed process
-registers before it can make a context: by its pid in its own pid namespace (the last of
-``NSpid`` in ``/proc/<pid>/status``) and its start time (field 22 of ``/proc/<pid>/stat``),
-which a recycled pid does not share. A listed process of the container found in no live slot
-is unshimmed. The regions are read after NVML's list, so a shimmed process that made its
+it: every ``INTERVAL`` seconds the node agent takes NVML's running compute processes of each
+GPU (node pids, with the memory each holds), attributes each to the container whose limits
+file its mount namespace mounts (as ``gputime.proc_owner`` does, without its search by
+cgroup: a process that changes its root to hide the mount is no accident), and looks for it
+among the process slots of that container's region, where each shimmed process registers
+before it can make a context: by its pid in its own pid namespace (the last of ``NSpid`` in
+``/proc/<pid>/status``) and its start time (field 22 of ``/proc/<pid>/stat``), which a
+recycled pid does not share. A listed process of the container found in no live slot is
+unshimmed. The regions are read after NVML's list, so a shimmed process that made its
 context by then is in its slot.
 
 What it needs: the node's pids (the chart's ``hostPID: true``); without them nothing is

@@ -8,7 +8,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +205,35 @@ def ready_plugin_pods(kube: Kube) -> list[Any]:
         if p.metadata.deletion_timestamp is None  # type: ignore[attr-defined]
         and any(s.ready for s in p.status.container_statuses or [])  # type: ignore[attr-defined]
     ]
+
+
+@contextmanager
+def in_node_pid_namespace(
+    kube: Kube, cluster: Cluster, helm: Helm, *sets: str
+) -> Iterator[Callable[[], Any]]:
+    """The plugin upgraded to ``hostPID=true`` (and ``sets``), ready, for the block: yields
+    the new plugin pod (a call, read when asked); afterwards the tier's values again, rolled
+    out, so that the next test meets a plugin that stays."""
+    (old,) = plugin_pods(kube)
+    upgrade(helm, "hostPID=true", *sets)
+    try:
+
+        def moved() -> list[Any]:
+            return [
+                p
+                for p in ready_plugin_pods(kube)
+                if p.spec.host_pid and p.metadata.uid != old.metadata.uid  # type: ignore[attr-defined]
+            ]
+
+        wait_for("the plugin pod in the node's pid namespace, ready", moved, 180)
+        wait_plugin_ready(kube, cluster)
+        yield lambda: moved()[0]
+    finally:
+        helm.install()  # the tier's values: no hostPID
+
+        def back() -> list[Any]:
+            return [p for p in ready_plugin_pods(kube) if not p.spec.host_pid]  # type: ignore[attr-defined]
+
+        wait_for("the plugin pod out of the node's pid namespace, ready", back, 180)
+        wait_for("one plugin pod", lambda: len(plugin_pods(kube)) == 1, 120)
+        wait_plugin_ready(kube, cluster)

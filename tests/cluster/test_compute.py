@@ -21,15 +21,7 @@ from vgpu_plugin.node.observe.gputime import SUFFIX, GpuShare, decode_record
 from vgpu_plugin.sim.simgpu import Node
 
 from .cluster import Cluster
-from .conftest import (
-    HOST_ROOT,
-    PLUGIN_NS,
-    Helm,
-    plugin_pods,
-    ready_plugin_pods,
-    upgrade,
-    wait_plugin_ready,
-)
+from .conftest import HOST_ROOT, PLUGIN_NS, Helm, in_node_pid_namespace
 from .images import Images
 from .kube import Kube, pod, wait_for
 
@@ -67,90 +59,75 @@ def test_a_guaranteed_pods_gpu_time_is_measured_by_the_nodes_pids(
     cluster: Cluster, kube: Kube, plugin: Helm, images: Images, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("VGPU_NATIVE_DIR", str(images.native_dir))  # simgpu's record, read here
-    (old,) = plugin_pods(kube)
-    upgrade(plugin, "hostPID=true", "config.sharing.compute=guaranteed")
-    try:
-
-        def moved() -> list[Any]:
-            return [
-                p
-                for p in ready_plugin_pods(kube)
-                if p.spec.host_pid and p.metadata.uid != old.metadata.uid  # type: ignore[attr-defined]
-            ]
-
-        wait_for("the plugin pod in the node's pid namespace, ready", moved, 180)
-        wait_plugin_ready(kube, cluster)
-        kube.create_pod(pod("busy", BUSY, limits={"nvidia.com/gpu": "1"}))
-        wait_for("the busy pod running", lambda: kube.running("busy"), 120)
-        slices_gpu = cluster.gpus[1].lower()  # values.yaml: DRA on GPU 0, slices on GPU 1
-
-        def measured() -> tuple[str, GpuShare] | None:
-            for aid, shares in records(cluster).items():
-                for s in shares:
-                    if s.uuid.lower() == slices_gpu and s.share > 0:
-                        return aid, s
-            return None
-
+    with in_node_pid_namespace(kube, cluster, plugin, "config.sharing.compute=guaranteed") as plug:
         try:
-            aid, share = wait_for("the busy pod's GPU time published", measured, 90)
-        except AssertionError as exc:  # what the plugin said, and what it wrote
-            (now,) = moved()
-            log = kube.core.read_namespaced_pod_log(now.metadata.name, PLUGIN_NS)
-            raise AssertionError(f"{exc}\n{records(cluster)}\n{log[-3000:]}") from exc
-        assert share.start_ns < share.end_ns, share
-        # The record names the pod's own allocation: its limits file is the one mounted.
-        assert cluster.node_path(f"{HOST_ROOT}/limits/{aid}").exists(), aid
+            measure(cluster, kube, plug)
+        finally:
+            kube.delete_pods("busy", "neighbour", "tenant")
 
-        # A neighbour (3 of the GPU's 4 slices: 75 %) beside a tenant of one slice (25 %)
-        # running three launchers and keeping its pacing file full.
-        node, gpu = Node(cluster.work / "simgpu"), 1
-        first = running_pids(node, gpu, 0)
-        kube.delete_pods("busy")
-        since = time.monotonic_ns()
 
-        def gone() -> bool:  # the deleted pod's launcher is stopped (the kubelet's kill)
-            nonlocal since
-            since = time.monotonic_ns() - 200 * MS
-            return not running_pids(node, gpu, since) & first
+def measure(cluster: Cluster, kube: Kube, plugin_pod: Any) -> None:
+    """The busy pod's GPU time published; then the forging tenant held beside its neighbour."""
+    kube.create_pod(pod("busy", BUSY, limits={"nvidia.com/gpu": "1"}))
+    wait_for("the busy pod running", lambda: kube.running("busy"), 120)
+    slices_gpu = cluster.gpus[1].lower()  # values.yaml: DRA on GPU 0, slices on GPU 1
 
-        wait_for("the first busy pod's kernels to end", gone, 60)
-        kube.create_pod(pod("neighbour", BUSY, limits={"nvidia.com/gpu": "3"}))
-        wait_for("the neighbour running", lambda: kube.running("neighbour"), 120)
-        (busy_pid,) = wait_for("its kernels", lambda: running_pids(node, gpu, since), 60)
-        tenant = pod("tenant", TENANT, limits={"nvidia.com/gpu": "1"})
-        tenant["spec"]["containers"][0]["env"].append({"name": "FORGE", "value": FORGE})
-        kube.create_pod(tenant)
-        wait_for("the tenant running", lambda: kube.running("tenant"), 120)
+    def measured() -> tuple[str, GpuShare] | None:
+        for aid, shares in records(cluster).items():
+            for s in shares:
+                if s.uuid.lower() == slices_gpu and s.share > 0:
+                    return aid, s
+        return None
 
-        def launchers() -> set[int] | None:
-            seen = running_pids(node, gpu, since)
-            return seen if len(seen) >= 4 else None
+    try:
+        aid, share = wait_for("the busy pod's GPU time published", measured, 90)
+    except AssertionError as exc:  # what the plugin said, and what it wrote
+        log = kube.core.read_namespaced_pod_log(plugin_pod().metadata.name, PLUGIN_NS)
+        raise AssertionError(f"{exc}\n{records(cluster)}\n{log[-3000:]}") from exc
+    assert share.start_ns < share.end_ns, share
+    # The record names the pod's own allocation: its limits file is the one mounted.
+    assert cluster.node_path(f"{HOST_ROOT}/limits/{aid}").exists(), aid
 
-        pids = wait_for("four launchers' kernels", launchers, 60)
+    # A neighbour (3 of the GPU's 4 slices: 75 %) beside a tenant of one slice (25 %)
+    # running three launchers and keeping its pacing file full.
+    node, gpu = Node(cluster.work / "simgpu"), 1
+    first = running_pids(node, gpu, 0)
+    kube.delete_pods("busy")
+    since = time.monotonic_ns()
 
-        def measuring() -> bool:
-            return sum(any(g.share > 0 for g in r) for r in records(cluster).values()) >= 2
+    def gone() -> bool:  # the deleted pod's launcher is stopped (the kubelet's kill)
+        nonlocal since
+        since = time.monotonic_ns() - 200 * MS
+        return not running_pids(node, gpu, since) & first
 
-        wait_for("both pods' GPU time published", measuring, 30)
-        time.sleep(2)  # the pacing settled on the measure
-        t0 = time.monotonic_ns()
-        time.sleep(6)
-        # while all four were busy (busy_split: a launcher the loaded host starves is idle,
-        # and its time rightly lent meanwhile)
-        order = [busy_pid, *(pids - {busy_pid})]
-        _, shares = busy_split(node, order, t0, time.monotonic_ns(), gpu)
-        got = dict(zip(order, shares, strict=True))
-        tenant_share = sum(shares[1:])
-        # Without the measure the tenant took 75 % and left its neighbour 25 % (e2e tier).
-        assert tenant_share <= 30.0, (tenant_share, got)
-        assert got[busy_pid] >= 65.0, (tenant_share, got)
-    finally:
-        kube.delete_pods("busy", "neighbour", "tenant")
-        plugin.install()  # the tier's values: no hostPID, compute as before
+    wait_for("the first busy pod's kernels to end", gone, 60)
+    kube.create_pod(pod("neighbour", BUSY, limits={"nvidia.com/gpu": "3"}))
+    wait_for("the neighbour running", lambda: kube.running("neighbour"), 120)
+    (busy_pid,) = wait_for("its kernels", lambda: running_pids(node, gpu, since), 60)
+    tenant = pod("tenant", TENANT, limits={"nvidia.com/gpu": "1"})
+    tenant["spec"]["containers"][0]["env"].append({"name": "FORGE", "value": FORGE})
+    kube.create_pod(tenant)
+    wait_for("the tenant running", lambda: kube.running("tenant"), 120)
 
-        def back() -> list[Any]:  # the rollout done: the next test meets a plugin that stays
-            return [p for p in ready_plugin_pods(kube) if not p.spec.host_pid]  # type: ignore[attr-defined]
+    def launchers() -> set[int] | None:
+        seen = running_pids(node, gpu, since)
+        return seen if len(seen) >= 4 else None
 
-        wait_for("the plugin pod out of the node's pid namespace, ready", back, 180)
-        wait_for("one plugin pod", lambda: len(plugin_pods(kube)) == 1, 120)
-        wait_plugin_ready(kube, cluster)
+    pids = wait_for("four launchers' kernels", launchers, 60)
+
+    def measuring() -> bool:
+        return sum(any(g.share > 0 for g in r) for r in records(cluster).values()) >= 2
+
+    wait_for("both pods' GPU time published", measuring, 30)
+    time.sleep(2)  # the pacing settled on the measure
+    t0 = time.monotonic_ns()
+    time.sleep(6)
+    # while all four were busy (busy_split: a launcher the loaded host starves is idle,
+    # and its time rightly lent meanwhile)
+    order = [busy_pid, *(pids - {busy_pid})]
+    _, shares = busy_split(node, order, t0, time.monotonic_ns(), gpu)
+    got = dict(zip(order, shares, strict=True))
+    tenant_share = sum(shares[1:])
+    # Without the measure the tenant took 75 % and left its neighbour 25 % (e2e tier).
+    assert tenant_share <= 30.0, (tenant_share, got)
+    assert got[busy_pid] >= 65.0, (tenant_share, got)

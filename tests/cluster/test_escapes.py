@@ -9,10 +9,8 @@ ignore it) in a mount namespace of its own, which keeps the container's other mo
 
 from __future__ import annotations
 
-from typing import Any
-
 from .cluster import SIMGPU_ENV, Cluster
-from .conftest import PLUGIN_NS, Helm, plugin_pods, ready_plugin_pods, upgrade, wait_plugin_ready
+from .conftest import PLUGIN_NS, Helm, in_node_pid_namespace
 from .kube import Kube, pod, wait_for
 
 HOLD = "python3 -m vgpu_plugin.sim.workload alloc --target-mib 256 --chunk-mib 64 --hold 600"
@@ -23,55 +21,36 @@ KEPT = f"exec {HOLD}"
 def test_a_pods_process_without_the_shim_is_named_and_a_shimmed_one_is_not(
     cluster: Cluster, kube: Kube, plugin: Helm
 ) -> None:
-    (old,) = plugin_pods(kube)
-    upgrade(plugin, "hostPID=true")
-    try:
+    with in_node_pid_namespace(kube, cluster, plugin) as plugin_pod:
+        try:
+            bare = pod("bare", BARE, limits={"nvidia.com/gpu": "1"})
+            bare["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+            kube.create_pod(bare)
+            kube.create_pod(pod("kept", KEPT, limits={"nvidia.com/gpu": "1"}))
 
-        def moved() -> list[Any]:
-            return [
-                p
-                for p in ready_plugin_pods(kube)
-                if p.spec.host_pid and p.metadata.uid != old.metadata.uid  # type: ignore[attr-defined]
-            ]
+            def both() -> bool:
+                return kube.running("bare") and kube.running("kept")
 
-        wait_for("the plugin pod in the node's pid namespace, ready", moved, 180)
-        wait_plugin_ready(kube, cluster)
-        bare = pod("bare", BARE, limits={"nvidia.com/gpu": "1"})
-        bare["spec"]["containers"][0]["securityContext"] = {"privileged": True}
-        kube.create_pod(bare)
-        kube.create_pod(pod("kept", KEPT, limits={"nvidia.com/gpu": "1"}))
-        wait_for("both pods running", lambda: kube.running("bare") and kube.running("kept"), 120)
-        ids = {
-            name: kube.exec(name, ["sed", "-n", "s/^allocation //p", "/etc/vgpu/limits"]).strip()
-            for name in ("bare", "kept")
-        }
+            wait_for("both pods running", both, 120)
+            limits = ["sed", "-n", "s/^allocation //p", "/etc/vgpu/limits"]
+            ids = {name: kube.exec(name, limits).strip() for name in ("bare", "kept")}
 
-        def said() -> list[str] | None:
-            (now,) = moved()
-            log = kube.core.read_namespaced_pod_log(now.metadata.name, PLUGIN_NS)
-            lines = [ln for ln in log.splitlines() if "without the shim" in ln]
-            return lines or None
+            def said() -> list[str] | None:
+                log = kube.core.read_namespaced_pod_log(plugin_pod().metadata.name, PLUGIN_NS)
+                lines = [ln for ln in log.splitlines() if "without the shim" in ln]
+                return lines or None
 
-        lines = wait_for("the plugin naming a process without the shim", said, 90)
-        assert len(lines) == 1, lines
-        assert f"(allocation {ids['bare']})" in lines[0], (ids, lines)
-        (now,) = moved()
-        # exec'd processes get the pod spec's env, not the runtime's CDI edits: NVML's
-        # (simgpu's) settings as the plugin's own process has them
-        nvml = " ".join(SIMGPU_ENV)
-        status = kube.exec(
-            now.metadata.name, ["sh", "-c", f"{nvml} exec vgpu-plugin status"],
-            container="vgpu-plugin", namespace=PLUGIN_NS,
-        )  # fmt: skip
-        warned = [ln for ln in status.splitlines() if "without the shim" in ln]
-        assert len(warned) == 1 and ids["bare"] in warned[0], (ids, status)
-    finally:
-        kube.delete_pods("bare", "kept")
-        plugin.install()  # the tier's values: no hostPID
-
-        def back() -> list[Any]:  # the rollout done: the next test meets a plugin that stays
-            return [p for p in ready_plugin_pods(kube) if not p.spec.host_pid]  # type: ignore[attr-defined]
-
-        wait_for("the plugin pod out of the node's pid namespace, ready", back, 180)
-        wait_for("one plugin pod", lambda: len(plugin_pods(kube)) == 1, 120)
-        wait_plugin_ready(kube, cluster)
+            lines = wait_for("the plugin naming a process without the shim", said, 90)
+            assert len(lines) == 1, lines
+            assert f"(allocation {ids['bare']})" in lines[0], (ids, lines)
+            # exec'd processes get the pod spec's env, not the runtime's CDI edits: NVML's
+            # (simgpu's) settings as the plugin's own process has them
+            nvml = " ".join(SIMGPU_ENV)
+            status = kube.exec(
+                plugin_pod().metadata.name, ["sh", "-c", f"{nvml} exec vgpu-plugin status"],
+                container="vgpu-plugin", namespace=PLUGIN_NS,
+            )  # fmt: skip
+            warned = [ln for ln in status.splitlines() if "without the shim" in ln]
+            assert len(warned) == 1 and ids["bare"] in warned[0], (ids, status)
+        finally:
+            kube.delete_pods("bare", "kept")

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from synthetic_regions import Dev, Proc, Snap
+from test_gputime import CONTAINER_A, HOST  # the host's mounts and a container's
 
 from vgpu_plugin.commands.status import render_status
 from vgpu_plugin.core.devices import MIB, GpuLimit
@@ -97,19 +98,6 @@ def record(alloc: str, uuid: str, pod: str, k: int) -> AllocationRecord:
         pod=pod,
         container="server",
     )
-
-
-# The host's mounts (the limits dir on its own filesystem) and a container's (its limits file
-# bind-mounted from it), as test_gputime.py has them.
-HOST = (
-    "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
-    "40 22 253:2 / /var/lib/vgpu rw,relatime shared:9 - xfs /dev/vdb rw\n"
-)
-CONTAINER_A = (
-    "600 500 0:90 / / rw - overlay overlay rw\n"
-    "611 600 253:2 /limits/aaa /etc/vgpu/limits ro,relatime - xfs /dev/vdb rw\n"
-    "612 600 253:2 /containers/aaa /tmp/vgpu rw,relatime - xfs /dev/vdb rw\n"
-)
 
 
 @pytest.mark.parametrize("within", [False, True])

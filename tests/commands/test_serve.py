@@ -493,7 +493,8 @@ def test_serve_exports_and_logs_a_containers_process_that_runs_without_the_shim(
         assert n == 1, text
         held = sample(text, "vgpu_container_unshimmed_memory_bytes", allocation_id=aid)
         assert held >= 64 << 20
-        served.wait_log(f"process {bare.pid} (the node's pid) uses GPU {a}")
+        # no pod-resources here: logged by its allocation after a few looks (NAME_WAIT_LOOKS)
+        served.wait_log(f"process {bare.pid} (the node's pid) uses GPU {a}", timeout=90)
     finally:
         bare.communicate("", timeout=60)
     # gone from the GPU: the next look counts nothing

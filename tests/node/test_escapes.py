@@ -18,6 +18,7 @@ from vgpu_plugin.core.devices import MIB, GpuLimit
 from vgpu_plugin.node.ledger.state import AllocationRecord
 from vgpu_plugin.node.observe import metrics
 from vgpu_plugin.node.observe.escapes import (
+    NAME_WAIT_LOOKS,
     Escape,
     EscapeWatch,
     find_escapes,
@@ -152,6 +153,38 @@ def test_the_watch_logs_each_unshimmed_process_once_naming_its_container(
         watch({"alloc-a": {GPU_A}}, names)
         watch({"alloc-a": {GPU_A}}, names)
     assert len(caplog.records) == 1
+
+
+def test_a_process_of_a_container_not_named_yet_is_logged_once_named_or_after_a_few_looks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    listed = {GPU_A: [(1002, MIB)]}
+    watch = EscapeWatch(
+        Path("/nonexistent"),
+        lambda: listed,
+        SLOTS.get,
+        owner_of=lambda _d, _ids: lambda pid: PIDS[pid][0],
+        identity=lambda pid: PIDS[pid][1],
+    )
+    allocs = {"alloc-a": {GPU_A}}
+    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.observe.escapes"):
+        watch(allocs, {})
+        assert watch.latest and not caplog.records  # found (the metrics show it), not logged
+        watch(allocs, {"alloc-a": "pod ml/infer container server (allocation alloc-a)"})
+        watch(allocs, {})
+    assert [r.getMessage()[:35] for r in caplog.records] == ["pod ml/infer container server (allo"]
+    caplog.clear()
+    watch = EscapeWatch(
+        Path("/nonexistent"),
+        lambda: listed,
+        SLOTS.get,
+        owner_of=lambda _d, _ids: lambda pid: PIDS[pid][0],
+        identity=lambda pid: PIDS[pid][1],
+    )
+    with caplog.at_level(logging.WARNING, logger="vgpu_plugin.node.observe.escapes"):
+        for _ in range(NAME_WAIT_LOOKS + 2):
+            watch(allocs, {})
+    assert [r.getMessage()[:28] for r in caplog.records] == ["allocation alloc-a: process "]
 
 
 def test_without_nvml_nothing_is_found_and_that_is_said_once(

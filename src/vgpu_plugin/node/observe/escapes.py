@@ -37,6 +37,9 @@ from vgpu_plugin.node.observe.gputime import MountKey, PidOwner, file_key, mount
 log = logging.getLogger(__name__)
 
 INTERVAL = 10.0  # seconds between two looks (serve; the metrics show the latest)
+# Looks a process of a container not named yet waits before it is logged by its allocation
+# alone: the kubelet's pod-resources names a device plugin container within about 10 s.
+NAME_WAIT_LOOKS = 3
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class EscapeWatch:
         self._owner_of = owner_of or mount_attribution
         self._identity = identity or proc_identity()
         self._told: dict[tuple[str, str, int], Identity | None] = {}
+        self._waiting: dict[tuple[str, str, int], int] = {}  # looks while not named
         self._said_no_nvml = False
         self.latest: list[Escape] = []  # what the last call found (replaced whole)
 
@@ -226,11 +230,19 @@ class EscapeWatch:
         self, found: Iterable[Escape], names: Mapping[str, str], seen: Mapping[int, Identity | None]
     ) -> None:
         now: dict[tuple[str, str, int], Identity | None] = {}
+        waiting: dict[tuple[str, str, int], int] = {}
         for e in found:
             key = (e.allocation_id, e.uuid, e.pid)
-            now[key] = seen.get(e.pid)
-            if key in self._told and self._told[key] == now[key]:
+            who = seen.get(e.pid)
+            if key in self._told and self._told[key] == who:
+                now[key] = who
                 continue
+            if e.allocation_id not in names:  # its pod not known yet: a few looks more
+                looks = self._waiting.get(key, 0) + 1
+                if looks < NAME_WAIT_LOOKS:
+                    waiting[key] = looks
+                    continue
+            now[key] = who
             log.warning(
                 "%s: process %d (the node's pid) uses GPU %s (%d MiB) without the shim: its "
                 "memory and compute are not held to the container's limits (an image whose "
@@ -243,6 +255,7 @@ class EscapeWatch:
                 extra={"allocation_id": e.allocation_id, "gpu_uuid": e.uuid, "pid": e.pid},
             )
         self._told = now
+        self._waiting = waiting
 
 
 def run_watch(

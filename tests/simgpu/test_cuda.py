@@ -12,11 +12,13 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 from conftest import make_node
+from simgpu_shares import MS, all_running, shares
 
 from vgpu_plugin.node.host import native
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
@@ -341,6 +343,46 @@ def test_time_sliced_contexts_stretch_each_others_kernels(
     assert int(out["start_query"]) == SUCCESS
     assert float(out["start_wall_ms"]) < 45
     assert float(out["bracket_ms"]) == pytest.approx(18.0, abs=0.05)
+
+
+@pytest.mark.parametrize("contexts", [3, 4])
+def test_time_sliced_contexts_together_do_one_gpus_work(
+    simgpu_node: Node, native_bin: Path, contexts: int
+) -> None:
+    """SIMGPU_TIMESLICE with three or four processes keeping the GPU busy (32 kernels of 1
+    and 15 ms in flight each): their GPU time adds up to the GPU's time, about a share each.
+    A slice delays every other busy context's work by all of it; split among them, three
+    contexts did 118 % of a GPU's work and four 134 % (2026-11-28). Measured in simgpu's
+    clock from a second after all ran (the model's records of work handed out before the
+    others queued overlap at first) to 200 ms before the end. A loaded host that starves a
+    launcher leaves the GPU idle, so the sum's bound does not depend on the host."""
+    env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": "2ms", "SHIM_LAUNCH_GATE": "1"}
+    args = ("handle", "0", "kernel", "1000,15000", "4", "32")
+    procs = [start(native_bin, env, "shim_launch", *args) for _ in range(contexts)]
+    try:
+        for p in procs:
+            wait_for_line(p, "ready")
+        t0 = time.monotonic_ns()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    pids = [p.pid for p in procs]
+    a, b = all_running(simgpu_node, pids, t0, time.monotonic_ns())
+    a, b = a + 1000 * MS, b - 200 * MS
+    assert b - a >= 1500 * MS, (a, b)
+    got = shares(simgpu_node, pids, a, b)
+    assert sum(got) <= 104.0, got
+    # Each one about its share while all are busy (starved launchers only ever take less).
+    assert max(got) <= 100.0 / contexts + 8.0, got
 
 
 def test_a_bad_timeslice_is_named_and_not_time_sliced(simgpu_node: Node, native_bin: Path) -> None:

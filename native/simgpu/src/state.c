@@ -385,7 +385,8 @@ uint64_t simgpu_timeslice_ns(void) {
  * each of the busy others one slice (or what is left of its work), and so on; once the
  * others' work is done it runs to its end. The others' completion times were handed out when
  * they queued, so their work is not moved back; what this kernel ran in their turns is added
- * to their lanes instead (split evenly), and their next work starts that much later. So the
+ * to each of their lanes instead (each of them waited that long), and their next work starts
+ * that much later. So the
  * GPU does one GPU's work over a few kernels, and a kernel's duration stretches by what its
  * neighbours run meanwhile, as on a time-sliced GPU. (node lock) */
 static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t owner, uint64_t ready,
@@ -426,8 +427,10 @@ static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, u
         t += run;
         left -= run;
         budget -= run;
-        for (int i = 0; i < SIMGPU_LANES; i++) /* its slice delayed the busy others' work */
-            if (busy[i]) push[i] += run / nbusy;
+        /* Its slice delayed every busy other's work by all of it, not by a share: split
+         * among them, three busy contexts did 119 % of a GPU's work and four 134 %. */
+        for (int i = 0; i < SIMGPU_LANES; i++)
+            if (busy[i]) push[i] += run;
         if (budget > 0) { /* done within its slice */
             next = t;
             break;

@@ -26,8 +26,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "libvgpu"))
 
 import native_build  # noqa: E402
-from test_shim_compute import MS, all_running, shares, shim_on, timeline  # noqa: E402
+from test_shim_compute import MS, all_running, launch, shares, shim_on, timeline  # noqa: E402
+from test_shim_compute import container as capped  # noqa: E402
 from test_shim_guarantee import a50_b25_c25, container, finish_all, run  # noqa: E402
+from test_shim_helpers import finish  # noqa: E402
 
 
 def measure(
@@ -63,6 +65,35 @@ def newcomer(tree: Path, tmp: Path, ts: str) -> list[float]:
         shares(shim.node, [late.pid], c0 + i * 100 * MS, c0 + (i + 1) * 100 * MS)[0]
         for i in range(10)
     ]
+
+
+def processes(
+    tree: Path, tmp: Path, ts: str, n: int, seconds: int
+) -> tuple[list[float], list[float]]:
+    """`n` processes of one container capped at 90 %, kernels of 1 and 15 ms in turn (the
+    multi-process cap shortfall, docs/compute.md): the container's share of the GPU in each
+    second of simgpu's clock from a second after all ran, and the work its launchers saw
+    complete in each whole second of theirs after the first (the kernels' durations)."""
+    shim = shim_on(tree, tmp, 1)
+    env = capped(shim, "c", CUDA_DEVICE_SM_LIMIT="90")
+    if ts:
+        env["SIMGPU_TIMESLICE"] = ts
+    t0 = time.monotonic_ns()
+    procs = [launch(shim, env, 0, "kernel", seconds, (1000, 15000)) for _ in range(n)]
+    done = [finish(p, timeout=120) for p in procs]
+    pids = [p.pid for p in procs]
+    a, b = all_running(shim.node, pids, t0, time.monotonic_ns())
+    per_second = [
+        sum(shares(shim.node, pids, t, t + 1000 * MS))
+        for t in range(a + 1000 * MS, b - 1200 * MS, 1000 * MS)
+    ]
+    work = [0.0] * seconds
+    for r in done:
+        for line in r.stdout.splitlines():
+            if line.startswith("window_"):
+                k, v = line.removeprefix("window_").split("=")
+                work[int(k)] += float(v)
+    return per_second, work[1:]
 
 
 def main() -> int:
@@ -106,6 +137,15 @@ def main() -> int:
         "C 25 % turns busy beside A 50 %, B 25 %: C per 100 ms from its first kernel: "
         + " ".join(f"{s:.1f}" for s in steps)
     )
+    for n in (1, 4):
+        with tempfile.TemporaryDirectory() as tmp:
+            got, work = processes(tree, Path(tmp), ts, n, args.seconds)
+        print(
+            f"{n} busy process(es) of one 90 % container, 1 and 15 ms kernels: per second "
+            + " ".join(f"{g:.1f}" for g in got)
+            + "; kernel work completed per second "
+            + " ".join(f"{w:.1f}" for w in work)
+        )
     return 0
 
 

@@ -32,8 +32,10 @@ def test_two_containers_on_one_gpu_each_hit_their_own_limit(
     assert small.gpus == large.gpus
     for pod, limit_mib in ((small, 4096), (large, 8192)):
         assert pod.memory_limit_mib() == limit_mib
-        # Three processes racing for the container's memory, holding what they got.
-        command = parallel(3, "alloc --target-mib 99999 --chunk-mib 64 --hold 2")
+        # Three processes racing for the container's memory, holding what they got until all
+        # three have raced (at load 15 one started after another had let go of its 2 s hold).
+        race = "alloc --target-mib 99999 --chunk-mib 64 --hold 0.2 --barrier /dev/shm/race"
+        command = parallel(3, f"{race} --parties 3")
         procs = results(node.run_container(pod, command))
         assert len(procs) == 3
         fed = [p for p in procs if "allocated_mib" in p]

@@ -87,13 +87,8 @@ def processes(
         sum(shares(shim.node, pids, t, t + 1000 * MS))
         for t in range(a + 1000 * MS, b - 1200 * MS, 1000 * MS)
     ]
-    work = [0.0] * seconds
-    for r in done:
-        for line in r.stdout.splitlines():
-            if line.startswith("window_"):
-                k, v = line.removeprefix("window_").split("=")
-                work[int(k)] += float(v)
-    return per_second, work[1:]
+    work = [sum(r.float(f"window_{w}") for r in done) for w in range(1, seconds)]
+    return per_second, work
 
 
 def main() -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,14 @@ def child_of(pid: int, timeout: float = 10.0) -> int:
             return int(kids[0])
         time.sleep(0.01)
     raise AssertionError(f"{pid} has no child")
+
+
+def say_to_each(procs: Sequence[subprocess.Popen[str]], line: str) -> None:
+    """Write `line` to each started program's stdin (a go, or a stop) without closing it."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
 
 
 def require_root() -> None:

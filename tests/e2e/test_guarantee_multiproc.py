@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import say_to_each
 from e2e.helpers import NodeFactory, needs_containers
 from pace_forge import forge_budget
 from simgpu_shares import MS, all_running, settle_ns, shares
@@ -76,10 +77,7 @@ def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
         wait_running(node.node, t0, procs, 4)
         record = decode_record(published(record_path(node.host_root, aid)))
         time.sleep(settle_ns() / 1e9 + 3.0)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("stop\n")
-            p.stdin.flush()
+        say_to_each(procs, "stop")
         for p in procs:
             _, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-3000:]

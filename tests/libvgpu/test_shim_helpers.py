@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import say_to_each
+
 from vgpu_plugin.sim.simgpu import Node
 
 MIB = 1 << 20
@@ -165,10 +167,7 @@ def start_together(procs: Sequence[subprocess.Popen[str]]) -> None:
     (each waits for a line on its stdin)."""
     for p in procs:
         read_until(p, "ready")
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("\n")
-        p.stdin.flush()
+    say_to_each(procs, "")
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 30) -> Result:

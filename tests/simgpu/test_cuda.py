@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import make_node
+from conftest import make_node, say_to_each
 from simgpu_shares import MS, all_running, shares
 
 from vgpu_plugin.node.host import native
@@ -363,10 +363,7 @@ def test_time_sliced_contexts_together_do_one_gpus_work(
         for p in procs:
             wait_for_line(p, "ready")
         t0 = time.monotonic_ns()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        say_to_each(procs, "go")
         for p in procs:
             _, err = p.communicate(timeout=120)
             assert p.returncode == 0, err

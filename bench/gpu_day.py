@@ -674,7 +674,7 @@ def several_processes(day: Day) -> str:
     """Two processes of one container capped at 50 % spinning at once: their rate together
     over one unlimited process's alone is the container's share of the GPU. Each process's
     measure of a kernel also holds the other's time slices (docs/compute.md, Several processes
-    in a container: four processes of a 90 % cap got 68 - 77 % on simgpu time-sliced)."""
+    in a container: four processes of a 90 % cap got 66 - 81 % on simgpu time-sliced)."""
     alone = day.worker(day.container("multi0"), "spin", Spin.n, "4", "0", timeout=90)
     env = day.container("multi50", CUDA_DEVICE_SM_LIMIT="50")
     got: list[Any] = [None, None]

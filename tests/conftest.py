@@ -35,6 +35,36 @@ NATIVE_BUILDS: dict[str, Callable[[], Path]] = {
 }
 
 
+# pytest-xdist's `-n auto` (pyproject's addopts): one worker per CPU, at most this many. The
+# suite was proven with up to 4 workers (on 2 CPUs: docs/testing.md); past that, more workers
+# mostly add native-build waits and start-up.
+MAX_WORKERS = 4
+CLUSTER_TIER = "tests/cluster/"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's default (`--dist load`) hands out single tests, so two workers would each bring
+    up the cluster tier's one Kubernetes (and race to build its images). Here every test is a
+    unit of its own but the tier, which is one unit: one worker runs it in order, first (the
+    biggest unit is handed out first), while the others take the rest. (`--dist loadgroup`
+    would do it with marks, but pytest 9.2 ignores the node ids xdist 3.8 rewrites for it.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneUnitForTheClusterTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return CLUSTER_TIER if nodeid.startswith(CLUSTER_TIER) else nodeid
+
+    return OneUnitForTheClusterTier(config, log)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return

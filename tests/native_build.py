@@ -9,6 +9,7 @@ nvml.h of the PyPI package nvidia-nvml-dev, so every signature is checked agains
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -71,6 +72,15 @@ def _build(variant: str, targets: list[str] | None) -> Path:
     if shutil.which("cmake") is None:
         raise RuntimeError("cmake is not installed: `apt-get install cmake` (see .ci/run)")
     out = BUILD_ROOT / f"native-{variant}"
+    BUILD_ROOT.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist's workers each ask for the builds they use: one configures and builds while
+    # the others wait, then find it made (CMake's own files are not safe to write twice at once).
+    with open(BUILD_ROOT / f".native-{variant}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_locked(variant, targets, out)
+
+
+def _build_locked(variant: str, targets: list[str] | None, out: Path) -> Path:
     args = list(VARIANTS[variant])
     if variant != "compat":
         nvml = nvml_include_dir()

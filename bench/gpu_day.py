@@ -604,6 +604,8 @@ def gpu_tests(day: Day) -> str:
         "-rs",
         "-p",
         "no:cacheprovider",
+        "-o",
+        "addopts=",  # one process: the suite's -n needs pytest-xdist, and the tests share a GPU
     ]
     try:
         out = day.run([*cmd, "--timeout=240"], env, 300)

@@ -39,7 +39,9 @@ NATIVE_BUILDS: dict[str, Callable[[], Path]] = {
 # suite was proven with up to 4 workers (on 2 CPUs: docs/testing.md); past that, more workers
 # mostly add native-build waits and start-up.
 MAX_WORKERS = 4
-CLUSTER_TIER = "tests/cluster/"
+# Tiers whose tests share one thing outside their tmp_path (one Kubernetes; one real GPU):
+# each is one unit of work, run in order by one worker.
+ONE_UNIT = ("tests/cluster/", "tests/gpu/")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -50,19 +52,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's default (`--dist load`) hands out single tests, so two workers would each bring
-    up the cluster tier's one Kubernetes (and race to build its images). Here every test is a
-    unit of its own but the tier, which is one unit: one worker runs it in order, first (the
-    biggest unit is handed out first), while the others take the rest. (`--dist loadgroup`
-    would do it with marks, but pytest 9.2 ignores the node ids xdist 3.8 rewrites for it.)"""
+    up the cluster tier's one Kubernetes (and race to build its images), or measure one real
+    GPU's memory at once. Here every test is a unit of its own but those tiers, each one unit:
+    one worker runs it in order (the biggest units are handed out first) while the others
+    take the rest. (`--dist loadgroup` would do it with marks, but pytest 9.2 ignores the node
+    ids xdist 3.8 rewrites for it.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class OneUnitForTheClusterTier(LoadScopeScheduling):
+    class TiersAsOneUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return CLUSTER_TIER if nodeid.startswith(CLUSTER_TIER) else nodeid
+            return next((tier for tier in ONE_UNIT if nodeid.startswith(tier)), nodeid)
 
-    return OneUnitForTheClusterTier(config, log)
+    return TiersAsOneUnit(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -86,3 +86,13 @@ def busy_split(
     got = [sum(s[p] for s in steps) for p in pids]
     span = len(steps) * BUSY_STEP
     return [100.0 * g / sum(got) for g in got], [100.0 * g / span for g in got]
+
+
+def median_share(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> float:
+    """The pids' GPU time together, in percent, per 250 ms of [a, b]: the median, so that a
+    host that starves the launchers for a while (the GPU idles or is lent: nobody's doing)
+    does not decide it."""
+    step = 250 * MS
+    got = sorted(sum(shares(node, pids, t, t + step, gpu)) for t in range(a, b - step + 1, step))
+    assert got, (a, b)
+    return got[len(got) // 2]

@@ -27,7 +27,16 @@ from pathlib import Path
 
 import pytest
 from pace_forge import forge_budget
-from simgpu_shares import BUSY_STEP, MS, all_running, busy_split, first_ran, shares, timeline
+from simgpu_shares import (
+    BUSY_STEP,
+    MS,
+    all_running,
+    busy_split,
+    first_ran,
+    median_share,
+    shares,
+    timeline,
+)
 from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
@@ -87,15 +96,6 @@ def finish_all(procs: list[subprocess.Popen[str]]) -> None:
         assert r.rc == 0, r.stderr
 
 
-def median_share(shim: Shim, pids: list[int], a: int, b: int) -> float:
-    """The pids' GPU time together, in percent, per 250 ms of [a, b]: the median, so that a
-    host that starves the launchers for a while (the GPU idles: nobody's doing) does not
-    decide it."""
-    step = 250 * MS
-    got = sorted(sum(shares(shim.node, pids, t, t + step)) for t in range(a, b - step + 1, step))
-    return got[len(got) // 2]
-
-
 @pytest.mark.parametrize("timeslice", ["", TIMESLICE], ids=["one-at-a-time", "time-sliced"])
 def test_all_busy_each_gets_its_guarantee(
     native_tree: Path, tmp_path: Path, timeslice: str
@@ -116,7 +116,7 @@ def test_all_busy_each_gets_its_guarantee(
     split, got = busy_split(shim.node, pids, a, b)
     assert all(abs(s - t) <= 2.0 for s, t in zip(split, (50, 25, 25), strict=True)), (split, got)
     # and the GPU is not left idle (time-sliced and charged whole brackets: 80 %)
-    assert median_share(shim, pids, a, b) >= 95.0, got
+    assert median_share(shim.node, pids, a, b) >= 95.0, got
 
 
 def test_a_launcher_the_host_stops_holds_its_guarantee_while_busy(
@@ -165,7 +165,7 @@ def test_idle_guarantees_are_lent_to_the_busy(
     a, b = a + 500 * MS, b - 300 * MS
     assert b - a >= 1500 * MS, (a, b)
     got = shares(shim.node, pids, a, b)
-    assert median_share(shim, pids, a, b) >= 95.0, got
+    assert median_share(shim.node, pids, a, b) >= 95.0, got
 
 
 def newcomer(

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 from pace_forge import forge_budget
-from simgpu_shares import MS, all_running, settle_ns, shares
+from simgpu_shares import MS, all_running, median_share, settle_ns, shares
 from test_shim_compute import shim_on
 from test_shim_helpers import Shim, finish, start_together
 
@@ -187,13 +187,7 @@ def run(
     out = {}
     for name, ps in pids.items():
         share = sum(shares(shim.node, ps, a, b))
-        # the median of 250 ms steps, so that a host that starves a launcher a while (the
-        # GPU idles or is lent: nobody's doing) does not decide it
-        step = 250 * MS
-        steps = sorted(
-            sum(shares(shim.node, ps, t, t + step)) for t in range(a, b - step + 1, step)
-        )
-        out[name] = Got(share, steps[len(steps) // 2], 100 * share / busy)
+        out[name] = Got(share, median_share(shim.node, ps, a, b), 100 * share / busy)
     return out
 
 

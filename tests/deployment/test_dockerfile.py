@@ -201,8 +201,10 @@ def test_the_image_wheel_ships_no_simulator(tmp_path: Path) -> None:
         shutil.rmtree(src / path)
     out = tmp_path / "wheels"
     args = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out)]
-    args += [f"-C{o}" for o in options] + [str(src)]
-    subprocess.run(args, check=True, capture_output=True, text=True, timeout=600)
+    # pip's long spelling: -C came with pip 23.1, and a fresh Debian 12 venv has 23.0.1
+    args += [a for o in options for a in ("--config-settings", o)] + [str(src)]
+    built = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = out.glob("vgpu_plugin-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.endswith("/_native/lib/libvgpu.so") for n in names)

@@ -5,6 +5,8 @@ shifts when work runs, not how the GPU's time was split."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Sequence
 
 from vgpu_plugin.sim.simgpu import Node
 
@@ -40,12 +42,17 @@ def settle_ns() -> int:
 def all_running(node: Node, pids: list[int], t0: int, t1: int, gpu: int = 0) -> tuple[int, int]:
     """The span of simgpu time, in 50 ms steps, from the first step in which every pid's work
     ran to the last: the part of the run in which all of them were launching."""
+    span = _all_ran(node, pids, t0, t1, gpu)
+    assert span, (pids, t0, t1)
+    return span
+
+
+def _all_ran(node: Node, pids: list[int], t0: int, t1: int, gpu: int) -> tuple[int, int] | None:
     step = 50 * MS
     t0 = max(t0, node.recorded_since(gpu))
     steps = timeline(node, pids, t0, t1, step, gpu)
     both = [i for i, s in enumerate(steps) if all(s[p] > 0 for p in pids)]
-    assert both, steps
-    return t0 + both[0] * step, t0 + (both[-1] + 1) * step
+    return (t0 + both[0] * step, t0 + (both[-1] + 1) * step) if both else None
 
 
 def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[float]:
@@ -57,9 +64,13 @@ def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[fl
 BUSY_STEP = 50 * MS
 
 
-def busy_steps(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[dict[int, int]]:
-    """Each pid's GPU time per 50 ms step of simgpu's clock in [a, b), in the steps in which
-    every pid's work ran, less the steps next to one in which some pid's did not.
+def busy_steps(
+    node: Node, parties: Sequence[int | Sequence[int]], a: int, b: int, gpu: int = 0
+) -> list[list[int]]:
+    """Each party's GPU time per 50 ms step of simgpu's clock in [a, b), in the steps in which
+    every party's work ran, less the steps next to one in which some party's did not. A party
+    is a pid, or a container's pids together (busy in a step where any of them ran: three
+    processes paced to 25 % between them each run a 4 ms kernel only every ~50 ms).
 
     A launcher the loaded host does not schedule for longer than its claim (its queued work,
     plus one 40 ms window: docs/compute.md, Lending) is idle as the pacing sees it: its share
@@ -70,22 +81,37 @@ def busy_steps(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> lis
     launching in; the steps beside it hold the way into and out of that (its last queued
     kernels, the others' lent time, its catch-up). What is left is the time in which all of
     them were busy: what a share is promised over."""
-    steps = timeline(node, pids, a, b, BUSY_STEP, gpu)
-    idle = [any(s[p] == 0 for p in pids) for s in steps]
-    return [s for i, s in enumerate(steps) if not any(idle[max(0, i - 1) : i + 2])]
+    groups = [[p] if isinstance(p, int) else list(p) for p in parties]
+    steps = timeline(node, _pids(parties), a, b, BUSY_STEP, gpu)
+    per = [[sum(s[p] for p in g) for g in groups] for s in steps]
+    idle = [any(t == 0 for t in s) for s in per]
+    return [s for i, s in enumerate(per) if not any(idle[max(0, i - 1) : i + 2])]
 
 
 def busy_split(
-    node: Node, pids: list[int], a: int, b: int, gpu: int = 0, least: int = 1000 * MS
+    node: Node,
+    parties: Sequence[int | Sequence[int]],
+    a: int,
+    b: int,
+    gpu: int = 0,
+    least: int = 1000 * MS,
 ) -> tuple[list[float], list[float]]:
-    """Over busy_steps: each pid's part of their GPU time together, and each pid's share of
-    the GPU, in percent; at least `least` ns of such steps (else the host starved them so much
-    that nothing is measured)."""
-    steps = busy_steps(node, pids, a, b, gpu)
+    """Over busy_steps: each party's part of their GPU time together, and each party's share
+    of the GPU, in percent; at least `least` ns of such steps (else the host starved them so
+    much that nothing is measured)."""
+    steps = busy_steps(node, parties, a, b, gpu)
     assert len(steps) * BUSY_STEP >= least, (len(steps), (b - a) // BUSY_STEP)
-    got = [sum(s[p] for s in steps) for p in pids]
+    got = [sum(s[i] for s in steps) for i in range(len(parties))]
     span = len(steps) * BUSY_STEP
     return [100.0 * g / sum(got) for g in got], [100.0 * g / span for g in got]
+
+
+def busy_span(
+    node: Node, parties: Sequence[int | Sequence[int]], a: int, b: int, gpu: int = 0
+) -> int:
+    """How much of [a, b) busy_steps keeps, in ns: a test runs its launchers until it has
+    enough, however long a loaded host kept them from running."""
+    return len(busy_steps(node, parties, a, b, gpu)) * BUSY_STEP
 
 
 def median_share(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> float:
@@ -96,3 +122,38 @@ def median_share(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> f
     got = sorted(sum(shares(node, pids, t, t + step, gpu)) for t in range(a, b - step + 1, step))
     assert got, (a, b)
     return got[len(got) // 2]
+
+
+def settled(
+    node: Node, parties: Sequence[int | Sequence[int]], t0: int, t1: int, gpu: int = 0
+) -> tuple[int, int]:
+    """Where a guarantee is judged: from the pacing's settling (settle_ns) after all the
+    parties' pids first ran together to 500 ms before the first of them stopped."""
+    a, b = all_running(node, _pids(parties), t0, t1, gpu)
+    return a + settle_ns(), b - 500 * MS
+
+
+def run_until_busy(
+    node: Node,
+    parties: Sequence[int | Sequence[int]],
+    t0: int,
+    need: int,
+    limit: float = 60,
+    gpu: int = 0,
+) -> None:
+    """Wait until the parties have been busy together (busy_span) for `need` of simgpu's
+    time in their settled window, however long a loaded host keeps their launchers from
+    running (fixed runs once left the measure under a second, or a 75 % container idle for
+    more than half of it), or until `limit` seconds have passed (the caller's busy_split then
+    says how little there was)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = time.monotonic_ns()
+        ran = _all_ran(node, _pids(parties), t0, now, gpu)
+        if ran and busy_span(node, parties, ran[0] + settle_ns(), ran[1] - 500 * MS, gpu) >= need:
+            return
+
+
+def _pids(parties: Sequence[int | Sequence[int]]) -> list[int]:
+    return [q for p in parties for q in ([p] if isinstance(p, int) else p)]

@@ -12,7 +12,11 @@
  * concurrently. Up to `in-flight` (default 4) kernels are queued; each
  * completion is attributed to the window in which the program saw it. Prints launched=<n>,
  * window_<i>=<percent> for each whole window and mean=<percent> over windows 1.. (window 0
- * is the warm-up). */
+ * is the warm-up). With SHIM_LAUNCH_STOP_ON_STDIN set it also stops at a line (or the end) on
+ * stdin, `seconds` then being the most it runs: a test measures until it has what it needs,
+ * however long a loaded host kept the launchers from running. */
+#include <poll.h>
+
 #include "shim_test.h"
 
 int main(int argc, char **argv) {
@@ -88,7 +92,10 @@ int main(int argc, char **argv) {
     double busy_us[64] = {0};
     double start = shim_now_ms(), deadline = start + seconds * 1e3;
     long launched = 0, done = 0;
+    struct pollfd in = {.fd = 0, .events = POLLIN};
+    int stop_on_stdin = getenv("SHIM_LAUNCH_STOP_ON_STDIN") != NULL;
     while (shim_now_ms() < deadline) {
+        if (stop_on_stdin && poll(&in, 1, 0) > 0) break;
         unsigned us = durs[launched % ndur];
         s = cfg.hStream = streams[launched % nstreams];
         sleep_ns = (uint64_t)us * 1000u;

@@ -146,6 +146,9 @@ def node_factory() -> Iterator[Callable[..., Node]]:
     for n in made:
         n.gated.gate.set()
         n.server.stop()
+        # the prepares the gate let go run on (stop leaves them to end on their threads):
+        # their files must not vanish under them (at load 15 one logged after the test ended)
+        assert eventually(lambda n=n: n.server.queue.in_flight() == 0)
         shutil.rmtree(n.root, ignore_errors=True)
 
 

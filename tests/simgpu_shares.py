@@ -81,7 +81,7 @@ def busy_steps(
     launching in; the steps beside it hold the way into and out of that (its last queued
     kernels, the others' lent time, its catch-up). What is left is the time in which all of
     them were busy: what a share is promised over."""
-    groups = [[p] if isinstance(p, int) else list(p) for p in parties]
+    groups = _groups(parties)
     steps = timeline(node, _pids(parties), a, b, BUSY_STEP, gpu)
     per = [[sum(s[p] for p in g) for g in groups] for s in steps]
     idle = [any(t == 0 for t in s) for s in per]
@@ -129,8 +129,16 @@ def settled(
 ) -> tuple[int, int]:
     """Where a guarantee is judged: from the pacing's settling (settle_ns) after all the
     parties' pids first ran together to 500 ms before the first of them stopped."""
-    a, b = all_running(node, _pids(parties), t0, t1, gpu)
-    return a + settle_ns(), b - 500 * MS
+    window = _settled(node, parties, t0, t1, gpu)
+    assert window, (parties, t0, t1)
+    return window
+
+
+def _settled(
+    node: Node, parties: Sequence[int | Sequence[int]], t0: int, t1: int, gpu: int
+) -> tuple[int, int] | None:
+    ran = _all_ran(node, _pids(parties), t0, t1, gpu)
+    return (ran[0] + settle_ns(), ran[1] - 500 * MS) if ran else None
 
 
 def run_until_busy(
@@ -149,11 +157,14 @@ def run_until_busy(
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = time.monotonic_ns()
-        ran = _all_ran(node, _pids(parties), t0, now, gpu)
-        if ran and busy_span(node, parties, ran[0] + settle_ns(), ran[1] - 500 * MS, gpu) >= need:
+        window = _settled(node, parties, t0, time.monotonic_ns(), gpu)
+        if window and busy_span(node, parties, *window, gpu) >= need:
             return
 
 
+def _groups(parties: Sequence[int | Sequence[int]]) -> list[list[int]]:
+    return [[p] if isinstance(p, int) else list(p) for p in parties]
+
+
 def _pids(parties: Sequence[int | Sequence[int]]) -> list[int]:
-    return [q for p in parties for q in ([p] if isinstance(p, int) else p)]
+    return [p for g in _groups(parties) for p in g]

@@ -162,10 +162,10 @@ def run(
         # all start launching at once: started one after another on a loaded host, the last
         # came up seconds after the first and left too short a time in which all ran
         every = [p for ps in procs.values() for p in ps]
+        groups = [[p.pid for p in ps] for ps in procs.values()]
         start_together(every)
         if forging:
             writer.start()
-        groups = [[p.pid for p in ps] for ps in procs.values()]
         run_until_busy(shim.node, groups, t0, NEED + 500 * MS)
         for p in every:
             r = finish(p, timeout=120)  # its stdin's end stops it
@@ -179,7 +179,6 @@ def run(
         stop_publisher(pub)
     assert all(published), "the publisher wrote a record for every container"
     assert not any(r.exists() for r in records), "the publisher leaves no record behind"
-    groups = [[p.pid for p in ps] for ps in procs.values()]
     a, b = settled(shim.node, groups, t0, time.monotonic_ns())
     # while all were busy (busy_split: a launcher the loaded host starves is idle, and its
     # time rightly lent meanwhile)

@@ -110,7 +110,12 @@ static struct pace_file *g_file;
 static int g_file_state; /* 0 not tried, 1 mapped, -1 unusable */
 
 static int init_file(int fd, const struct vgpu_limits *lim) {
-    if (ftruncate(fd, sizeof(struct pace_file)) != 0) return -1;
+    /* Allocated, not just sized: a sparse page on a full disk is a SIGBUS at first touch. */
+    int rc = posix_fallocate(fd, 0, sizeof(struct pace_file));
+    if (rc != 0) {
+        errno = rc;
+        return -1;
+    }
     struct pace_file *f = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (f == MAP_FAILED) return -1;
     memcpy(f->magic, PACE_MAGIC, sizeof f->magic);
@@ -134,7 +139,7 @@ static void create_file(const char *path) {
     snprintf(tmp, sizeof tmp, "%s.XXXXXX", path);
     int fd = mkostemp(tmp, O_CLOEXEC);
     if (fd < 0) return;
-    if (fchmod(fd, 0666) == 0 && init_file(fd, &lim) == 0 && link(tmp, path) != 0 && errno != EEXIST)
+    if (fchmod(fd, 0666) != 0 || init_file(fd, &lim) != 0 || (link(tmp, path) != 0 && errno != EEXIST))
         VLOG(VGPU_LOG_WARN, "cannot create the compute budget %s: %s", path, strerror(errno));
     unlink(tmp);
     close(fd);

@@ -224,7 +224,13 @@ static int check_limits(const struct vgpu_limits *l, const char *path, char *err
 }
 
 static int init_file(int fd, const struct vgpu_limits *l) {
-    if (ftruncate(fd, sizeof(struct vgpu_region_file)) != 0) return -1;
+    /* Allocated, not just sized: on a full disk a sparse page's first touch, by any process
+     * of the container, would be a SIGBUS; this way the creator gets ENOSPC. */
+    int rc = posix_fallocate(fd, 0, sizeof(struct vgpu_region_file));
+    if (rc != 0) {
+        errno = rc;
+        return -1;
+    }
     struct vgpu_region_file *f =
         mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (f == MAP_FAILED) return -1;

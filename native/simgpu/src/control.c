@@ -53,9 +53,14 @@ EXPORT int simgpu_node_create(const char *state_dir, const struct simgpu_gpu_con
     uint64_t lock_base = sizeof(struct simgpu_node);
     uint64_t size = (lock_base + SIMGPU_MAX_PROCS + (uint64_t)page - 1) / (uint64_t)page * (uint64_t)page;
     int fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
-        simgpu_set_error("cannot write %s: %s", tmp, strerror(errno));
-        if (fd >= 0) close(fd);
+    /* Allocated, not just sized: on a full disk a sparse file's first touch is a SIGBUS. */
+    int err = fd < 0 ? errno : posix_fallocate(fd, 0, (off_t)size);
+    if (err != 0) {
+        simgpu_set_error("cannot write %s: %s", tmp, strerror(err));
+        if (fd >= 0) {
+            close(fd);
+            unlink(tmp);
+        }
         return -1;
     }
     fchmod(fd, 0666); /* containers of other users attach to the same node */

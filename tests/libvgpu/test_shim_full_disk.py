@@ -1,0 +1,131 @@
+"""A full disk under the files we map: a clear error when the file is made, never a SIGBUS later.
+
+A file sized with ftruncate is sparse; on a full filesystem the first touch of a page that has
+no block yet kills the process with SIGBUS, whoever touches it (a CI run died that way inside
+simgpu's node creation when its disk filled). The region, the compute budget and simgpu's node
+are allocated when made (posix_fallocate), so the maker gets ENOSPC instead. Each test mounts a
+tiny tmpfs in a private mount namespace and works in it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_shim_helpers import GIB, Shim
+
+from vgpu_plugin.node.observe.region import GpuLimit, create_region
+from vgpu_plugin.sim.simgpu import Node
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    reason="needs root, unshare and mount (a tiny tmpfs in a private mount namespace)",
+)
+
+SIGBUS = -7
+NO_SPACE = os.strerror(28)  # ENOSPC
+
+
+def on_a_full_disk(
+    mnt: Path, argv: list[str], env: dict[str, str], size: str = "12k"
+) -> subprocess.CompletedProcess[str]:
+    """argv with a `size` tmpfs mounted at `mnt`, seen by it alone."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    script = 'mount -t tmpfs -o size="$1" vgpu-full "$2" && shift 2 && exec "$@"'
+    ns = ["unshare", "-m", "--propagation", "private"]
+    return subprocess.run(
+        [*ns, "sh", "-c", script, "sh", size, str(mnt), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def python(code: str, *args: str) -> list[str]:
+    return [sys.executable, "-c", code, *args]
+
+
+LIST = "import os, sys; print('left:', sorted(os.listdir(sys.argv[1])))"
+
+
+def test_a_region_on_a_full_disk_is_refused_when_made_and_leaves_nothing(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    code = (
+        "import sys\n"
+        "from vgpu_plugin.node.observe.region import GpuLimit, RegionError, create_region\n"
+        "try:\n"
+        "    create_region(sys.argv[1] + '/r.cache', [GpuLimit('GPU-x', 1 << 30, 0)])\n"
+        "    print('created')\n"
+        "except RegionError as e:\n"
+        "    print('refused:', e)\n" + LIST.replace("; ", "\n")
+    )
+    mnt = tmp_path / "full"
+    p = on_a_full_disk(mnt, python(code, str(mnt)), dict(os.environ))
+    assert p.returncode == 0, p.stderr
+    assert f"refused: cannot create region {mnt}/r.cache: {NO_SPACE}" in p.stdout
+    assert "left: []" in p.stdout  # neither the region nor its temporary file
+
+
+def test_a_simgpu_node_on_a_full_disk_is_refused_when_made(
+    native_tree: Path, tmp_path: Path
+) -> None:
+    code = (
+        "import sys\n"
+        "from vgpu_plugin.sim.simgpu import GpuSpec, Node, SimGpuError\n"
+        "try:\n"
+        "    Node.create(sys.argv[1], [GpuSpec()])\n"
+        "    print('created')\n"
+        "except SimGpuError as e:\n"
+        "    print('refused:', e)\n" + LIST.replace("; ", "\n")
+    )
+    mnt = tmp_path / "full"
+    p = on_a_full_disk(mnt, python(code, str(mnt)), dict(os.environ))
+    assert p.returncode != SIGBUS, p.stderr
+    assert p.returncode == 0, p.stderr
+    assert "refused: cannot write" in p.stdout and NO_SPACE in p.stdout
+    assert "left: []" in p.stdout
+
+
+def test_a_container_whose_region_dir_is_full_is_told_and_never_killed(
+    native_tree: Path, simgpu_node: Node, tmp_path: Path
+) -> None:
+    """The shim makes the region on first use; on a full disk that fails with a line naming
+    the file and the cause, and the program gets an error from the driver API, not a SIGBUS
+    when a page of a half-backed region is first touched."""
+    shim = Shim(native_tree, simgpu_node, tmp_path)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1g"})
+    argv = [str(shim.prog("shim_mem")), "handle", "0", "alloc", str(64 << 20), "4"]
+    p = on_a_full_disk(shim.region.parent, argv, env)
+    assert p.returncode != SIGBUS, p.stderr
+    assert str(shim.region) in p.stderr and NO_SPACE in p.stderr, p.stderr
+    assert p.returncode != 0, p.stdout  # no limit could be kept: CUDA is refused, not unlimited
+    # With room the same program runs and is held to its limit.
+    room = on_a_full_disk(shim.region.parent, argv, env, size="1m")
+    assert room.returncode == 0, room.stderr
+    assert int(room.stdout.split("allocated=")[1].split()[0]) == 4 * (64 << 20) < GIB
+
+
+def test_a_compute_budget_that_finds_no_room_paces_the_process_on_its_own(
+    native_tree: Path, simgpu_node: Node, tmp_path: Path
+) -> None:
+    """A tmpfs that holds the region but not the compute budget beside it: the shim says so
+    and paces the process alone rather than dying on the budget's first page."""
+    sample = tmp_path / "sample.cache"
+    create_region(sample, [GpuLimit("GPU-x", GIB, 50)])
+    page = os.sysconf("SC_PAGESIZE")
+    region_only = -(-sample.stat().st_size // page) * page
+    shim = Shim(native_tree, simgpu_node, tmp_path)
+    env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1g", "CUDA_DEVICE_SM_LIMIT": "50"})
+    argv = [str(shim.prog("shim_mem")), "handle", "0", "alloc", str(64 << 20), "4"]
+    p = on_a_full_disk(shim.region.parent, argv, env, size=str(region_only))
+    assert p.returncode == 0, p.stderr
+    pace = shim.region.with_suffix(".pace")
+    assert f"cannot create the compute budget {pace}: {NO_SPACE}" in p.stderr
+    assert "this process is paced on its own" in p.stderr

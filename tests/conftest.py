@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -181,6 +182,34 @@ def make_emulated_node(native_tree: Path, tmp_path: Path) -> Iterator[Callable[.
     yield make
     for node in nodes:
         node.stop()
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points below `root` in this mount namespace, deepest first."""
+    prefix = str(root).rstrip("/") + "/"
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            point = line.split(" ")[4]
+            # mountinfo escapes space, tab, newline and backslash as octal.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
+            if point.startswith(prefix):
+                found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """pytest's tmp_path, checked for mounts the test left in it. pyproject keeps only failed
+    tests' dirs (a full run wrote gigabytes of passed tests' nodes and filled a CI disk), and
+    removing a dir through a leaked overlay of the host's root would walk all of it: a leak is
+    detached first and fails the test."""
+    yield tmp_path
+    left = mounts_under(tmp_path)
+    for point in left:
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    if left:
+        pytest.fail(f"the test left mounts in its tmp dir (detached now): {left}")
 
 
 @pytest.fixture(autouse=True)

@@ -47,27 +47,28 @@ def on_a_full_disk(
     )
 
 
-def python(code: str, *args: str) -> list[str]:
-    return [sys.executable, "-c", code, *args]
-
-
-LIST = "import os, sys; print('left:', sorted(os.listdir(sys.argv[1])))"
+def make_in(mnt: Path, imports: str, call: str, error: str) -> subprocess.CompletedProcess[str]:
+    """`call` (Python, with the dir as `d`) in a child on a full tmpfs at `mnt`: it prints
+    "created" or "refused: <the error>", then what is left in the dir."""
+    code = (
+        f"import os, sys\n{imports}\nd = sys.argv[1]\n"
+        f"try:\n    {call}\n    print('created')\n"
+        f"except {error} as e:\n    print('refused:', e)\n"
+        "print('left:', sorted(os.listdir(d)))\n"
+    )
+    return on_a_full_disk(mnt, [sys.executable, "-c", code, str(mnt)], dict(os.environ))
 
 
 def test_a_region_on_a_full_disk_is_refused_when_made_and_leaves_nothing(
     native_tree: Path, tmp_path: Path
 ) -> None:
-    code = (
-        "import sys\n"
-        "from vgpu_plugin.node.observe.region import GpuLimit, RegionError, create_region\n"
-        "try:\n"
-        "    create_region(sys.argv[1] + '/r.cache', [GpuLimit('GPU-x', 1 << 30, 0)])\n"
-        "    print('created')\n"
-        "except RegionError as e:\n"
-        "    print('refused:', e)\n" + LIST.replace("; ", "\n")
-    )
     mnt = tmp_path / "full"
-    p = on_a_full_disk(mnt, python(code, str(mnt)), dict(os.environ))
+    p = make_in(
+        mnt,
+        "from vgpu_plugin.node.observe.region import GpuLimit, RegionError, create_region",
+        "create_region(d + '/r.cache', [GpuLimit('GPU-x', 1 << 30, 0)])",
+        "RegionError",
+    )
     assert p.returncode == 0, p.stderr
     assert f"refused: cannot create region {mnt}/r.cache: {NO_SPACE}" in p.stdout
     assert "left: []" in p.stdout  # neither the region nor its temporary file
@@ -76,17 +77,12 @@ def test_a_region_on_a_full_disk_is_refused_when_made_and_leaves_nothing(
 def test_a_simgpu_node_on_a_full_disk_is_refused_when_made(
     native_tree: Path, tmp_path: Path
 ) -> None:
-    code = (
-        "import sys\n"
-        "from vgpu_plugin.sim.simgpu import GpuSpec, Node, SimGpuError\n"
-        "try:\n"
-        "    Node.create(sys.argv[1], [GpuSpec()])\n"
-        "    print('created')\n"
-        "except SimGpuError as e:\n"
-        "    print('refused:', e)\n" + LIST.replace("; ", "\n")
+    p = make_in(
+        tmp_path / "full",
+        "from vgpu_plugin.sim.simgpu import GpuSpec, Node, SimGpuError",
+        "Node.create(d, [GpuSpec()])",
+        "SimGpuError",
     )
-    mnt = tmp_path / "full"
-    p = on_a_full_disk(mnt, python(code, str(mnt)), dict(os.environ))
     assert p.returncode != SIGBUS, p.stderr
     assert p.returncode == 0, p.stderr
     assert "refused: cannot write" in p.stdout and NO_SPACE in p.stdout

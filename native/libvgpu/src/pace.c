@@ -110,12 +110,7 @@ static struct pace_file *g_file;
 static int g_file_state; /* 0 not tried, 1 mapped, -1 unusable */
 
 static int init_file(int fd, const struct vgpu_limits *lim) {
-    /* Allocated, not just sized: a sparse page on a full disk is a SIGBUS at first touch. */
-    int rc = posix_fallocate(fd, 0, sizeof(struct pace_file));
-    if (rc != 0) {
-        errno = rc;
-        return -1;
-    }
+    if (vgpu_file_allocate(fd, sizeof(struct pace_file)) != 0) return -1; /* never a SIGBUS */
     struct pace_file *f = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (f == MAP_FAILED) return -1;
     memcpy(f->magic, PACE_MAGIC, sizeof f->magic);

@@ -223,14 +223,16 @@ static int check_limits(const struct vgpu_limits *l, const char *path, char *err
     return 0;
 }
 
+VGPU_REGION_HIDDEN int vgpu_file_allocate(int fd, off_t size) {
+    int rc = posix_fallocate(fd, 0, size);
+    if (rc == 0) return 0;
+    errno = rc; /* posix_fallocate returns its error rather than setting errno */
+    return -1;
+}
+
 static int init_file(int fd, const struct vgpu_limits *l) {
-    /* Allocated, not just sized: on a full disk a sparse page's first touch, by any process
-     * of the container, would be a SIGBUS; this way the creator gets ENOSPC. */
-    int rc = posix_fallocate(fd, 0, sizeof(struct vgpu_region_file));
-    if (rc != 0) {
-        errno = rc;
-        return -1;
-    }
+    /* Allocated, not just sized: every process of the container maps it (vgpu_file_allocate). */
+    if (vgpu_file_allocate(fd, sizeof(struct vgpu_region_file)) != 0) return -1;
     struct vgpu_region_file *f =
         mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (f == MAP_FAILED) return -1;

@@ -10,6 +10,11 @@
 
 #define VGPU_REGION_HIDDEN __attribute__((visibility("hidden")))
 
+/* Give fd's first `size` bytes their blocks (posix_fallocate), so that a mapping of them
+ * never faults for want of space: on a full disk a sparse page's first touch is a SIGBUS, in
+ * whichever process touches it, where this returns -1 with errno ENOSPC to the file's maker. */
+VGPU_REGION_HIDDEN int vgpu_file_allocate(int fd, off_t size);
+
 /* This process's committed charge on dev (charged, less what is between reserve and commit). */
 VGPU_REGION_HIDDEN uint64_t vgpu_region_own_committed(const struct vgpu_region *r, int dev);
 /* 1 if a live slot of the region is the process NVML lists as `pid`: its node pid where its

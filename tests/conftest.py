@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -146,6 +147,10 @@ def say_to_each(procs: Sequence[subprocess.Popen[str]], line: str) -> None:
         assert p.stdin is not None
         p.stdin.write(line + "\n")
         p.stdin.flush()
+
+
+# Tests that make containers of mount namespaces themselves (unshare, mount) need root and both.
+NO_NAMESPACES = os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount"))
 
 
 def require_root() -> None:

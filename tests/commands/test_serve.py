@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import signal
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import NO_NAMESPACES
 
 from vgpu_plugin.api.constants import HEALTHY, UNHEALTHY
 from vgpu_plugin.api.deviceplugin.v1beta1 import api_pb2 as pb
@@ -457,7 +457,7 @@ def test_serve_caps_malloc_arenas_where_the_c_library_is_glibc() -> None:
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    NO_NAMESPACES,
     reason="needs root and unshare(1)/mount(8): the container is a mount namespace here",
 )
 def test_serve_exports_and_logs_a_containers_process_that_runs_without_the_shim(

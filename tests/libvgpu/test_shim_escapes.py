@@ -16,9 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import NO_NAMESPACES
 from test_shim_compute import shim_on
 from test_shim_helpers import Shim, read_until
-from test_shim_multiproc import NO_NAMESPACES, WHY, container
+from test_shim_multiproc import WHY, container
 
 from vgpu_plugin.core.devices import GpuLimit
 from vgpu_plugin.node.ledger.state import AllocationRecord, AllocationStore

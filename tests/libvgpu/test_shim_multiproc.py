@@ -24,8 +24,6 @@ got 39 %; with the windows the samples' stamps give, 25 %.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import NO_NAMESPACES
 from pace_forge import forge_budget
 from simgpu_shares import MS, busy_split, run_until_busy, settled
 from test_shim_compute import shim_on
@@ -47,7 +46,6 @@ IN_FLIGHT = 8
 MOST_SECONDS = 90  # run stops them once NEED of busy time is measured
 NEED = 1500 * MS
 
-NO_NAMESPACES = os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount"))
 WHY = "needs root and unshare(1)/mount(8): containers are mount namespaces here"
 
 

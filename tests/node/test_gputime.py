@@ -5,13 +5,13 @@ publisher's files. The whole loop against the shim: tests/libvgpu/test_shim_mult
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import subprocess
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
+from conftest import NO_NAMESPACES
 
 from vgpu_plugin.node.observe import gputime
 from vgpu_plugin.node.observe.gputime import (
@@ -394,7 +394,7 @@ def test_proc_is_searched_for_a_cgroup_at_most_every_few_seconds(tmp_path: Path)
 
 
 @pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    NO_NAMESPACES,
     reason="needs root and unshare(1)/mount(8): a container is a mount namespace here",
 )
 def test_on_the_real_proc_a_pid_without_the_mount_is_known_by_its_cgroup(

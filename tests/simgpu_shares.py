@@ -63,10 +63,11 @@ def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[fl
 
 BUSY_STEP = 50 * MS
 
+# Whose shares are asked for: each a pid, or a container's pids together (busy_steps).
+Parties = Sequence[int | Sequence[int]]
 
-def busy_steps(
-    node: Node, parties: Sequence[int | Sequence[int]], a: int, b: int, gpu: int = 0
-) -> list[list[int]]:
+
+def busy_steps(node: Node, parties: Parties, a: int, b: int, gpu: int = 0) -> list[list[int]]:
     """Each party's GPU time per 50 ms step of simgpu's clock in [a, b), in the steps in which
     every party's work ran, less the steps next to one in which some party's did not. A party
     is a pid, or a container's pids together (busy in a step where any of them ran: three
@@ -90,7 +91,7 @@ def busy_steps(
 
 def busy_split(
     node: Node,
-    parties: Sequence[int | Sequence[int]],
+    parties: Parties,
     a: int,
     b: int,
     gpu: int = 0,
@@ -106,9 +107,7 @@ def busy_split(
     return [100.0 * g / sum(got) for g in got], [100.0 * g / span for g in got]
 
 
-def busy_span(
-    node: Node, parties: Sequence[int | Sequence[int]], a: int, b: int, gpu: int = 0
-) -> int:
+def busy_span(node: Node, parties: Parties, a: int, b: int, gpu: int = 0) -> int:
     """How much of [a, b) busy_steps keeps, in ns: a test runs its launchers until it has
     enough, however long a loaded host kept them from running."""
     return len(busy_steps(node, parties, a, b, gpu)) * BUSY_STEP
@@ -124,9 +123,7 @@ def median_share(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> f
     return got[len(got) // 2]
 
 
-def settled(
-    node: Node, parties: Sequence[int | Sequence[int]], t0: int, t1: int, gpu: int = 0
-) -> tuple[int, int]:
+def settled(node: Node, parties: Parties, t0: int, t1: int, gpu: int = 0) -> tuple[int, int]:
     """Where a guarantee is judged: from the pacing's settling (settle_ns) after all the
     parties' pids first ran together to 500 ms before the first of them stopped."""
     window = _settled(node, parties, t0, t1, gpu)
@@ -134,16 +131,14 @@ def settled(
     return window
 
 
-def _settled(
-    node: Node, parties: Sequence[int | Sequence[int]], t0: int, t1: int, gpu: int
-) -> tuple[int, int] | None:
+def _settled(node: Node, parties: Parties, t0: int, t1: int, gpu: int) -> tuple[int, int] | None:
     ran = _all_ran(node, _pids(parties), t0, t1, gpu)
     return (ran[0] + settle_ns(), ran[1] - 500 * MS) if ran else None
 
 
 def run_until_busy(
     node: Node,
-    parties: Sequence[int | Sequence[int]],
+    parties: Parties,
     t0: int,
     need: int,
     limit: float = 60,
@@ -162,9 +157,9 @@ def run_until_busy(
             return
 
 
-def _groups(parties: Sequence[int | Sequence[int]]) -> list[list[int]]:
+def _groups(parties: Parties) -> list[list[int]]:
     return [[p] if isinstance(p, int) else list(p) for p in parties]
 
 
-def _pids(parties: Sequence[int | Sequence[int]]) -> list[int]:
+def _pids(parties: Parties) -> list[int]:
     return [p for g in _groups(parties) for p in g]

@@ -10,24 +10,26 @@ tiny tmpfs in a private mount namespace and works in it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_shim_helpers import GIB, Shim
+from conftest import NO_NAMESPACES
+from test_shim_helpers import GIB, Shim, parse
 
 from vgpu_plugin.node.observe.region import GpuLimit, create_region
 from vgpu_plugin.sim.simgpu import Node
 
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("mount")),
+    NO_NAMESPACES,
     reason="needs root, unshare and mount (a tiny tmpfs in a private mount namespace)",
 )
 
 SIGBUS = -7
 NO_SPACE = os.strerror(28)  # ENOSPC
+CHUNK = 64 << 20
+ALLOC_FOUR = ["handle", "0", "alloc", str(CHUNK), "4"]  # shim_mem: four chunks on GPU 0
 
 
 def on_a_full_disk(
@@ -97,7 +99,7 @@ def test_a_container_whose_region_dir_is_full_is_told_and_never_killed(
     when a page of a half-backed region is first touched."""
     shim = Shim(native_tree, simgpu_node, tmp_path)
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1g"})
-    argv = [str(shim.prog("shim_mem")), "handle", "0", "alloc", str(64 << 20), "4"]
+    argv = [str(shim.prog("shim_mem")), *ALLOC_FOUR]
     p = on_a_full_disk(shim.region.parent, argv, env)
     assert p.returncode != SIGBUS, p.stderr
     assert str(shim.region) in p.stderr and NO_SPACE in p.stderr, p.stderr
@@ -105,7 +107,7 @@ def test_a_container_whose_region_dir_is_full_is_told_and_never_killed(
     # With room the same program runs and is held to its limit.
     room = on_a_full_disk(shim.region.parent, argv, env, size="1m")
     assert room.returncode == 0, room.stderr
-    assert int(room.stdout.split("allocated=")[1].split()[0]) == 4 * (64 << 20) < GIB
+    assert int(parse(room.stdout)["allocated"]) == 4 * CHUNK < GIB
 
 
 def test_a_compute_budget_that_finds_no_room_paces_the_process_on_its_own(
@@ -119,7 +121,7 @@ def test_a_compute_budget_that_finds_no_room_paces_the_process_on_its_own(
     region_only = -(-sample.stat().st_size // page) * page
     shim = Shim(native_tree, simgpu_node, tmp_path)
     env = shim.env({"CUDA_DEVICE_MEMORY_LIMIT": "1g", "CUDA_DEVICE_SM_LIMIT": "50"})
-    argv = [str(shim.prog("shim_mem")), "handle", "0", "alloc", str(64 << 20), "4"]
+    argv = [str(shim.prog("shim_mem")), *ALLOC_FOUR]
     p = on_a_full_disk(shim.region.parent, argv, env, size=str(region_only))
     assert p.returncode == 0, p.stderr
     pace = shim.region.with_suffix(".pace")

@@ -41,6 +41,33 @@ from vgpu_plugin.sim.dra_kubelet import DraKubeletEmulator, FakeApiHttp, FakeApi
 from vgpu_plugin.sim.kubelet_emulator import KubeletEmulator, short_tmp_dir
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
 
+# Runs a module from the tree given first, whatever package an editable install put on the
+# path: its import hook comes before PYTHONPATH, so PYTHONPATH alone ran this tree's plugin in
+# every "other tree" of a comparison (found 2026-11-29: earlier pairs measured main twice).
+_FROM_TREE = """
+import runpy, sys
+src = sys.argv.pop(1)
+sys.meta_path[:] = [f for f in sys.meta_path if "_editable" not in getattr(f, "__module__", "")]
+sys.path.insert(0, src)
+import vgpu_plugin
+assert vgpu_plugin.__file__.startswith(src), (vgpu_plugin.__file__, src)
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def serve_python(src: Path) -> list[str]:
+    """The command that runs ``-m <module>`` from ``src`` (another checkout's ``src/``)."""
+    tree = str(src.resolve())
+    found = subprocess.run(
+        [sys.executable, "-c", _FROM_TREE, tree, "vgpu_plugin.commands.settings"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if found.returncode != 0:
+        raise SystemExit(f"--serve-src {src}: cannot run the plugin from there: {found.stderr}")
+    print(f"serve runs from {tree}")
+    return [sys.executable, "-c", _FROM_TREE, tree]
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -63,12 +90,12 @@ def main() -> int:
     api = FakeApiServer()
     http = FakeApiHttp(api).start()
     env = node.env()
-    if args.serve_src:  # only the plugin differs: the bench, its API server and client stay
-        env["PYTHONPATH"] = str(args.serve_src.resolve())
     env["KUBECONFIG"] = str(http.write_kubeconfig(work / "kubeconfig"))
     env["VGPU_DRA_REGISTRY_DIR"] = str(sockets / "registry")
     env["VGPU_DRA_PLUGINS_DIR"] = str(sockets / "plugins")
-    cmd = [sys.executable, "-m", "vgpu_plugin", "serve", "--config", str(work / "config.yaml"),
+    # Only the plugin differs with --serve-src: the bench, its API server and client stay.
+    python = serve_python(args.serve_src) if args.serve_src else [sys.executable, "-m"]
+    cmd = [*python, "vgpu_plugin", "serve", "--config", str(work / "config.yaml"),
            "--device-plugin-dir", str(sockets), "--host-root", str(work / "host"),
            "--state-dir", str(work / "state"), "--lock-dir", str(work / "locks"),
            "--cdi-spec-dir", str(work / "cdi"), "--node-name", "node-1",

@@ -77,6 +77,46 @@ def test_round_trip_and_restart(tmp_path: Path) -> None:
     assert [r.allocation_id for r in AllocationStore(tmp_path).all()] == ["alloc-0002"]
 
 
+def test_changed_since_names_what_changed_by_anyone_and_reads_whole_when_too_far_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What lets the GPU-time publisher read what changed, not the ledger: this store's
+    changes, another process's and a compaction's (none) are named; a reader further behind
+    than the changes kept is told to read the ledger whole."""
+    monkeypatch.setattr(state, "CHANGES_KEPT", 8)
+    store = AllocationStore(tmp_path, compact_min=2)
+    store.add(record(1))
+    version, records = store.snapshot()
+    assert records == [record(1)]
+    assert store.changed_since(version) == (version, {})
+    store.all()
+    store.get("alloc-0001")
+    assert store.changed_since(version) == (version, {})  # reading changes nothing
+
+    store.add(record(2))
+    store.add_many([record(3)], sync=False)
+    AllocationStore(tmp_path).add(record(4, pod="other"))  # another plugin process
+    got = store.changed_since(version)
+    assert got is not None
+    v2, changed = got
+    assert changed == {"alloc-0002": record(2), "alloc-0003": record(3),
+                       "alloc-0004": record(4, pod="other")}  # fmt: skip
+    for _ in range(3):  # replacements until the journal is compacted into a new file
+        store.add(record(1, pod="again"))
+    assert store.changed_since(v2) == (store.snapshot()[0], {"alloc-0001": record(1, pod="again")})
+    v3 = store.snapshot()[0]
+    AllocationStore(tmp_path).remove("alloc-0003")
+    assert store.remove("alloc-0002")
+    assert not store.remove("alloc-0002")
+    assert store.changed_since(v3) == (v3 + 2, {"alloc-0002": None, "alloc-0003": None})
+
+    for n in range(10, 20):  # more changes than are kept
+        store.add(record(n))
+    assert store.changed_since(v3) is None
+    assert store.changed_since(store.snapshot()[0] - 8) is not None
+    assert AllocationStore(tmp_path).changed_since(0) is None  # another store's versions: read
+
+
 def test_add_replaces_the_same_allocation_id(tmp_path: Path) -> None:
     store = AllocationStore(tmp_path)
     store.add(record(1))

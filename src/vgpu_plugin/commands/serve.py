@@ -72,11 +72,11 @@ from vgpu_plugin.node.observe.metrics import (
 )
 from vgpu_plugin.node.observe.nodeview import (
     GpuFacts,
+    GuaranteeIndex,
     allocation_gpus,
     allocation_names,
     dra_gpu_facts,
     gpu_facts_from_plan,
-    guaranteed_gpus,
     live_processes,
     region_slots,
     staged_view_provider,
@@ -359,8 +359,10 @@ class Plugin:
         host_root = Path(self._host_root())
         state_dir = self.settings.state_dir
 
+        index = GuaranteeIndex(store)  # costs what changed since the last round
+
         def allocations() -> dict[str, set[str]]:
-            return guaranteed_gpus(store.all(), read_prepared_claims(state_dir)[0])
+            return index.current(read_prepared_claims(state_dir)[0])
 
         def loop() -> None:
             try:

@@ -43,6 +43,7 @@ rolling update) its records are imported into the journal and it is renamed
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -86,6 +87,8 @@ ENTRY_MARK = b"\xd8\x1fVR"
 # mark, payload length, CRC-32 of the length's four bytes and the payload.
 _FRAME = struct.Struct("<4sII")
 MAX_ENTRY = 1 << 20
+# Changes remembered by id for ``changed_since``: a reader further behind reads the ledger whole.
+CHANGES_KEPT = 4096
 PUT, DELETE = "put", "del"
 
 # Which front end made an allocation: the device plugin's Allocate, or a DRA claim's prepare.
@@ -528,6 +531,13 @@ class AllocationStore:
         # The records of each front end but the device plugin's, kept with ``_records`` (None:
         # built again when next asked for): a DRA prepare reads its few claims, not the ledger.
         self._others: dict[str, AllocationRecord] | None = None
+        # Every change of ``_records`` (ours, or another process's once read) gets the next
+        # version, and the last CHANGES_KEPT of them are kept by id: a periodic reader asks
+        # what changed since its version (``changed_since``) instead of reading the ledger
+        # whole. ``_reset``: the version at which the records were read whole (at start).
+        self._version = 0
+        self._reset = 0
+        self._changes: collections.deque[tuple[int, str]] = collections.deque(maxlen=CHANGES_KEPT)
         # Group commit: add_many's batches waiting for the next writer to hold the lock.
         self._queue_lock = threading.Lock()
         self._pending: list[_Batch] = []
@@ -604,6 +614,7 @@ class AllocationStore:
                 return False
             self._append([delete_entry(allocation_id)])
             del self._records[allocation_id]
+            self._changed(allocation_id)
             if self._others is not None:
                 self._others.pop(allocation_id, None)
             self._drop_sorted(allocation_id)
@@ -620,6 +631,30 @@ class AllocationStore:
             if self._sorted is None:
                 self._sorted = _sorted(self._records.values())
             return list(self._sorted)
+
+    def snapshot(self) -> tuple[int, list[AllocationRecord]]:
+        """Every record, oldest first, and the version they are at (for ``changed_since``)."""
+        with self._locked():
+            if self._sorted is None:
+                self._sorted = _sorted(self._records.values())
+            return self._version, list(self._sorted)
+
+    def changed_since(self, version: int) -> tuple[int, dict[str, AllocationRecord | None]] | None:
+        """The version now and each record changed after ``version`` (None: removed); costs
+        what changed, not the ledger. None when that is no longer known (too many changes
+        since, or the journal was read whole again): ``snapshot`` then."""
+        with self._locked():
+            if version == self._version:
+                return version, {}
+            kept = self._changes
+            if not self._reset <= version < self._version or not kept or kept[0][0] > version + 1:
+                return None
+            changed: dict[str, AllocationRecord | None] = {}
+            for v, aid in reversed(kept):  # the newest first: stop at the caller's version
+                if v <= version:
+                    break
+                changed.setdefault(aid, self._records.get(aid))
+            return self._version, changed
 
     def of_front_end(self, front_end: str) -> list[AllocationRecord]:
         """The records of ``front_end`` (not the device plugin's), oldest first: costs what
@@ -703,6 +738,7 @@ class AllocationStore:
         for from the newest end); otherwise the list is sorted again when next asked for."""
         old = self._records.get(r.allocation_id)
         self._records[r.allocation_id] = r
+        self._changed(r.allocation_id)
         if self._others is not None:
             if r.front_end != DEVICE_PLUGIN:
                 self._others[r.allocation_id] = r
@@ -722,6 +758,10 @@ class AllocationStore:
                     ordered[i] = r
                     return
         self._sorted = None
+
+    def _changed(self, allocation_id: str) -> None:
+        self._version += 1
+        self._changes.append((self._version, allocation_id))
 
     def _drop_sorted(self, allocation_id: str) -> None:
         ordered = self._sorted
@@ -769,6 +809,9 @@ class AllocationStore:
         """Read the journal from the start (another process rewrote it, or at start)."""
         self._close_fd()
         self._records, self._sorted, self._others = {}, None, None
+        self._version += 1
+        self._reset = self._version
+        self._changes.clear()
         self._offset = self._entries = 0
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
@@ -796,6 +839,8 @@ class AllocationStore:
         found = scan(os.pread(self._fd, size - self._offset, self._offset), self._offset)
         apply(self._records, found.changes)
         self._sorted = self._others = None
+        for _op, arg in found.changes:
+            self._changed(arg.allocation_id if isinstance(arg, AllocationRecord) else arg)
         self._entries += found.entries
         self._offset = found.end
         if found.damage:
@@ -839,7 +884,7 @@ class AllocationStore:
         self._ino = os.fstat(self._fd).st_ino
         self._offset, self._entries = len(data), len(records)
         self._unsynced = False  # written and synced whole
-        self._records = {r.allocation_id: r for r in records}
+        self._records = {r.allocation_id: r for r in records}  # the same records (compaction)
         self._sorted = self._others = None
 
     def _maybe_compact(self) -> None:

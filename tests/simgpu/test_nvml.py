@@ -327,6 +327,39 @@ def test_a_lost_gpu_answers_gpu_is_lost_until_it_is_back(simgpu_node: Node) -> N
             nvml("N.nvmlEventSetWait_v2(s, 20)")
 
 
+def test_an_event_wait_sleeps_until_something_happens(simgpu_node: Node) -> None:
+    """As the driver's wait sleeps in the kernel: a wait on a quiet node wakes the process next
+    to never (a plugin's health thread waits all day; looking every 2 ms woke it 1,000 times
+    in 2 s and cost it 8 ms of CPU a second), and a GPU lost while it waits ends it at once."""
+    with pynvml_on(env_with(simgpu_node)) as nvml:
+        nvml(
+            "s = N.nvmlEventSetCreate()\n"
+            "for i in range(2):\n"
+            "    N.nvmlDeviceRegisterEvents("
+            "N.nvmlDeviceGetHandleByIndex(i), N.nvmlEventTypeXidCriticalError, s)"
+        )
+        # Sleeps the process chose (voluntary context switches): what polling multiplies,
+        # whatever the machine's speed or load (load adds involuntary ones).
+        woke = nvml(
+            "import resource\n"
+            "c = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw\n"
+            "try:\n"
+            "    N.nvmlEventSetWait_v2(s, 2000)\n"
+            "except N.NVMLError_Timeout:\n"
+            "    pass\n"
+            "out = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - c"
+        )
+        assert woke < 100, f"the process slept {woke} times in a 2 s wait with nothing to see"
+
+        nvml.send("N.nvmlEventSetWait_v2(s, 60000)")
+        time.sleep(0.2)  # the child is likely waiting now (if not, the loss waits for it)
+        start = time.monotonic()
+        simgpu_node.set_lost(1)
+        with pytest.raises(NvmlError, match="NVMLError_GpuIsLost"):
+            nvml.result()
+        assert time.monotonic() - start < 30  # at once, not at 60 s
+
+
 COUNT_AND_UUIDS = (
     "out = [N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(i))"
     " for i in range(N.nvmlDeviceGetCount())]"

@@ -171,6 +171,7 @@ static int xid_fn(struct simgpu_node *node, int fd, void *arg) {
     g->xid_ring[n % SIMGPU_XID_RING].time_ns = simgpu_now_ns();
     atomic_store_explicit(&g->xid_count, n + 1, memory_order_release);
     simgpu_unlock(node);
+    simgpu_events_notify(node);
     return 0;
 }
 
@@ -224,6 +225,7 @@ static int lost_fn(struct simgpu_node *node, int fd, void *arg) {
     struct gpu_query *q = arg;
     if (check_gpu(node, q->gpu) != 0) return -1;
     atomic_store(&node->gpus[q->gpu].lost, q->lost ? 1 : 0);
+    simgpu_events_notify(node);
     return 0;
 }
 

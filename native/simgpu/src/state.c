@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <linux/futex.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -331,6 +333,22 @@ uint64_t simgpu_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Not FUTEX_PRIVATE: the word is in a file other processes map (the injector's, the
+ * waiters'), and the kernel keys a shared futex by the file's page. */
+void simgpu_events_notify(struct simgpu_node *node) {
+    atomic_fetch_add_explicit(&node->events, 1, memory_order_release);
+    syscall(SYS_futex, (uint32_t *)&node->events, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+void simgpu_events_wait(struct simgpu_node *node, uint32_t seen, uint64_t until_ns) {
+    uint64_t now = simgpu_now_ns();
+    if (now >= until_ns) return;
+    uint64_t left = until_ns - now;
+    struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+    /* EAGAIN (it moved already), EINTR, ETIMEDOUT: the caller looks again either way */
+    syscall(SYS_futex, (uint32_t *)&node->events, FUTEX_WAIT, seen, &ts, NULL, 0);
 }
 
 void simgpu_sleep_until(uint64_t t_ns) {

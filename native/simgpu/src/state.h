@@ -21,7 +21,7 @@
 /* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
  * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans;
  * 7: per-context lanes for time-slicing (SIMGPU_TIMESLICE). */
-#define SIMGPU_STATE_VERSION 7u
+#define SIMGPU_STATE_VERSION 8u
 /* Spans of work kept per GPU: enough for tests to read seconds of 200 µs kernels of several
  * processes afterwards in simgpu's clock (simgpu_node_busy). */
 #define SIMGPU_BUSY_RING 16384
@@ -109,6 +109,10 @@ struct simgpu_node {
     uint64_t lock_base; /* file offset of the per-slot liveness bytes */
     pthread_mutex_t lock;
     uint64_t owners;    /* timeline owner names handed out (node lock) */
+    /* Bumped after each XID and each GPU lost or back, and waited on (a futex on the shared
+     * file): an NVML event wait sleeps until something happens, as the driver's does. */
+    _Atomic uint32_t events;
+    uint32_t reserved;
     struct simgpu_gpu_shared gpus[SIMGPU_MAX_GPUS];
     struct simgpu_proc_shared procs[SIMGPU_MAX_PROCS];
     struct simgpu_cgroup_limit cgroup_limits[SIMGPU_CGROUP_LIMITS];
@@ -172,6 +176,12 @@ uint32_t simgpu_process_busy(uint32_t gpu, uint64_t from_ns, uint64_t now_ns,
                              struct simgpu_proc_busy *out, uint32_t max);
 
 /* --- faults ------------------------------------------------------------------------------ */
+
+/* Tell every NVML event wait on the node that an XID or a lost GPU may be there. */
+void simgpu_events_notify(struct simgpu_node *node);
+/* Sleep until simgpu_events_notify runs after `node->events` read `seen`, or until `until_ns`
+ * (CLOCK_MONOTONIC), whichever comes first; early returns are allowed (the caller looks). */
+void simgpu_events_wait(struct simgpu_node *node, uint32_t seen, uint64_t until_ns);
 
 int simgpu_gpu_lost(uint32_t gpu);
 uint64_t simgpu_xid_count(uint32_t gpu);

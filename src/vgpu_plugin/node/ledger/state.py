@@ -534,7 +534,8 @@ class AllocationStore:
         # Every change of ``_records`` (ours, or another process's once read) gets the next
         # version, and the last CHANGES_KEPT of them are kept by id: a periodic reader asks
         # what changed since its version (``changed_since``) instead of reading the ledger
-        # whole. ``_reset``: the version at which the records were read whole (at start).
+        # whole. ``_reset``: the version at which the records were last read whole (at
+        # start, or after another process rewrote the journal): earlier versions are unknown.
         self._version = 0
         self._reset = 0
         self._changes: collections.deque[tuple[int, str]] = collections.deque(maxlen=CHANGES_KEPT)

@@ -116,10 +116,10 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
     if (rc != NVML_SUCCESS) return rc;
     if (!data) return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t deadline = simgpu_now_ns() + (uint64_t)timeoutms * 1000000ull;
-    struct simgpu_node *node = simgpu_node();
+    struct simgpu_node *node = simgpu_node(); /* attached: NVML is initialised (check_set) */
     for (;;) {
         /* Read before looking: an injection after the look moves it, and the wait returns. */
-        uint32_t seen = node ? atomic_load_explicit(&node->events, memory_order_acquire) : 0;
+        uint32_t seen = atomic_load_explicit(&node->events, memory_order_acquire);
         pthread_mutex_lock(&set->mu);
         int got = take_event(set, data);
         int lost = !got && any_lost(set);
@@ -129,9 +129,7 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         uint64_t now = simgpu_now_ns();
         if (now >= deadline) return NVML_ERROR_TIMEOUT;
         if (nvml_ready() != NVML_SUCCESS) return NVML_ERROR_UNINITIALIZED; /* shut down meanwhile */
-        uint64_t until = deadline - now < SHUTDOWN_NS ? deadline : now + SHUTDOWN_NS;
-        if (node) simgpu_events_wait(node, seen, until);
-        else simgpu_sleep_until(until);
+        simgpu_events_wait(node, seen, deadline - now < SHUTDOWN_NS ? deadline : now + SHUTDOWN_NS);
     }
 }
 

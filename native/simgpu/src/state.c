@@ -342,17 +342,20 @@ void simgpu_events_notify(struct simgpu_node *node) {
     syscall(SYS_futex, (uint32_t *)&node->events, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
+static struct timespec timespec_of(uint64_t ns) {
+    return (struct timespec){(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+}
+
 void simgpu_events_wait(struct simgpu_node *node, uint32_t seen, uint64_t until_ns) {
-    uint64_t now = simgpu_now_ns();
-    if (now >= until_ns) return;
-    uint64_t left = until_ns - now;
-    struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
-    /* EAGAIN (it moved already), EINTR, ETIMEDOUT: the caller looks again either way */
-    syscall(SYS_futex, (uint32_t *)&node->events, FUTEX_WAIT, seen, &ts, NULL, 0);
+    /* WAIT_BITSET takes an absolute CLOCK_MONOTONIC time, as simgpu_sleep_until does.
+     * EAGAIN (it moved already), EINTR, ETIMEDOUT: the caller looks again either way. */
+    struct timespec ts = timespec_of(until_ns);
+    syscall(SYS_futex, (uint32_t *)&node->events, FUTEX_WAIT_BITSET, seen, &ts, NULL,
+            FUTEX_BITSET_MATCH_ANY);
 }
 
 void simgpu_sleep_until(uint64_t t_ns) {
-    struct timespec ts = {(time_t)(t_ns / 1000000000ull), (long)(t_ns % 1000000000ull)};
+    struct timespec ts = timespec_of(t_ns);
     while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
     }
 }

@@ -629,16 +629,12 @@ class AllocationStore:
     def all(self) -> list[AllocationRecord]:
         """Every record, oldest first."""
         with self._locked():
-            if self._sorted is None:
-                self._sorted = _sorted(self._records.values())
-            return list(self._sorted)
+            return self._ordered()
 
     def snapshot(self) -> tuple[int, list[AllocationRecord]]:
         """Every record, oldest first, and the version they are at (for ``changed_since``)."""
         with self._locked():
-            if self._sorted is None:
-                self._sorted = _sorted(self._records.values())
-            return self._version, list(self._sorted)
+            return self._version, self._ordered()
 
     def changed_since(self, version: int) -> tuple[int, dict[str, AllocationRecord | None]] | None:
         """The version now and each record changed after ``version`` (None: removed); costs
@@ -759,6 +755,12 @@ class AllocationStore:
                     ordered[i] = r
                     return
         self._sorted = None
+
+    def _ordered(self) -> list[AllocationRecord]:
+        """Every record, oldest first, a copy (caller holds the lock)."""
+        if self._sorted is None:
+            self._sorted = _sorted(self._records.values())
+        return list(self._sorted)
 
     def _changed(self, allocation_id: str) -> None:
         self._version += 1

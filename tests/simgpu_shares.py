@@ -4,11 +4,12 @@ shifts when work runs, not how the GPU's time was split."""
 
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from collections.abc import Sequence
 
-from vgpu_plugin.sim.simgpu import Node
+from vgpu_plugin.sim.simgpu import Node, Span
 
 MS = 1_000_000
 
@@ -55,6 +56,12 @@ def _all_ran(node: Node, pids: list[int], t0: int, t1: int, gpu: int) -> tuple[i
     return (t0 + both[0] * step, t0 + (both[-1] + 1) * step) if both else None
 
 
+def waiting_ns(spans: Sequence[Span], pid: int, a: int, b: int) -> int:
+    """How long in [a, b) `pid` had work on the GPU, queued or running (Node.spans: from each
+    span's queueing to its end): the time it was asking the GPU for time."""
+    return sum(hi - lo for lo, hi in _waited(spans, {pid}, a, b))
+
+
 def shares(node: Node, pids: list[int], a: int, b: int, gpu: int = 0) -> list[float]:
     """Each pid's GPU time in [a, b] of simgpu's clock, in percent of that span."""
     got = node.busy(gpu, a, b)
@@ -82,11 +89,19 @@ def busy_steps(node: Node, parties: Parties, a: int, b: int, gpu: int = 0) -> li
     launching in; the steps beside it hold the way into and out of that (its last queued
     kernels, the others' lent time, its catch-up). What is left is the time in which all of
     them were busy: what a share is promised over."""
+    return [per for _, per in _kept_steps(node, parties, a, b, gpu)]
+
+
+def _kept_steps(
+    node: Node, parties: Parties, a: int, b: int, gpu: int
+) -> list[tuple[int, list[int]]]:
+    """busy_steps, each with where it starts."""
     groups = _groups(parties)
     steps = timeline(node, _pids(parties), a, b, BUSY_STEP, gpu)
     per = [[sum(s[p] for p in g) for g in groups] for s in steps]
     idle = [any(t == 0 for t in s) for s in per]
-    return [s for i, s in enumerate(per) if not any(idle[max(0, i - 1) : i + 2])]
+    keep = [i for i in range(len(per)) if not any(idle[max(0, i - 1) : i + 2])]
+    return [(a + i * BUSY_STEP, per[i]) for i in keep]
 
 
 def busy_split(
@@ -105,6 +120,86 @@ def busy_split(
     got = [sum(s[i] for s in steps) for i in range(len(parties))]
     span = len(steps) * BUSY_STEP
     return [100.0 * g / sum(got) for g in got], [100.0 * g / span for g in got]
+
+
+# A launcher that waits on each kernel queues the next this long after the last one ends at
+# most when the host runs it (simgpu's clock): a gap no longer than this is part of asking.
+TURNAROUND = 1 * MS
+
+
+def waited_split(
+    node: Node,
+    parties: Parties,
+    a: int,
+    b: int,
+    gpu: int = 0,
+    least: int = 1000 * MS,
+) -> list[float]:
+    """Over busy_steps, within the time the first party waited on the GPU (work queued or
+    running, gaps up to TURNAROUND bridged: waiting_ns), each party's GPU time there in
+    percent of it: the share the first party got of the time it asked for, and what the
+    others took of it meanwhile.
+
+    A launcher the loaded host does not run between its kernels is not asking then, and what
+    the others ran meanwhile was idle time rightly lent (docs/compute.md, Lending): busy_split
+    counts that against it (at load 15 a 75 % neighbour fell to 63.4 % of its steps), this
+    does not. Nor does it count the others' work that was queued before a stretch of asking
+    began and ran into it (simgpu runs queued work in order: lent time that was already handed
+    out); that time leaves the whole. At least `least` ns of such time."""
+    groups = _groups(parties)
+    spans = node.spans(gpu, a, b)
+    first = set(groups[0])
+    waits: list[tuple[int, int]] = []
+    for start, _ in _kept_steps(node, parties, a, b, gpu):
+        waits += _waited(spans, first, start, start + BUSY_STEP, TURNAROUND)
+    starts = [lo for lo, _ in waits]
+    ends = [hi for _, hi in waits]
+    total = sum(hi - lo for lo, hi in waits)
+    got = [0] * len(groups)
+    for s in spans:
+        ahead = s.pid not in first and s.queued_ns < _stretch_start(starts, ends, s.start_ns)
+        time_in = _overlap(waits, ends, s.start_ns, s.end_ns)
+        if ahead:
+            total -= time_in
+            continue
+        for i, g in enumerate(groups):
+            if s.pid in g:
+                got[i] += time_in
+    assert total >= least, (total, (b - a) // MS)
+    return [100.0 * g / total for g in got]
+
+
+def _waited(
+    spans: Sequence[Span], pids: set[int], a: int, b: int, bridge: int = 0
+) -> list[tuple[int, int]]:
+    """The stretches of [a, b) in which some of `pids` had work on the GPU, gaps of up to
+    `bridge` ns between them bridged, in order."""
+    out: list[tuple[int, int]] = []
+    for s in sorted((s for s in spans if s.pid in pids), key=lambda s: s.queued_ns):
+        lo, hi = max(s.queued_ns, a), min(s.end_ns, b)
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1] + bridge:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _stretch_start(starts: list[int], ends: list[int], t: int) -> int:
+    """Where the stretch that holds `t` (or the next one after it) begins."""
+    i = bisect.bisect_right(ends, t)
+    return starts[i] if i < len(starts) else t
+
+
+def _overlap(stretches: list[tuple[int, int]], ends: list[int], lo: int, hi: int) -> int:
+    """How much of [lo, hi) the ordered, disjoint `stretches` cover (`ends`: their ends)."""
+    out = 0
+    for s_lo, s_hi in stretches[bisect.bisect_right(ends, lo) :]:
+        if s_lo >= hi:
+            break
+        out += min(s_hi, hi) - max(s_lo, lo)
+    return out
 
 
 def busy_span(node: Node, parties: Parties, a: int, b: int, gpu: int = 0) -> int:

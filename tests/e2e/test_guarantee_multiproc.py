@@ -6,11 +6,17 @@ each container, and publishes it read-only to the pod (node/observe/gputime.py,
 docs/security.md#compute-guarantees). The same with the shim alone, without runc:
 tests/libvgpu/test_shim_multiproc.py.
 
-Shares come from simgpu's record of whose work ran when (`Node.busy`), in its clock, over the
-steps in which both pods were busy (`busy_split`), and the pods run until 2.5 s of those are
-measured. Measured here: the tenant 25.2 %, its 75 % neighbour 73.1 % (at load 16 on 2 CPUs:
-24.7 - 27.4 % and 68.7 - 72.5 %); with `VGPU_GPUTIME_INTERVAL=0` (serve measures nothing, the
-pacing as before) the tenant took 75.0 % and left its neighbour 25.0 %.
+Shares come from simgpu's record of whose work was queued and ran when (`Node.spans`), in its
+clock: of the time the neighbour waited on the GPU in the steps both pods were busy, how much it
+got and how much the tenant took (`waited_split`); the pods run until 2.5 s of those steps are
+measured. The neighbour launches one kernel at a time: a loaded host that does not run it
+between two leaves it not asking, and the tenant rightly borrows that time. Counted over the
+whole of those steps (`busy_split`, before), that once left the neighbour 63.4 % at load 15
+beside the suite's other worker (in runs like it, its pacing held it back in none of those
+steps).
+Measured here (2026-11-29, the tenant's part of the neighbour's waiting time): 24.3 - 25.5 % at
+load 15 on 2 CPUs beside another pytest (6 runs), 21.5 - 25.7 % at load 25 (5 runs); with
+`VGPU_GPUTIME_INTERVAL=0` (serve measures nothing, the pacing as before) 69.4 - 74.3 %.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import pytest
 from conftest import say_to_each
 from e2e.helpers import NodeFactory, needs_containers
 from pace_forge import forge_budget
-from simgpu_shares import MS, busy_split, run_until_busy, settled
+from simgpu_shares import MS, run_until_busy, settled, waited_split
 
 from vgpu_plugin.node.observe.gputime import decode_record, record_path
 from vgpu_plugin.sim.compute_demo import wait_running
@@ -92,8 +98,7 @@ def test_a_pod_of_three_processes_forging_its_budget_keeps_to_its_guarantee(
             writer.join()
     assert [g.uuid for g in record] == [uuid]  # serve published the tenant's record
     a, b = settled(node.node, [nb_pid, tenant_pids], t0, time.monotonic_ns())
-    # while both pods were busy (busy_split: a launcher the loaded host starves is idle, and
-    # its time rightly lent meanwhile; at load 15 the neighbour's got 62 % over a whole run)
-    _, (nb, share) = busy_split(node.node, [nb_pid, tenant_pids], a, b, least=2000 * MS)
-    assert share <= 28.0, (share, nb)  # without the measure: ~75, the neighbour ~25
-    assert nb >= 65.0, (share, nb)
+    # of the time the neighbour asked for in the steps both were busy (waited_split)
+    nb, share = waited_split(node.node, [nb_pid, tenant_pids], a, b, least=2000 * MS)
+    assert share <= 28.0, (share, nb)  # without the measure: ~74
+    assert nb >= 70.0, (share, nb)

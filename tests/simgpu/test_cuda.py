@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_node, say_to_each
-from simgpu_shares import MS, all_running, shares
+from simgpu_shares import MS, all_running, shares, waiting_ns
 
 from vgpu_plugin.node.host import native
 from vgpu_plugin.sim.simgpu import GpuSpec, Node
@@ -330,6 +330,34 @@ def test_an_event_waits_for_the_gpu_to_turn_to_its_context(
     assert 45 <= float(out["start_wall_ms"]) <= 150
     assert float(out["bracket_ms"]) == pytest.approx(10.0, abs=0.05)
     assert int(out["own_stream_query"]) == SUCCESS
+
+
+@pytest.mark.parametrize("timeslice", ["", "2ms"], ids=["one-at-a-time", "time-sliced"])
+def test_the_record_of_work_says_how_long_each_process_waited_on_the_gpu(
+    simgpu_node: Node, native_bin: Path, timeslice: str
+) -> None:
+    """Node.spans: two processes that keep a GPU busy with 10 ms kernels each run about half the
+    time and wait on the GPU (work queued, from launch to its end) nearly all of it, so a test
+    can tell a launcher the GPU kept waiting from one the host did not run (waiting_ns)."""
+    env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": timeslice}
+    t0 = time.monotonic_ns()
+    procs = [start(native_bin, env, "cuda_workload", "0", "10000", "1.5") for _ in range(2)]
+    for p in procs:
+        finish(p)
+    t1 = time.monotonic_ns()
+    pids = [p.pid for p in procs]
+    a, b = all_running(simgpu_node, pids, t0, t1)
+    a, b = a + 200 * MS, b - 200 * MS
+    assert b - a >= 500 * MS, (a, b)
+    spans = simgpu_node.spans(0, a, b)
+    assert all(s.queued_ns <= s.start_ns < s.end_ns for s in spans), spans
+    assert all(s.end_ns > a and s.queued_ns < b for s in spans), spans
+    busy = simgpu_node.busy(0, a, b)
+    for pid in pids:
+        # a launcher the host delays between kernels waits less; none waits longer than all
+        assert waiting_ns(spans, pid, a, b) >= 0.85 * (b - a), (pid, busy)
+        assert 0.3 * (b - a) <= busy[pid] <= 0.7 * (b - a), (pid, busy)
+    assert simgpu_node.spans(0, t1, t1 + 1) == []
 
 
 def test_time_sliced_contexts_stretch_each_others_kernels(

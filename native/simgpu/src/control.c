@@ -215,6 +215,39 @@ EXPORT int simgpu_node_busy(const char *state_dir, uint32_t gpu, uint64_t from_n
     return (int)q.found;
 }
 
+struct spans_query {
+    uint32_t gpu;
+    uint64_t from_ns, to_ns;
+    struct simgpu_span *out;
+    uint32_t max, found;
+    uint64_t covered_ns;
+};
+
+static int spans_fn(struct simgpu_node *node, int fd, void *arg) {
+    (void)fd;
+    struct spans_query *q = arg;
+    if (check_gpu(node, q->gpu) != 0) return -1;
+    const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
+    simgpu_lock(node);
+    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
+    q->covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
+    for (uint64_t k = n; k > 0 && q->found < q->max; k--) {
+        const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - k) % SIMGPU_BUSY_RING];
+        if (sp->end_ns <= q->from_ns || sp->queued_ns >= q->to_ns) continue;
+        q->out[q->found++] = (struct simgpu_span){sp->queued_ns, sp->start_ns, sp->end_ns, sp->pid, 0};
+    }
+    simgpu_unlock(node);
+    return 0;
+}
+
+EXPORT int simgpu_node_spans(const char *state_dir, uint32_t gpu, uint64_t from_ns, uint64_t to_ns,
+                             struct simgpu_span *out, uint32_t max, uint64_t *covered_ns) {
+    struct spans_query q = {gpu, from_ns, to_ns, out, max, 0, 0};
+    if (with_node(state_dir, spans_fn, &q) < 0) return -1;
+    if (covered_ns) *covered_ns = q.covered_ns;
+    return (int)q.found;
+}
+
 EXPORT int simgpu_inject_xid(const char *state_dir, uint32_t gpu, uint64_t xid) {
     struct gpu_query q = {gpu, NULL, NULL, xid, 0};
     return with_node(state_dir, xid_fn, &q);

@@ -360,17 +360,21 @@ void simgpu_sleep_until(uint64_t t_ns) {
     }
 }
 
-/* Note that `pid`'s work ran on g during [start, end] (node lock). */
-static void busy_add_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t start, uint64_t end) {
+/* Note that `pid`'s work, queued at `queued`, ran on g during [start, end] (node lock). */
+static void busy_add_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t queued, uint64_t start,
+                            uint64_t end) {
     if (end <= start) return;
+    if (queued > start) queued = start;
     struct simgpu_busy_span *last = g->busy_count ? &g->busy[(g->busy_count - 1) % SIMGPU_BUSY_RING] : NULL;
     if (last && last->end_ns == start && last->pid == pid) {
         last->end_ns = end; /* back-to-back work: one span keeps the ring short */
+        if (queued < last->queued_ns) last->queued_ns = queued;
         return;
     }
     struct simgpu_busy_span *s = &g->busy[g->busy_count % SIMGPU_BUSY_RING];
     s->start_ns = start;
     s->end_ns = end;
+    s->queued_ns = queued;
     s->pid = pid;
     s->reserved = 0;
     g->busy_count++;
@@ -437,14 +441,14 @@ static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, u
             nbusy += busy[i];
         }
         if (nbusy == 0) { /* nobody else: to its end */
-            busy_add_locked(g, pid, t, t + left);
+            busy_add_locked(g, pid, now, t, t + left);
             t += left;
             budget = 0;
             next = t;
             break;
         }
         uint64_t run = left < budget ? left : budget;
-        busy_add_locked(g, pid, t, t + run);
+        busy_add_locked(g, pid, now, t, t + run);
         t += run;
         left -= run;
         budget -= run;
@@ -502,7 +506,7 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns,
         g->last_owner = owner;
     }
     g->timeline_end_ns = end;
-    busy_add_locked(g, pid, start, end);
+    busy_add_locked(g, pid, simgpu_now_ns(), start, end);
     simgpu_unlock(node);
     return end;
 }

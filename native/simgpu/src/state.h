@@ -20,8 +20,9 @@
 #define SIMGPU_STATE_MAGIC 0x3130555047494d53ULL /* "SIMGPU01" */
 /* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
  * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans;
- * 7: per-context lanes for time-slicing (SIMGPU_TIMESLICE). */
-#define SIMGPU_STATE_VERSION 8u
+ * 7: per-context lanes for time-slicing (SIMGPU_TIMESLICE); 8: a futex for event waits;
+ * 9: busy spans say when their work was queued. */
+#define SIMGPU_STATE_VERSION 9u
 /* Spans of work kept per GPU: enough for tests to read seconds of 200 µs kernels of several
  * processes afterwards in simgpu's clock (simgpu_node_busy). */
 #define SIMGPU_BUSY_RING 16384
@@ -36,6 +37,8 @@ enum { SIMGPU_SLOT_FREE = 0, SIMGPU_SLOT_CLAIMED = 1, SIMGPU_SLOT_LIVE = 2 };
 struct simgpu_busy_span {
     uint64_t start_ns;
     uint64_t end_ns;
+    uint64_t queued_ns; /* when its process queued the work (it waited from then: tests tell a
+                         * launcher the GPU kept waiting from one the host did not run) */
     int32_t pid; /* the process whose work ran (the pid NVML reports for it), for per-process NVML */
     uint32_t reserved;
 };

@@ -27,6 +27,7 @@ from vgpu_plugin.node.host import native
 
 DEFAULT_NAME = "NVIDIA H100 80GB HBM3"
 DEFAULT_MEMORY = 81559 * (1 << 20)  # what NVML reports for an 80 GB H100
+SPANS_KEPT = 16384  # spans of work a GPU's record keeps (state.h's SIMGPU_BUSY_RING)
 
 
 def model_name(memory: int) -> str:
@@ -117,6 +118,17 @@ def _encode(value: str, size: int, what: str) -> bytes:
     if len(data) >= size:
         raise SimGpuError(f"{what} {value!r} is longer than {size - 1} bytes")
     return data
+
+
+@dataclass(frozen=True)
+class Span:
+    """Work a process queued at ``queued_ns`` that ran in ``[start_ns, end_ns]`` (simgpu's
+    clock): from ``queued_ns`` to ``end_ns`` the process was waiting on the GPU."""
+
+    pid: int
+    queued_ns: int
+    start_ns: int
+    end_ns: int
 
 
 class Node:
@@ -218,6 +230,25 @@ class Node:
         if covered[0] > from_ns:
             raise SimGpuError(f"GPU {index}: work before {covered[0]} ns is no longer recorded")
         return {int(out[i].pid): int(out[i].busy_ns) for i in range(n)}
+
+    def spans(self, index: int, from_ns: int, to_ns: int) -> list[Span]:
+        """The spans of work GPU ``index`` ran whose time from being queued to their end meets
+        ``[from_ns, to_ns]`` of simgpu's clock, oldest recorded first. Refuses a span of time
+        part of which has left the simulator's record of work."""
+        ffi, lib = _lib()
+        out = ffi.new("struct simgpu_span[]", SPANS_KEPT)
+        covered = ffi.new("uint64_t *")
+        n = _check(
+            lib.simgpu_node_spans(
+                str(self.state_dir).encode(), index, from_ns, to_ns, out, SPANS_KEPT, covered
+            )
+        )
+        if covered[0] > from_ns:
+            raise SimGpuError(f"GPU {index}: work before {covered[0]} ns is no longer recorded")
+        return [
+            Span(int(s.pid), int(s.queued_ns), int(s.start_ns), int(s.end_ns))
+            for s in (out[i] for i in range(n))
+        ]
 
     def reap(self) -> int:
         """Reclaim dead processes' memory now; returns how many were reclaimed."""

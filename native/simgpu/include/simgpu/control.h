@@ -64,6 +64,20 @@ struct simgpu_pid_busy {
  * work is complete (older work has left its ring). Returns how many processes it wrote. */
 int simgpu_node_busy(const char *state_dir, uint32_t gpu, uint64_t from_ns, uint64_t to_ns,
                      struct simgpu_pid_busy *out, uint32_t max, uint64_t *covered_ns);
+/* One span of work a GPU ran: queued by process `pid` at queued_ns, run in [start_ns, end_ns]
+ * of simgpu's clock (a kernel that was time-sliced is several spans, each queued when it was). */
+struct simgpu_span {
+    uint64_t queued_ns;
+    uint64_t start_ns;
+    uint64_t end_ns;
+    int32_t pid;               /* as NVML reports it */
+    uint32_t reserved;
+};
+/* The spans of GPU `gpu`'s record whose time from queued to end meets [from_ns, to_ns], oldest
+ * recorded first; at most `max` (the record keeps 16384 spans a GPU). *covered_ns as
+ * simgpu_node_busy's. Returns how many it wrote. */
+int simgpu_node_spans(const char *state_dir, uint32_t gpu, uint64_t from_ns, uint64_t to_ns,
+                      struct simgpu_span *out, uint32_t max, uint64_t *covered_ns);
 /* Text of the last error of this thread's control call. */
 const char *simgpu_last_error(void);
 

@@ -151,7 +151,10 @@ def waited_split(
     first = set(groups[0])
     waits: list[tuple[int, int]] = []
     for start, _ in _kept_steps(node, parties, a, b, gpu):
-        waits += _waited(spans, first, start, start + BUSY_STEP, TURNAROUND)
+        for lo, hi in _waited(spans, first, start, start + BUSY_STEP, TURNAROUND):
+            if waits and waits[-1][1] == lo:  # one stretch across two steps
+                lo = waits.pop()[0]
+            waits.append((lo, hi))
     starts = [lo for lo, _ in waits]
     ends = [hi for _, hi in waits]
     total = sum(hi - lo for lo, hi in waits)

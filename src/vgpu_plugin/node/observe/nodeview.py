@@ -644,8 +644,8 @@ def _requests(
     """Each live allocation's guarantee per GPU (0: none): the device plugin's live records,
     DRA's prepared claims (the ledger's and ``claims``)."""
     guaranteed: dict[str, dict[str, int]] = {}
-    for r in records:
-        if r.front_end == DEVICE_PLUGIN and r.released is None:
+    for r in records:  # DRA's below, oldest claim first
+        if r.front_end == DEVICE_PLUGIN and _live(r):
             guaranteed[r.allocation_id] = {g.uuid: g.compute_request for g in r.limits}
     for c in [*prepared_claims([r for r in records if r.front_end == DRA]), *claims]:
         guaranteed[c.allocation_id] = {g.uuid: g.compute_request for g in c.limits}
@@ -701,12 +701,16 @@ def guaranteed_gpus(
 
 
 def _guaranteed_by(r: AllocationRecord) -> set[str]:
-    """The GPUs on which ``r``'s allocation has a guarantee, if it is live (``_requests``)."""
+    """The GPUs on which ``r``'s allocation has a guarantee, if it is live."""
+    return {g.uuid for g in r.limits if g.compute_request} if _live(r) else set()
+
+
+def _live(r: AllocationRecord) -> bool:
+    """Whether ``r``'s allocation is live: a device-plugin record not released, a DRA record
+    of a prepared claim (``prepared_claims``)."""
     if r.front_end == DEVICE_PLUGIN:
-        live = r.released is None
-    else:
-        live = r.front_end == DRA and bool(prepared_claims([r]))
-    return {g.uuid for g in r.limits if g.compute_request} if live else set()
+        return r.released is None
+    return r.front_end == DRA and bool(prepared_claims([r]))
 
 
 def _with_claims(out: dict[str, set[str]], claims: Sequence[PreparedClaim]) -> dict[str, set[str]]:

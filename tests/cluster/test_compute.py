@@ -4,8 +4,11 @@ mount, and publishes the pod's GPU-time record where the pod reads it only throu
 read-only peers mount (node/observe/gputime.py, docs/security.md#compute-guarantees). A pod
 of three processes that keeps its own pacing file full is then held to its guarantee beside a
 busy neighbour (tests/e2e/test_guarantee_multiproc.py is the same under runc and serve).
-Measured in simgpu's clock, while all four launchers were busy: the tenant 24.9 %, its 75 %
-neighbour 73.1 %; with ``gputimeIntervalSeconds=0`` (nothing measured) 74.9 % and 25.1 %."""
+Measured in simgpu's clock, of the time the neighbour had work queued or running while both
+pods were busy (``waited_split``): the tenant took 24.96 %, the neighbour 73.3 % (24.91 and
+73.5 % at load 15 on 2 CPUs, 2026-11-29); before, over the whole of those steps
+(``busy_split``), the tenant 24.9 % and its 75 % neighbour 73.1 %, and with
+``gputimeIntervalSeconds=0`` (nothing measured) 74.9 % and 25.1 %."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any
 
 import pace_forge
 import pytest
-from simgpu_shares import MS, busy_split
+from simgpu_shares import MS, waited_split
 
 from vgpu_plugin.node.observe.gputime import SUFFIX, GpuShare, decode_record
 from vgpu_plugin.sim.simgpu import Node
@@ -122,10 +125,10 @@ def measure(cluster: Cluster, kube: Kube, plugin_pod: Any) -> None:
     time.sleep(2)  # the pacing settled on the measure
     t0 = time.monotonic_ns()
     time.sleep(6)
-    # while both pods were busy (busy_split: a launcher the loaded host starves is idle,
-    # and its time rightly lent meanwhile)
+    # of the time the neighbour asked for while both were busy (waited_split: a launcher the
+    # loaded host does not run between kernels is not asking, and its time is rightly lent)
     tenant_pids = sorted(pids - {busy_pid})
-    _, (nb, tenant_share) = busy_split(node, [busy_pid, tenant_pids], t0, time.monotonic_ns(), gpu)
-    # Without the measure the tenant took 75 % and left its neighbour 25 % (e2e tier).
+    nb, tenant_share = waited_split(node, [busy_pid, tenant_pids], t0, time.monotonic_ns(), gpu)
+    # Without the measure the tenant took 74 % of it (e2e tier).
     assert tenant_share <= 30.0, (tenant_share, nb)
-    assert nb >= 65.0, (tenant_share, nb)
+    assert nb >= 68.0, (tenant_share, nb)

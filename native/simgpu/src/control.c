@@ -175,6 +175,13 @@ static int xid_fn(struct simgpu_node *node, int fd, void *arg) {
     return 0;
 }
 
+/* How many spans g's busy ring holds, and from when on its record is complete (node lock): a
+ * ring that never wrapped holds everything; else the oldest span it keeps bounds it. */
+static uint64_t busy_kept_locked(const struct simgpu_gpu_shared *g, uint64_t *covered_ns) {
+    *covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
+    return g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
+}
+
 struct busy_query {
     uint32_t gpu;
     uint64_t from_ns, to_ns;
@@ -189,9 +196,7 @@ static int busy_fn(struct simgpu_node *node, int fd, void *arg) {
     if (check_gpu(node, q->gpu) != 0) return -1;
     const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
     simgpu_lock(node);
-    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
-    /* A ring that never wrapped holds everything; else the oldest span it keeps bounds it. */
-    q->covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
+    uint64_t n = busy_kept_locked(g, &q->covered_ns);
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
         if (sp->end_ns <= q->from_ns) continue; /* time-sliced, spans end out of record order */
@@ -229,8 +234,7 @@ static int spans_fn(struct simgpu_node *node, int fd, void *arg) {
     if (check_gpu(node, q->gpu) != 0) return -1;
     const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
     simgpu_lock(node);
-    uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
-    q->covered_ns = g->busy_count <= SIMGPU_BUSY_RING ? 0 : g->busy[g->busy_count % SIMGPU_BUSY_RING].start_ns;
+    uint64_t n = busy_kept_locked(g, &q->covered_ns);
     for (uint64_t k = n; k > 0 && q->found < q->max; k--) {
         const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - k) % SIMGPU_BUSY_RING];
         if (sp->end_ns <= q->from_ns || sp->queued_ns >= q->to_ns) continue;

@@ -341,7 +341,9 @@ def test_the_record_of_work_says_how_long_each_process_waited_on_the_gpu(
     can tell a launcher the GPU kept waiting from one the host did not run (waiting_ns)."""
     env = {**simgpu_node.env(), "SIMGPU_TIMESLICE": timeslice}
     t0 = time.monotonic_ns()
-    procs = [start(native_bin, env, "cuda_workload", "0", "10000", "1.5") for _ in range(2)]
+    # 8 kernels in flight each: a loaded host that wakes one late does not let its queue run dry
+    args = ("0", "10000", "1.5", "-1", "8")
+    procs = [start(native_bin, env, "cuda_workload", *args) for _ in range(2)]
     for p in procs:
         finish(p)
     t1 = time.monotonic_ns()

@@ -120,6 +120,13 @@ def _encode(value: str, size: int, what: str) -> bytes:
     return data
 
 
+def _recorded(index: int, covered_ns: int, from_ns: int) -> None:
+    """SimGpuError unless GPU ``index``'s record of work, complete from ``covered_ns`` on,
+    holds ``from_ns``."""
+    if covered_ns > from_ns:
+        raise SimGpuError(f"GPU {index}: work before {covered_ns} ns is no longer recorded")
+
+
 @dataclass(frozen=True)
 class Span:
     """Work a process queued at ``queued_ns`` that ran in ``[start_ns, end_ns]`` (simgpu's
@@ -227,8 +234,7 @@ class Node:
                 str(self.state_dir).encode(), index, from_ns, to_ns, out, 256, covered
             )
         )
-        if covered[0] > from_ns:
-            raise SimGpuError(f"GPU {index}: work before {covered[0]} ns is no longer recorded")
+        _recorded(index, int(covered[0]), from_ns)
         return {int(out[i].pid): int(out[i].busy_ns) for i in range(n)}
 
     def spans(self, index: int, from_ns: int, to_ns: int) -> list[Span]:
@@ -243,8 +249,7 @@ class Node:
                 str(self.state_dir).encode(), index, from_ns, to_ns, out, SPANS_KEPT, covered
             )
         )
-        if covered[0] > from_ns:
-            raise SimGpuError(f"GPU {index}: work before {covered[0]} ns is no longer recorded")
+        _recorded(index, int(covered[0]), from_ns)
         return [
             Span(int(s.pid), int(s.queued_ns), int(s.start_ns), int(s.end_ns))
             for s in (out[i] for i in range(n))

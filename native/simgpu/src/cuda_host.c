@@ -16,16 +16,16 @@ static CUresult host_func(CUstream h, int ptds, void (*fn)(void *), void *data) 
     struct CUstream_st *s;
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
-    uint64_t until = 0;
+    struct sim_when until = {0, 0};
     if (rc == CUDA_SUCCESS && s->capture) {
         s->capture_invalid = 1; /* host nodes are not modelled in graphs */
         rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     } else if (rc == CUDA_SUCCESS) {
-        until = s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(c, s) : s->end_ns;
+        until = s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(c, s) : s->end;
     }
     sim_unlock();
     if (rc != CUDA_SUCCESS) return rc;
-    simgpu_sleep_until(until);
+    sim_when_wait(c->phys, c->owner, until);
     fn(data);
     return CUDA_SUCCESS;
 }

@@ -2,7 +2,7 @@
  * "key=value" lines: result codes, and times in milliseconds (simulated, from events, or wall
  * clock as the caller would see it).
  *
- *   cuda_streams events|ptds|graph|bound|contexts|later
+ *   cuda_streams events|ptds|graph|bound|contexts
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -282,37 +282,6 @@ static void contexts(void) {
     CK(cuCtxDestroy(other));
 }
 
-/* This context brackets 10 ms of work behind its own 100 ms kernel; another context queues
- * 500 ms of work just after. Time-sliced, the other's work runs in slices between this one's
- * from then on, so the bracket holds the other's slices although its work was queued later. */
-static void later(void) {
-    CUdevice dev;
-    CUcontext other;
-    CUmodule mod;
-    CUfunction k500;
-    CK(cuCtxGetDevice(&dev));
-    CK(cuCtxCreate(&other, NULL, 0, dev));
-    CK(cuModuleLoadData(&mod, "simgpu-module 1\nkernel k500ms 500ms\n"));
-    CK(cuModuleGetFunction(&k500, mod, "k500ms"));
-    CK(cuCtxSetCurrent(g_ctx));
-    CUevent a, b;
-    CK(cuEventCreate(&a, 0));
-    CK(cuEventCreate(&b, 0));
-    launch(kernel("k100ms"), NULL);
-    CK(cuEventRecord(a, NULL));
-    launch(kernel("k10ms"), NULL);
-    CK(cuEventRecord(b, NULL));
-    CK(cuCtxSetCurrent(other));
-    launch(k500, NULL);
-    CK(cuCtxSetCurrent(g_ctx));
-    CK(cuEventSynchronize(b));
-    printf("bracket_ms=%.3f\n", elapsed(a, b));
-    CK(cuCtxSetCurrent(other));
-    CK(cuCtxSynchronize());
-    CK(cuCtxSetCurrent(g_ctx));
-    CK(cuCtxDestroy(other));
-}
-
 int main(int argc, char **argv) {
     const char *what = argc > 1 ? argv[1] : "events";
     CK(cuInit(0));
@@ -329,7 +298,6 @@ int main(int argc, char **argv) {
     else if (strcmp(what, "graph") == 0) graph();
     else if (strcmp(what, "bound") == 0) bound();
     else if (strcmp(what, "contexts") == 0) contexts();
-    else if (strcmp(what, "later") == 0) later();
     else return 2;
     printf("done=1\n");
     return 0;

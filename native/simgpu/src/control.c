@@ -194,9 +194,8 @@ static int busy_fn(struct simgpu_node *node, int fd, void *arg) {
     (void)fd;
     struct busy_query *q = arg;
     if (check_gpu(node, q->gpu) != 0) return -1;
-    struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
+    const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
     simgpu_lock(node);
-    simgpu_advance_locked(g, simgpu_now_ns()); /* time-sliced work is recorded as it runs */
     uint64_t n = busy_kept_locked(g, &q->covered_ns);
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];
@@ -233,9 +232,8 @@ static int spans_fn(struct simgpu_node *node, int fd, void *arg) {
     (void)fd;
     struct spans_query *q = arg;
     if (check_gpu(node, q->gpu) != 0) return -1;
-    struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
+    const struct simgpu_gpu_shared *g = &node->gpus[q->gpu];
     simgpu_lock(node);
-    simgpu_advance_locked(g, simgpu_now_ns()); /* time-sliced work is recorded as it runs */
     uint64_t n = busy_kept_locked(g, &q->covered_ns);
     for (uint64_t k = n; k > 0 && q->found < q->max; k--) {
         const struct simgpu_busy_span *sp = &g->busy[(g->busy_count - k) % SIMGPU_BUSY_RING];

@@ -16,16 +16,16 @@ static CUresult host_func(CUstream h, int ptds, void (*fn)(void *), void *data) 
     struct CUstream_st *s;
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
-    struct sim_when until = {0, 0};
+    uint64_t until = 0;
     if (rc == CUDA_SUCCESS && s->capture) {
         s->capture_invalid = 1; /* host nodes are not modelled in graphs */
         rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     } else if (rc == CUDA_SUCCESS) {
-        until = s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(c, s) : s->end;
+        until = s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(c, s) : s->end_ns;
     }
     sim_unlock();
     if (rc != CUDA_SUCCESS) return rc;
-    sim_when_wait(c->phys, c->owner, until);
+    simgpu_sleep_until(until);
     fn(data);
     return CUDA_SUCCESS;
 }

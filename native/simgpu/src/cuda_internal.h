@@ -53,13 +53,6 @@ enum {
 
 enum sim_stream_kind { SIM_STREAM_USER, SIM_STREAM_LEGACY, SIM_STREAM_PER_THREAD };
 
-/* A point of a context's work: reached not before `t` and, time-sliced, when the context's
- * work on its GPU reaches `mark` (simgpu_timeline_when; 0: at `t`), which depends on what
- * other contexts queue later. Points of one context compare field by field. */
-struct sim_when {
-    uint64_t t, mark;
-};
-
 struct CUstream_st {
     uint32_t magic;
     enum sim_stream_kind kind;
@@ -67,8 +60,8 @@ struct CUstream_st {
     unsigned int flags;
     int priority;
     unsigned long long id;
-    struct sim_when end;      /* the last work queued on this stream completes */
-    struct sim_when *ring;    /* queued kernels' completions, oldest first */
+    uint64_t end_ns;          /* when the last work queued on this stream completes */
+    uint64_t *ring;           /* completion times of queued kernels, oldest first */
     unsigned int ring_head, ring_len;
     struct CUgraph_st *capture; /* set while the stream is being captured */
     int capture_invalid;
@@ -86,8 +79,8 @@ struct CUctx_st {
     unsigned long long id;
     uint64_t owner;            /* its name on the node's GPU timelines */
     struct CUstream_st legacy; /* the legacy default stream (NULL / CU_STREAM_LEGACY) */
-    struct sim_when blocking_end; /* latest completion queued on any blocking stream */
-    struct sim_when all_end;      /* latest completion queued on any stream */
+    uint64_t blocking_end;     /* latest completion queued on any blocking stream */
+    uint64_t all_end;          /* latest completion queued on any stream */
     struct CUstream_st *streams;
     struct sim_cls *cls;       /* the runtime's context-local storage (cuda_cls.c) */
     struct CUctx_st *next;     /* every context of the process (handles are never freed) */
@@ -105,9 +98,7 @@ struct CUevent_st {
     uint32_t magic;
     unsigned int flags;
     int recorded;
-    struct sim_when at; /* the recorded point of its stream */
-    uint32_t phys;      /* of the context it was recorded in */
-    uint64_t owner;
+    uint64_t t_ns; /* when the recorded point of its stream completes */
 };
 
 /* --- memory ------------------------------------------------------------------------------- */
@@ -260,12 +251,7 @@ SIM_HIDDEN void sim_pools_trim_locked(void);
  * the caller entered through a _ptsz/_ptds variant, where NULL means the per-thread stream. */
 SIM_HIDDEN CUresult sim_stream_get(CUstream h, int ptds, struct CUctx_st **ctx, struct CUstream_st **s);
 /* When work queued now on s could start: its own work and the implicit legacy-stream ordering. */
-SIM_HIDDEN struct sim_when sim_stream_deps(struct CUctx_st *ctx, struct CUstream_st *s);
-/* Whether the point w of the work of context `owner` on GPU `phys` is reached by `now`; *t the
- * time it was (or, not yet, will be if nobody queues more work). */
-SIM_HIDDEN int sim_when_reached(uint32_t phys, uint64_t owner, struct sim_when w, uint64_t now, uint64_t *t);
-/* Sleep until it is reached (looking again at each predicted time: others' work may delay it). */
-SIM_HIDDEN void sim_when_wait(uint32_t phys, uint64_t owner, struct sim_when w);
+SIM_HIDDEN uint64_t sim_stream_deps(struct CUctx_st *ctx, struct CUstream_st *s);
 /* Queue a kernel of `dur_ns` on s (GPU timeline); may drop sim_lock while the queue is full. */
 SIM_HIDDEN CUresult sim_submit_kernel_locked(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns);
 SIM_HIDDEN void sim_stream_free_ctx_locked(struct CUctx_st *ctx);

@@ -1,14 +1,12 @@
 /* Streams, events and synchronisation over the node's shared GPU timeline.
  *
- * Each stream remembers when its queued work completes (end). Work queued on a stream is
+ * Each stream remembers when its queued work completes (end_ns). Work queued on a stream is
  * ready when the stream's previous work is done, and for the legacy default stream's implicit
  * ordering: the legacy stream waits for every blocking stream of its context, a blocking
  * stream (a user stream without CU_STREAM_NON_BLOCKING, or a per-thread default stream) waits
  * for the legacy stream. A kernel then takes its turn on the GPU's timeline, shared by every
  * process of the node (simgpu_timeline_submit). Synchronising sleeps until the simulated
- * completion time. Time-sliced, a completion is a point of the context's work (struct
- * sim_when) whose time depends on what others queue later: a wait sleeps until its predicted
- * time and looks again. */
+ * completion time. */
 #include <stdlib.h>
 
 #include "cuda_internal.h"
@@ -96,77 +94,48 @@ CUresult sim_stream_get(CUstream h, int ptds, struct CUctx_st **ctx, struct CUst
     return CUDA_SUCCESS;
 }
 
-static struct sim_when when_max(struct sim_when a, struct sim_when b) {
-    return (struct sim_when){sim_max64(a.t, b.t), sim_max64(a.mark, b.mark)};
-}
-
-struct sim_when sim_stream_deps(struct CUctx_st *ctx, struct CUstream_st *s) {
-    struct sim_when t = s->end;
-    if (s->kind == SIM_STREAM_LEGACY) t = when_max(t, ctx->blocking_end);
-    else if (is_blocking(s)) t = when_max(t, ctx->legacy.end);
+uint64_t sim_stream_deps(struct CUctx_st *ctx, struct CUstream_st *s) {
+    uint64_t t = s->end_ns;
+    if (s->kind == SIM_STREAM_LEGACY) t = sim_max64(t, ctx->blocking_end);
+    else if (is_blocking(s)) t = sim_max64(t, ctx->legacy.end_ns);
     return t;
 }
 
-int sim_when_reached(uint32_t phys, uint64_t owner, struct sim_when w, uint64_t now, uint64_t *t) {
-    uint64_t at = 0;
-    int done = w.mark ? simgpu_timeline_when(phys, owner, w.mark, &at) : 1;
-    *t = sim_max64(w.t, at);
-    return done && *t <= now;
-}
-
-void sim_when_wait(uint32_t phys, uint64_t owner, struct sim_when w) {
-    for (;;) {
-        uint64_t now = simgpu_now_ns(), t;
-        if (sim_when_reached(phys, owner, w, now, &t)) return;
-        simgpu_sleep_until(t > now ? t : now + 20000);
-    }
-}
-
-/* Drop the kernels of s's push buffer that completed by now (the context's work done: `done`). */
-static void ring_drop_done(struct CUstream_st *s, uint64_t now, uint64_t done) {
-    while (s->ring_len && s->ring[s->ring_head].t <= now && s->ring[s->ring_head].mark <= done) {
+static void ring_drop_done(struct CUstream_st *s, uint64_t now) {
+    while (s->ring_len && s->ring[s->ring_head] <= now) {
         s->ring_head = (s->ring_head + 1) % SIM_QUEUE_MAX_LAUNCHES;
         s->ring_len--;
     }
 }
 
 /* Record that s has work until t (a kernel's end, or an event it now waits for). */
-static void stream_extend(struct CUctx_st *ctx, struct CUstream_st *s, struct sim_when t) {
-    s->end = when_max(s->end, t);
-    if (is_blocking(s)) ctx->blocking_end = when_max(ctx->blocking_end, t);
-    ctx->all_end = when_max(ctx->all_end, t);
+static void stream_extend(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t t) {
+    s->end_ns = sim_max64(s->end_ns, t);
+    if (is_blocking(s)) ctx->blocking_end = sim_max64(ctx->blocking_end, t);
+    ctx->all_end = sim_max64(ctx->all_end, t);
 }
 
 CUresult sim_submit_kernel_locked(struct CUctx_st *ctx, struct CUstream_st *s, uint64_t dur_ns) {
-    uint64_t now;
-    struct sim_when deps;
-    int sliced = simgpu_timeslice_ns() != 0;
+    uint64_t now, deps;
     /* A real driver's push buffer is finite: the launching thread waits while its stream has
      * too many launches pending or is too far ahead, so no process queues unboundedly. */
     for (;;) {
-        uint64_t done = 0, queued = 0, wait = 0;
-        if (sliced) simgpu_timeline_progress(ctx->phys, ctx->owner, &done, &queued);
         now = simgpu_now_ns();
-        ring_drop_done(s, now, done);
+        ring_drop_done(s, now);
         deps = sim_stream_deps(ctx, s);
-        if (s->ring_len >= SIM_QUEUE_MAX_LAUNCHES) {
-            if (!sim_when_reached(ctx->phys, ctx->owner, s->ring[s->ring_head], now, &wait) && wait <= now)
-                wait = now + 20000;
-        } else if (sliced ? queued - done > SIM_QUEUE_MAX_NS : deps.t > now + SIM_QUEUE_MAX_NS) {
-            /* time-sliced, its own work alone takes that long to run */
-            wait = sliced ? now + (queued - done - SIM_QUEUE_MAX_NS) : deps.t - SIM_QUEUE_MAX_NS;
-        }
-        if (wait <= now) break;
+        uint64_t wait = 0;
+        if (s->ring_len >= SIM_QUEUE_MAX_LAUNCHES) wait = s->ring[s->ring_head];
+        else if (deps > now + SIM_QUEUE_MAX_NS) wait = deps - SIM_QUEUE_MAX_NS;
+        if (!wait) break;
         sim_unlock();
         simgpu_sleep_until(wait);
         sim_lock();
         if (s->magic != SIM_STREAM_MAGIC || !ctx->active) return CUDA_ERROR_INVALID_HANDLE;
     }
-    uint64_t mark, end = simgpu_timeline_submit(ctx->phys, ctx->owner, sim_max64(now, deps.t), dur_ns, &mark);
-    struct sim_when w = {mark ? 0 : end, mark};
-    s->ring[(s->ring_head + s->ring_len) % SIM_QUEUE_MAX_LAUNCHES] = w;
+    uint64_t end = simgpu_timeline_submit(ctx->phys, ctx->owner, sim_max64(now, deps), dur_ns);
+    s->ring[(s->ring_head + s->ring_len) % SIM_QUEUE_MAX_LAUNCHES] = end;
     s->ring_len++;
-    stream_extend(ctx, s, w);
+    stream_extend(ctx, s, end);
     return CUDA_SUCCESS;
 }
 
@@ -178,10 +147,9 @@ void sim_stream_free_ctx_locked(struct CUctx_st *ctx) {
     }
 }
 
-/* Sleep until the point w of context `owner`'s work on `phys`, then let pools release memory
- * above their threshold (a sync point). */
-static CUresult wait_until(uint32_t phys, uint64_t owner, struct sim_when w) {
-    sim_when_wait(phys, owner, w);
+/* Sleep until t, then let pools release memory above their threshold (a sync point). */
+static CUresult wait_until(uint64_t t) {
+    simgpu_sleep_until(t);
     sim_lock();
     sim_pools_trim_locked();
     sim_unlock();
@@ -193,17 +161,17 @@ CUresult sim_sync_copy_wait(CUstream h, int ptds) {
     struct CUstream_st *s;
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
-    struct sim_when t = rc == CUDA_SUCCESS ? sim_stream_deps(c, s) : (struct sim_when){0, 0};
+    uint64_t t = rc == CUDA_SUCCESS ? sim_stream_deps(c, s) : 0;
     sim_unlock();
-    if (rc == CUDA_SUCCESS) sim_when_wait(c->phys, c->owner, t);
+    if (rc == CUDA_SUCCESS) simgpu_sleep_until(t);
     return rc;
 }
 
 CUresult sim_ctx_synchronize(struct CUctx_st *ctx) {
     sim_lock();
-    struct sim_when t = ctx->all_end;
+    uint64_t t = ctx->all_end;
     sim_unlock();
-    return wait_until(ctx->phys, ctx->owner, t);
+    return wait_until(t);
 }
 
 /* --- streams ----------------------------------------------------------------------------- */
@@ -260,8 +228,8 @@ CUresult cuStreamDestroy_v2(CUstream hStream) { return stream_destroy(hStream); 
 
 /* What synchronising with s waits for: its own work; for the legacy stream also the blocking
  * streams' work, which anything queued on it now would wait for. */
-static struct sim_when pending_until(struct CUctx_st *ctx, struct CUstream_st *s) {
-    return s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(ctx, s) : s->end;
+static uint64_t pending_until(struct CUctx_st *ctx, struct CUstream_st *s) {
+    return s->kind == SIM_STREAM_LEGACY ? sim_stream_deps(ctx, s) : s->end_ns;
 }
 
 static CUresult stream_sync(CUstream h, int ptds) {
@@ -269,7 +237,7 @@ static CUresult stream_sync(CUstream h, int ptds) {
     struct CUstream_st *s;
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
-    struct sim_when t = {0, 0};
+    uint64_t t = 0;
     if (rc == CUDA_SUCCESS && s->capture) {
         s->capture_invalid = 1; /* a sync breaks the capture, as on the real driver */
         rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -277,7 +245,7 @@ static CUresult stream_sync(CUstream h, int ptds) {
         t = pending_until(c, s);
     }
     sim_unlock();
-    return rc == CUDA_SUCCESS ? wait_until(c->phys, c->owner, t) : rc;
+    return rc == CUDA_SUCCESS ? wait_until(t) : rc;
 }
 
 CUresult cuStreamSynchronize(CUstream hStream) { return stream_sync(hStream, 0); }
@@ -286,12 +254,10 @@ CUresult cuStreamSynchronize_ptsz(CUstream hStream) { return stream_sync(hStream
 static CUresult stream_query(CUstream h, int ptds) {
     struct CUctx_st *c;
     struct CUstream_st *s;
-    uint64_t t;
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
     if (rc == CUDA_SUCCESS && s->capture) rc = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    else if (rc == CUDA_SUCCESS && !sim_when_reached(c->phys, c->owner, pending_until(c, s), simgpu_now_ns(), &t))
-        rc = CUDA_ERROR_NOT_READY;
+    else if (rc == CUDA_SUCCESS && simgpu_now_ns() < pending_until(c, s)) rc = CUDA_ERROR_NOT_READY;
     sim_unlock();
     return rc;
 }
@@ -310,18 +276,8 @@ static CUresult stream_wait_event(CUstream h, CUevent e, unsigned int flags, int
     sim_lock();
     CUresult rc = sim_stream_get(h, ptds, &c, &s);
     if (rc == CUDA_SUCCESS) rc = event_check(e);
-    /* Work queued after this waits for the event's point (an unrecorded event: nothing); on
-     * another context's, for the time that point is reached as far as known now (a later
-     * delay of the other context's work does not hold this one back: not modelled). */
-    if (rc == CUDA_SUCCESS && e->recorded && !s->capture) {
-        struct sim_when w = e->at;
-        if (e->owner != c->owner || e->phys != c->phys) {
-            uint64_t t;
-            sim_when_reached(e->phys, e->owner, w, simgpu_now_ns(), &t);
-            w = (struct sim_when){t, 0};
-        }
-        stream_extend(c, s, w);
-    }
+    /* Work queued after this waits for the event's point (an unrecorded event: nothing). */
+    if (rc == CUDA_SUCCESS && e->recorded && !s->capture) stream_extend(c, s, e->t_ns);
     sim_unlock();
     return rc;
 }
@@ -411,12 +367,8 @@ static CUresult event_record(CUevent e, CUstream h, unsigned int flags, int ptds
          * streams do not delay it (a GPU runs them concurrently). Time-sliced, the context
          * gets the GPU within a round of slices whatever the others queued: the record is
          * reached when its stream's work is done (simgpu_timeline_submit). */
-        struct sim_when w = sim_stream_deps(c, s);
-        w.t = sim_max64(w.t, simgpu_now_ns());
-        if (!simgpu_timeslice_ns()) w.t = sim_max64(w.t, simgpu_timeline_others_end(c->phys, c->owner));
-        e->at = w;
-        e->phys = c->phys;
-        e->owner = c->owner;
+        uint64_t t = sim_max64(simgpu_now_ns(), sim_stream_deps(c, s));
+        e->t_ns = simgpu_timeslice_ns() ? t : sim_max64(t, simgpu_timeline_others_end(c->phys, c->owner));
         e->recorded = 1;
     }
     sim_unlock();
@@ -437,8 +389,7 @@ CUresult cuEventQuery(CUevent hEvent) {
     if (rc == CUDA_SUCCESS) rc = event_check(hEvent);
     if (rc != CUDA_SUCCESS) return rc;
     sim_lock();
-    uint64_t t;
-    int pending = hEvent->recorded && !sim_when_reached(hEvent->phys, hEvent->owner, hEvent->at, simgpu_now_ns(), &t);
+    int pending = hEvent->recorded && simgpu_now_ns() < hEvent->t_ns;
     sim_unlock();
     return pending ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
@@ -448,12 +399,9 @@ CUresult cuEventSynchronize(CUevent hEvent) {
     if (rc == CUDA_SUCCESS) rc = event_check(hEvent);
     if (rc != CUDA_SUCCESS) return rc;
     sim_lock();
-    int recorded = hEvent->recorded;
-    struct sim_when w = hEvent->at;
-    uint32_t phys = hEvent->phys;
-    uint64_t owner = hEvent->owner;
+    uint64_t t = hEvent->recorded ? hEvent->t_ns : 0;
     sim_unlock();
-    return wait_until(phys, owner, recorded ? w : (struct sim_when){0, 0});
+    return wait_until(t);
 }
 
 static CUresult elapsed(float *ms, CUevent a, CUevent b) {
@@ -465,11 +413,9 @@ static CUresult elapsed(float *ms, CUevent a, CUevent b) {
     if (!a->recorded || !b->recorded || ((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING)) {
         rc = CUDA_ERROR_INVALID_HANDLE;
     } else {
-        uint64_t now = simgpu_now_ns(), ta, tb;
-        if (!sim_when_reached(a->phys, a->owner, a->at, now, &ta) || !sim_when_reached(b->phys, b->owner, b->at, now, &tb))
-            rc = CUDA_ERROR_NOT_READY;
-        else
-            *ms = (float)(((double)tb - (double)ta) / 1e6);
+        uint64_t now = simgpu_now_ns();
+        if (now < a->t_ns || now < b->t_ns) rc = CUDA_ERROR_NOT_READY;
+        else *ms = (float)(((double)b->t_ns - (double)a->t_ns) / 1e6);
     }
     sim_unlock();
     return rc;

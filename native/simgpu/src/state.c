@@ -403,160 +403,99 @@ uint64_t simgpu_timeslice_ns(void) {
     return (uint64_t)v;
 }
 
-/* --- time-slicing (SIMGPU_TIMESLICE, README "Time-slicing") -------------------------------
- * Each context's work on a GPU is a lane, FIFO (its streams share it). While several lanes
- * have work ready the GPU turns between them round-robin, one slice each (a lane whose work
- * ends within its slice hands the GPU on at once); a lane alone runs on, and work another
- * context queues meanwhile gets the GPU at once. When a point of a
- * lane's work is reached depends on the work others queue later, as on a GPU, so the schedule
- * is worked out when someone asks (a launch, a query, a synchronisation, a reader of the busy
- * record), up to the time of asking; a wait looks ahead, assuming nobody queues more, and
- * looks again when it wakes. */
-
-/* The lane of `sl` that `i` round-robin would turn to after `from` (-1: from the start), among
- * those marked ready. */
-static int next_ready(const unsigned char *ready, int from) {
-    for (int j = 1; j <= SIMGPU_LANES; j++) {
-        int i = (from + j + SIMGPU_LANES) % SIMGPU_LANES;
-        if (ready[i]) return i;
-    }
-    return -1;
-}
-
-/* Record that lane i ran `run` ns from t (node lock). */
-static void lane_ran_locked(struct simgpu_gpu_shared *g, int i, uint64_t t, uint64_t run) {
-    struct simgpu_lane *l = &g->sl.lanes[i];
-    busy_add_locked(g, l->pid, l->seg[l->seg_head].queued_ns, t, t + run);
-    struct simgpu_lane_run *last = l->hist_count ? &g->hist[i][(l->hist_count - 1) % SIMGPU_LANE_HIST] : NULL;
-    if (last && last->end_ns == t && last->w_start + (last->end_ns - last->start_ns) == l->done) {
-        last->end_ns = t + run;
-        return;
-    }
-    g->hist[i][l->hist_count % SIMGPU_LANE_HIST] = (struct simgpu_lane_run){t, t + run, l->done};
-    l->hist_count++;
-}
-
-/* Run the schedule `sl` on from its adv_ns to `until`. g: commit it (record what ran), else a
- * look ahead on a copy. want >= 0: stop where lane `want` reaches work `want_w`, returning
- * that time (0: not before `until`). */
-static uint64_t slicer_run(struct simgpu_slicer *sl, struct simgpu_gpu_shared *g, uint64_t until, int want,
-                           uint64_t want_w) {
-    uint64_t slice = sl->slice_ns ? sl->slice_ns : 1;
-    while (sl->adv_ns < until) {
-        uint64_t t = sl->adv_ns, later = UINT64_MAX;
-        unsigned char ready[SIMGPU_LANES];
-        int nready = 0;
-        for (int i = 0; i < SIMGPU_LANES; i++) {
-            const struct simgpu_lane *l = &sl->lanes[i];
-            uint64_t r = l->nseg ? l->seg[l->seg_head].ready_ns : UINT64_MAX;
-            ready[i] = r <= t;
-            nready += ready[i];
-            if (r > t && r < later) later = r;
-        }
-        if (nready == 0) { /* idle until someone's work is ready */
-            sl->adv_ns = later < until ? later : until;
-            sl->left_ns = 0;
-            continue;
-        }
-        int c = sl->cur;
-        if (c < 0 || !ready[c] || sl->left_ns == 0) { /* its slice is over, or its work */
-            c = next_ready(ready, c);
-            sl->cur = c;
-            sl->left_ns = slice;
-        }
-        struct simgpu_lane *l = &sl->lanes[c];
-        const struct simgpu_lane_seg *sg = &l->seg[l->seg_head];
-        uint64_t run = sg->w_end - l->done;
-        if (nready == 1) { /* alone: on to its end, or until another's work is ready */
-            if (later - t < run) run = later - t;
-        } else if (run > sl->left_ns) {
-            run = sl->left_ns;
-        }
-        if (run > until - t) run = until - t;
-        if (want == c && want_w <= l->done + run) return t + (want_w - l->done);
-        if (g) lane_ran_locked(g, c, t, run);
-        l->done += run;
-        sl->adv_ns = t + run;
-        /* Alone, it has had its slice: work another context queues gets the GPU at once. */
-        sl->left_ns = nready > 1 ? sl->left_ns - run : 0;
-        if (l->done >= sg->w_end) {
-            l->seg_head = (l->seg_head + 1) % SIMGPU_LANE_SEGS;
-            l->nseg--;
-        }
-    }
-    return 0;
-}
-
-void simgpu_advance_locked(struct simgpu_gpu_shared *g, uint64_t now) {
-    if (g->sl.adv_ns < now) slicer_run(&g->sl, g, now, -1, 0);
-}
-
-static int lane_of(const struct simgpu_slicer *sl, uint64_t owner) {
-    for (int i = 0; i < SIMGPU_LANES; i++)
-        if (sl->lanes[i].owner == owner) return i;
-    return -1;
-}
-
-/* Context `owner`'s lane, taken when it has none: a free one, else the one idle longest, else
- * (every lane has work queued) the one with the least, whose work is forgotten. */
-static int lane_take(struct simgpu_gpu_shared *g, uint64_t owner, int32_t pid) {
-    struct simgpu_slicer *sl = &g->sl;
-    int i = lane_of(sl, owner);
-    if (i >= 0) return i;
-    uint64_t best = UINT64_MAX;
-    for (int k = 0; k < SIMGPU_LANES && best; k++) {
-        const struct simgpu_lane *l = &sl->lanes[k];
-        /* 0: free; then idle ones by when they last had work; then the least work queued */
-        uint64_t score = !l->owner ? 0 : !l->nseg ? 1 + l->last_ns / 2 : UINT64_MAX / 2 + (l->queued - l->done) / 2;
-        if (score < best || i < 0) {
-            best = score;
-            i = k;
-        }
-    }
-    sl->lanes[i] = (struct simgpu_lane){.owner = owner, .pid = pid};
-    if (sl->cur == i) sl->left_ns = 0;
-    return i;
-}
-
-/* Queue work on owner's lane (node lock, the schedule worked out to now). Returns its mark. */
+/* Time-slicing (SIMGPU_TIMESLICE, README "Time-slicing"): each context has a lane, the time
+ * its queued work on this GPU ends. A kernel runs after its context's earlier work, and while
+ * other contexts have work queued the GPU turns between them round-robin: the context runs
+ * one slice (a kernel queued right behind the previous one goes on in the same slice), then
+ * each of the busy others one slice (or what is left of its work), and so on; once the
+ * others' work is done it runs to its end. The others' completion times were handed out when
+ * they queued, so their work is not moved back; what this kernel ran in their turns is added
+ * to each of their lanes instead (each of them waited that long), and their next work starts
+ * that much later. So the
+ * GPU does one GPU's work over a few kernels, and a kernel's duration stretches by what its
+ * neighbours run meanwhile, as on a time-sliced GPU. (node lock) */
 static uint64_t sliced_submit_locked(struct simgpu_gpu_shared *g, int32_t pid, uint64_t owner, uint64_t ready,
-                                     uint64_t dur, uint64_t now) {
-    struct simgpu_lane *l = &g->sl.lanes[lane_take(g, owner, pid)];
-    l->pid = pid;
-    if (dur == 0) return l->queued;
-    uint64_t r = ready > now ? ready : now;
-    struct simgpu_lane_seg *last = l->nseg ? &l->seg[(l->seg_head + l->nseg - 1) % SIMGPU_LANE_SEGS] : NULL;
-    /* Behind work already queued it cannot start earlier anyway: one stretch. */
-    if (last && (r <= now || r <= last->ready_ns || l->nseg == SIMGPU_LANE_SEGS)) {
-        last->w_end += dur; /* a full lane: what it waits for is taken as ready (not modelled) */
-    } else {
-        l->seg[(l->seg_head + l->nseg) % SIMGPU_LANE_SEGS] = (struct simgpu_lane_seg){r, l->queued + dur, now};
-        l->nseg++;
+                                     uint64_t dur, uint64_t slice, uint64_t now) {
+    struct simgpu_lane *own = NULL, *spare = NULL;
+    for (int i = 0; i < SIMGPU_LANES; i++) {
+        struct simgpu_lane *l = &g->lanes[i];
+        if (l->owner == owner) own = l;
+        else if (!spare || l->end_ns < spare->end_ns) spare = l; /* idle (or least busy) lane */
     }
-    l->queued += dur;
-    l->last_ns = now;
-    uint64_t end = g->sl.adv_ns;
-    for (int i = 0; i < SIMGPU_LANES; i++) end += g->sl.lanes[i].queued - g->sl.lanes[i].done;
-    if (end > g->timeline_end_ns) g->timeline_end_ns = end; /* all of it, if nobody idles */
-    return l->queued;
+    if (!own) {
+        own = spare; /* every lane busy: the least busy one's context is forgotten */
+        *own = (struct simgpu_lane){.owner = owner};
+    }
+    uint64_t push[SIMGPU_LANES] = {0};
+    uint64_t t = ready > own->end_ns ? ready : own->end_ns, left = dur;
+    uint64_t budget = slice; /* of the context's current slice */
+    if (t == own->end_ns && own->slice_left) budget = own->slice_left; /* right behind: same slice */
+    else if (t < own->next_ns) t = own->next_ns;                        /* after the others' turn */
+    uint64_t next = 0;
+    for (;;) {
+        unsigned char busy[SIMGPU_LANES];
+        uint64_t nbusy = 0;
+        for (int i = 0; i < SIMGPU_LANES; i++) {
+            const struct simgpu_lane *l = &g->lanes[i];
+            busy[i] = l != own && l->owner && l->end_ns + push[i] > t;
+            nbusy += busy[i];
+        }
+        if (nbusy == 0) { /* nobody else: to its end */
+            busy_add_locked(g, pid, now, t, t + left);
+            t += left;
+            budget = 0;
+            next = t;
+            break;
+        }
+        uint64_t run = left < budget ? left : budget;
+        busy_add_locked(g, pid, now, t, t + run);
+        t += run;
+        left -= run;
+        budget -= run;
+        /* Its slice delayed every busy other's work by all of it, not by a share: split
+         * among them, three busy contexts did 119 % of a GPU's work and four 134 %. */
+        for (int i = 0; i < SIMGPU_LANES; i++)
+            if (busy[i]) push[i] += run;
+        if (budget > 0) { /* done within its slice */
+            next = t;
+            break;
+        }
+        uint64_t turn = t; /* then each of the busy others runs a slice */
+        for (int i = 0; i < SIMGPU_LANES; i++) {
+            uint64_t end = g->lanes[i].end_ns + push[i];
+            if (busy[i] && end > turn) turn += end - turn < slice ? end - turn : slice;
+        }
+        if (left == 0) { /* done at its slice's end: its next work waits for their turn */
+            next = turn;
+            break;
+        }
+        t = turn;
+        budget = slice;
+    }
+    own->end_ns = t;
+    own->next_ns = next;
+    own->slice_left = budget;
+    uint64_t latest = t;
+    for (int i = 0; i < SIMGPU_LANES; i++) {
+        struct simgpu_lane *l = &g->lanes[i];
+        if (push[i] && l->end_ns > now) l->end_ns += push[i];
+        if (l->owner && l->end_ns > latest) latest = l->end_ns;
+    }
+    if (latest > g->timeline_end_ns) g->timeline_end_ns = latest;
+    return t;
 }
 
-uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns,
-                                uint64_t *mark) {
-    *mark = 0;
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns) {
     struct simgpu_node *node = simgpu_node();
     if (!node || gpu >= node->gpu_count) return ready_ns;
     uint64_t slice = simgpu_timeslice_ns();
     simgpu_lock(node);
     struct simgpu_gpu_shared *g = &node->gpus[gpu];
     int32_t pid = node->procs[g_att.slot].pid; /* as NVML reports it */
-    uint64_t now = simgpu_now_ns();
     if (slice) {
-        g->sl.slice_ns = slice;
-        simgpu_advance_locked(g, now);
-        *mark = sliced_submit_locked(g, pid, owner, ready_ns, duration_ns, now);
+        uint64_t end = sliced_submit_locked(g, pid, owner, ready_ns, duration_ns, slice, simgpu_now_ns());
         simgpu_unlock(node);
-        return 0;
+        return end;
     }
     uint64_t start = ready_ns > g->timeline_end_ns ? ready_ns : g->timeline_end_ns;
     uint64_t end = start + duration_ns;
@@ -567,57 +506,9 @@ uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns,
         g->last_owner = owner;
     }
     g->timeline_end_ns = end;
-    busy_add_locked(g, pid, now, start, end);
+    busy_add_locked(g, pid, simgpu_now_ns(), start, end);
     simgpu_unlock(node);
     return end;
-}
-
-/* When lane i's work reached w (done): from its runs; 0 when no run that old is remembered. */
-static uint64_t lane_time_locked(const struct simgpu_gpu_shared *g, int i, uint64_t w) {
-    const struct simgpu_lane *l = &g->sl.lanes[i];
-    uint64_t n = l->hist_count < SIMGPU_LANE_HIST ? l->hist_count : SIMGPU_LANE_HIST;
-    for (uint64_t k = 1; k <= n; k++) {
-        const struct simgpu_lane_run *r = &g->hist[i][(l->hist_count - k) % SIMGPU_LANE_HIST];
-        if (w > r->w_start) return w - r->w_start <= r->end_ns - r->start_ns ? r->start_ns + (w - r->w_start) : 0;
-    }
-    return 0;
-}
-
-int simgpu_timeline_when(uint32_t gpu, uint64_t owner, uint64_t mark, uint64_t *t) {
-    *t = 0;
-    struct simgpu_node *node = simgpu_node();
-    if (!node || gpu >= node->gpu_count || mark == 0) return 1;
-    simgpu_lock(node);
-    struct simgpu_gpu_shared *g = &node->gpus[gpu];
-    simgpu_advance_locked(g, simgpu_now_ns());
-    int i = lane_of(&g->sl, owner), done = 1;
-    if (i < 0) {
-        /* forgotten (32 contexts queued work since): done, when no longer known */
-    } else if (mark <= g->sl.lanes[i].done) {
-        *t = lane_time_locked(g, i, mark);
-    } else {
-        struct simgpu_slicer ahead = g->sl; /* a copy: looking ahead records nothing */
-        if (mark > ahead.lanes[i].queued) mark = ahead.lanes[i].queued;
-        *t = slicer_run(&ahead, NULL, UINT64_MAX, i, mark);
-        done = 0;
-    }
-    simgpu_unlock(node);
-    return done;
-}
-
-void simgpu_timeline_progress(uint32_t gpu, uint64_t owner, uint64_t *done, uint64_t *queued) {
-    *done = *queued = 0;
-    struct simgpu_node *node = simgpu_node();
-    if (!node || gpu >= node->gpu_count) return;
-    simgpu_lock(node);
-    struct simgpu_gpu_shared *g = &node->gpus[gpu];
-    simgpu_advance_locked(g, simgpu_now_ns());
-    int i = lane_of(&g->sl, owner);
-    if (i >= 0) {
-        *done = g->sl.lanes[i].done;
-        *queued = g->sl.lanes[i].queued;
-    }
-    simgpu_unlock(node);
 }
 
 uint64_t simgpu_timeline_owner(void) {
@@ -639,9 +530,8 @@ uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner) {
     return t;
 }
 
-uint32_t simgpu_busy_percent_locked(struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns) {
+uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns) {
     if (window_ns == 0) return 0;
-    simgpu_advance_locked(g, now);
     uint64_t from = now > window_ns ? now - window_ns : 0;
     uint64_t busy = 0;
     uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
@@ -662,8 +552,7 @@ uint32_t simgpu_process_busy(uint32_t gpu, uint64_t from_ns, uint64_t now_ns,
     if (!node || gpu >= node->gpu_count) return 0;
     uint32_t found = 0;
     simgpu_lock(node);
-    struct simgpu_gpu_shared *g = &node->gpus[gpu];
-    simgpu_advance_locked(g, simgpu_now_ns());
+    const struct simgpu_gpu_shared *g = &node->gpus[gpu];
     uint64_t n = g->busy_count < SIMGPU_BUSY_RING ? g->busy_count : SIMGPU_BUSY_RING;
     for (uint64_t k = 0; k < n; k++) {
         const struct simgpu_busy_span *s = &g->busy[(g->busy_count - 1 - k) % SIMGPU_BUSY_RING];

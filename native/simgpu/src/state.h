@@ -21,16 +21,13 @@
 /* 3: per-cgroup memory limits (cgroup_limits.c); 4: busy spans name their process;
  * 5: cgroups are identified by their directory too; 6: a busy ring of 16384 spans;
  * 7: per-context lanes for time-slicing (SIMGPU_TIMESLICE); 8: a futex for event waits;
- * 9: busy spans say when their work was queued; 10: the time-sliced schedule is worked out
- * lazily (lanes hold queued work, not completion times). */
-#define SIMGPU_STATE_VERSION 10u
+ * 9: busy spans say when their work was queued. */
+#define SIMGPU_STATE_VERSION 9u
 /* Spans of work kept per GPU: enough for tests to read seconds of 200 µs kernels of several
  * processes afterwards in simgpu's clock (simgpu_node_busy). */
 #define SIMGPU_BUSY_RING 16384
 #define SIMGPU_XID_RING 64
 #define SIMGPU_LANES 32 /* contexts per GPU whose queued work time-slicing tracks at once */
-#define SIMGPU_LANE_SEGS 8   /* stretches of queued work per lane that start at different times */
-#define SIMGPU_LANE_HIST 256 /* runs per lane remembered, to tell when a point of its work was done */
 #define SIMGPU_CGROUP_LIMITS 128 /* (cgroup, GPU) memory limits the node holds at once */
 #define SIMGPU_CGROUP_PATH 512   /* bytes of a cgroup v2 path ("/kubepods/..."), NUL included */
 #define SIMGPU_CGROUP_DEPTH 16   /* a process's cgroup directory and its ancestors kept, leaf first */
@@ -46,40 +43,12 @@ struct simgpu_busy_span {
     uint32_t reserved;
 };
 
-/* Time-slicing (SIMGPU_TIMESLICE, state.c): each context's work on a GPU is a lane, measured
- * in its own running time ("work"): the lane has queued `queued` ns of work so far and done
- * `done` ns by the schedule's time. Points of a lane's work (marks) are what its process
- * waits for; when a mark is reached depends on what others queue later, so it is worked out
- * when asked. */
-struct simgpu_lane_seg {
-    uint64_t ready_ns;  /* may not start before */
-    uint64_t w_end;     /* the lane's work at its end */
-    uint64_t queued_ns; /* when its process queued (the first of) it */
-};
-
+/* Time-slicing (SIMGPU_TIMESLICE): a context's queued work on one GPU ends at end_ns. */
 struct simgpu_lane {
-    uint64_t owner; /* the context's timeline name; 0: free */
-    int32_t pid;    /* as NVML reports it */
-    uint32_t nseg, seg_head, reserved;
-    uint64_t queued, done;
-    uint64_t last_ns; /* when work was last queued: which lane to forget when all are taken */
-    uint64_t hist_count;
-    struct simgpu_lane_seg seg[SIMGPU_LANE_SEGS];
-};
-
-/* A run of a lane: it did work [w_start, w_start + end_ns - start_ns] during [start_ns, end_ns]. */
-struct simgpu_lane_run {
-    uint64_t start_ns, end_ns, w_start;
-};
-
-/* The schedule of one GPU's lanes up to adv_ns: lane `cur` holds the GPU with `left` ns of
- * its slice to go (node lock). */
-struct simgpu_slicer {
-    uint64_t slice_ns; /* the submitters' SIMGPU_TIMESLICE: readers need not have it */
-    uint64_t adv_ns, left_ns;
-    int32_t cur;
-    uint32_t reserved;
-    struct simgpu_lane lanes[SIMGPU_LANES];
+    uint64_t owner;      /* the context's timeline name; 0: free */
+    uint64_t end_ns;     /* its queued work ends */
+    uint64_t next_ns;    /* its next work may start (the others' turn after its last slice) */
+    uint64_t slice_left; /* of the slice its work ended in, for work queued right behind */
 };
 
 struct simgpu_xid_record {
@@ -102,8 +71,7 @@ struct simgpu_gpu_shared {
      * sees count n can read records n-RING..n-1. */
     _Atomic uint64_t xid_count;
     struct simgpu_xid_record xid_ring[SIMGPU_XID_RING];
-    struct simgpu_slicer sl;                                           /* node lock */
-    struct simgpu_lane_run hist[SIMGPU_LANES][SIMGPU_LANE_HIST];       /* node lock */
+    struct simgpu_lane lanes[SIMGPU_LANES]; /* node lock */
 };
 
 /* A cgroup by its directory, as the driver knows it whatever path named it. {0, 0}: none. */
@@ -184,20 +152,9 @@ uint64_t simgpu_now_ns(void); /* CLOCK_MONOTONIC, shared by all processes */
 void simgpu_sleep_until(uint64_t t_ns);
 /* Queue `duration_ns` of work of context `owner` (node-wide unique, not 0) on GPU `gpu`, ready
  * no earlier than `ready_ns`. Not time-sliced, work of all contexts runs one piece at a time in
- * submission order: returns the time it completes, *mark 0. Time-sliced, it shares the GPU in
- * slices with the work other contexts have queued, so when it completes depends on what they
- * queue later: returns 0 and *mark, the point of the context's work it ends at
- * (simgpu_timeline_when). */
-uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns,
-                                uint64_t *mark);
-/* Whether context `owner`'s work on `gpu` has reached `mark` by now: 1 and *t the time it did
- * (0 if no longer known), or 0 and *t when it will if nobody queues more work. */
-int simgpu_timeline_when(uint32_t gpu, uint64_t owner, uint64_t mark, uint64_t *t);
-/* Context `owner`'s work on `gpu` done by now and queued so far (time-sliced). */
-void simgpu_timeline_progress(uint32_t gpu, uint64_t owner, uint64_t *done, uint64_t *queued);
-/* Work out the time-sliced schedule of g up to `now`, recording what ran (node lock). Readers
- * of the busy record call it first. */
-void simgpu_advance_locked(struct simgpu_gpu_shared *g, uint64_t now);
+ * submission order; time-sliced, it shares the GPU in slices with the work other contexts have
+ * queued (state.c). Returns the time it completes. */
+uint64_t simgpu_timeline_submit(uint32_t gpu, uint64_t owner, uint64_t ready_ns, uint64_t duration_ns);
 /* A new name for a context on the timelines, unique on the node (pids are not: containers
  * have their own pid namespaces). */
 uint64_t simgpu_timeline_owner(void);
@@ -209,7 +166,7 @@ uint64_t simgpu_timeline_others_end(uint32_t gpu, uint64_t owner);
 /* Percent of the last `window_ns` during which GPU `gpu` was busy. */
 uint32_t simgpu_utilization(uint32_t gpu, uint64_t window_ns);
 /* The same for a GPU whose node lock the caller holds, at time `now`. */
-uint32_t simgpu_busy_percent_locked(struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns);
+uint32_t simgpu_busy_percent_locked(const struct simgpu_gpu_shared *g, uint64_t now, uint64_t window_ns);
 
 /* How long one process's work ran on a GPU during [from_ns, now_ns]. */
 struct simgpu_proc_busy {
